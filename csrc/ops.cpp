@@ -1,0 +1,46 @@
+// The tpx operator library: every schema in one place, and the CPU and CUDA kernels.
+//
+// The collective matmuls are device-generic (ATen GEMMs plus c10d collectives), so the same
+// engine function serves both dispatch keys. Fake (meta) implementations for torch.compile
+// are registered from Python (tpx/ops.py).
+#include <torch/library.h>
+
+#include "overlap/collective_matmul.h"
+
+TORCH_LIBRARY(tpx, m) {
+  m.def(
+      "all_gather_matmul(Tensor a, Tensor b, int gather_dim, str group_name, int? chunks=None, "
+      "Tensor? bias=None) -> (Tensor, Tensor)");
+  m.def(
+      "all_gather_matmul_backward(Tensor grad_out, Tensor? grad_a_gathered, Tensor a_gathered, "
+      "Tensor b, int gather_dim, str group_name, int? chunks, bool bias_grad) "
+      "-> (Tensor, Tensor, Tensor?)");
+  m.def(
+      "matmul_reduce_scatter(Tensor a, Tensor b, int scatter_dim, str group_name, "
+      "int? chunks=None, Tensor? bias=None) -> Tensor");
+  m.def(
+      "matmul_reduce_scatter_backward(Tensor grad_out, Tensor a, Tensor b, int scatter_dim, "
+      "str group_name, int? chunks, bool bias_grad) -> (Tensor, Tensor, Tensor?)");
+  m.def(
+      "matmul_all_reduce(Tensor a, Tensor b, str group_name, int? chunks=None, "
+      "Tensor? bias=None) -> Tensor");
+  m.def(
+      "replicated_matmul(Tensor a, Tensor b, str group_name, int? chunks=None, "
+      "Tensor? bias=None) -> Tensor");
+  m.def(
+      "replicated_matmul_backward(Tensor grad_out, Tensor a, Tensor b, str group_name, "
+      "int? chunks, bool bias_grad) -> (Tensor, Tensor, Tensor?)");
+}
+
+#define TPX_REGISTER_COLLECTIVE_MATMULS(m)                                           \
+  m.impl("all_gather_matmul", &tpx::all_gather_matmul);                              \
+  m.impl("all_gather_matmul_backward", &tpx::all_gather_matmul_backward);            \
+  m.impl("matmul_reduce_scatter", &tpx::matmul_reduce_scatter);                      \
+  m.impl("matmul_reduce_scatter_backward", &tpx::matmul_reduce_scatter_backward);    \
+  m.impl("matmul_all_reduce", &tpx::matmul_all_reduce);                              \
+  m.impl("replicated_matmul", &tpx::replicated_matmul);                              \
+  m.impl("replicated_matmul_backward", &tpx::replicated_matmul_backward)
+
+TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_COLLECTIVE_MATMULS(m); }
+
+TORCH_LIBRARY_IMPL(tpx, CUDA, m) { TPX_REGISTER_COLLECTIVE_MATMULS(m); }

@@ -1,0 +1,462 @@
+#include "collective_matmul.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+// ProcessGroup::_allgather_base/_reduce_scatter_base are the spelling every supported torch
+// release has (>= 2.5); newer releases mark them deprecated in favour of *_single.
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+
+namespace tpx {
+namespace {
+
+using c10d::ProcessGroup;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using OptTensor = std::optional<at::Tensor>;
+
+c10::intrusive_ptr<ProcessGroup> resolve_group(const std::string& name) {
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "tpx: no process group is registered under the name '", name,
+                "'. Call torch.distributed.init_process_group() first and pass a ProcessGroup "
+                "(or a 1-D DeviceMesh) of this process as `group`.");
+  }
+}
+
+// Collectives in flight, and the buffers they read or write.
+struct Pending {
+  std::vector<WorkPtr> works;
+  std::vector<at::Tensor> keep_alive;
+  void wait() {
+    for (auto& w : works) w->wait();
+    works.clear();
+    keep_alive.clear();
+  }
+};
+
+struct Span {
+  int64_t lo;
+  int64_t len;
+};
+
+// Splits [0, n) into `parts` contiguous spans whose lengths differ by at most one.
+std::vector<Span> split_even(int64_t n, int64_t parts) {
+  std::vector<Span> spans;
+  const int64_t base = n / parts, extra = n % parts;
+  int64_t lo = 0;
+  for (int64_t i = 0; i < parts; ++i) {
+    const int64_t len = base + (i < extra ? 1 : 0);
+    spans.push_back({lo, len});
+    lo += len;
+  }
+  return spans;
+}
+
+int64_t pick_chunks(std::optional<int64_t> chunks, int64_t extent) {
+  const int64_t c = chunks.has_value() ? *chunks : default_chunks();
+  TORCH_CHECK_VALUE(c >= 1, "tpx: chunks must be >= 1 (or None for the default); got ", c);
+  return std::max<int64_t>(1, std::min(c, extent));
+}
+
+int64_t normalize_split_dim(const char* op, const char* name, int64_t dim, int64_t ndim) {
+  const int64_t d = dim < 0 ? dim + ndim : dim;
+  TORCH_CHECK_VALUE(d >= 0 && d < ndim - 1, "tpx.", op, ": ", name, "=", dim,
+                    " is not valid for a ", ndim, "-D input: it must name a dimension other "
+                    "than the last one (the contraction dimension k), i.e. lie in [", -ndim,
+                    ", ", ndim - 2, "] and not be -1");
+  return d;
+}
+
+void check_operands(const char* op, const at::Tensor& a, const at::Tensor& b,
+                    const OptTensor& bias, int64_t min_a_dim) {
+  TORCH_CHECK_VALUE(a.dim() >= min_a_dim, "tpx.", op, ": `a` must have at least ", min_a_dim,
+                    " dimensions ([..., k]); got shape ", a.sizes());
+  TORCH_CHECK_VALUE(b.dim() == 2, "tpx.", op, ": `b` must be 2-D [k, n] (for a Linear weight "
+                    "of shape [n, k] pass weight.t()); got shape ", b.sizes());
+  TORCH_CHECK_VALUE(a.size(-1) == b.size(0), "tpx.", op, ": a.size(-1) = ", a.size(-1),
+                    " must equal b.size(0) = ", b.size(0), " (a is [..., k], b is [k, n])");
+  TORCH_CHECK_VALUE(at::isFloatingType(a.scalar_type()), "tpx.", op,
+                    ": `a` must be a floating-point tensor; got dtype ", a.scalar_type());
+  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "tpx.", op, ": `a` (", a.scalar_type(),
+                    ") and `b` (", b.scalar_type(), ") must have the same dtype; cast one");
+  TORCH_CHECK_VALUE(a.device() == b.device(), "tpx.", op, ": `a` is on ", a.device(),
+                    " but `b` is on ", b.device(), "; move them to the same device");
+  if (bias.has_value()) {
+    const at::Tensor& c = *bias;
+    TORCH_CHECK_VALUE(c.dim() == 1 && c.size(0) == b.size(1), "tpx.", op,
+                      ": `bias` must be 1-D of size n = b.size(1) = ", b.size(1),
+                      "; got shape ", c.sizes());
+    TORCH_CHECK_VALUE(c.scalar_type() == a.scalar_type(), "tpx.", op, ": `bias` (",
+                      c.scalar_type(), ") must have the dtype of `a` (", a.scalar_type(), ")");
+    TORCH_CHECK_VALUE(c.device() == a.device(), "tpx.", op, ": `bias` is on ", c.device(),
+                      " but `a` is on ", a.device());
+  }
+}
+
+// Rows of the dim-first layout per unit of the leading dimension.
+int64_t inner_rows(const at::Tensor& t) {
+  int64_t r = 1;
+  for (int64_t d = 1; d < t.dim() - 1; ++d) r *= t.size(d);
+  return r;
+}
+
+// out = a @ b (+ bias), written into `out` (a row range of a larger buffer).
+void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+               const OptTensor& bias) {
+  at::Tensor o = out;
+  if (bias.has_value()) {
+    at::addmm_out(o, *bias, a, b);
+  } else {
+    at::mm_out(o, a, b);
+  }
+}
+
+// All-gathers the local rows `a2` ([extent * inner, f]) into `gathered` ([W * extent * inner,
+// f], rank-major) and hands every piece of `gathered` to `on_piece(row, piece)` as soon as it
+// is available. chunks == 1: one collective, then one call over all rows (the reference).
+// chunks > 1: the chunks' collectives are all issued first; this rank's own rows are handed
+// over straight from `a2` while they are in flight, then every chunk as it lands.
+template <class OnPiece>
+void gather_pipeline(ProcessGroup& pg, const at::Tensor& a2, const at::Tensor& gathered,
+                     int64_t extent, int64_t inner, int64_t chunks, OnPiece&& on_piece) {
+  const int64_t world = pg.getSize(), rank = pg.getRank();
+  const int64_t block = extent * inner;
+  if (chunks == 1) {
+    at::Tensor in = a2, out = gathered;
+    pg._allgather_base(out, in)->wait();
+    on_piece(int64_t{0}, gathered);
+    return;
+  }
+  const auto spans = split_even(extent, chunks);
+  std::vector<WorkPtr> works;
+  works.reserve(spans.size());
+  for (const auto& sp : spans) {
+    std::vector<at::Tensor> in{a2.narrow(0, sp.lo * inner, sp.len * inner)};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int64_t r = 0; r < world; ++r) {
+      out[0].push_back(gathered.narrow(0, r * block + sp.lo * inner, sp.len * inner));
+    }
+    works.push_back(pg.allgather(out, in));
+  }
+  on_piece(rank * block, a2);
+  for (size_t j = 0; j < spans.size(); ++j) {
+    works[j]->wait();
+    const auto& sp = spans[j];
+    for (int64_t r = 0; r < world; ++r) {
+      if (r == rank) continue;
+      const int64_t row = r * block + sp.lo * inner;
+      on_piece(row, gathered.narrow(0, row, sp.len * inner));
+    }
+  }
+}
+
+// Computes the rows of a [W * extent * inner, features] product (rank-major: block d goes to
+// rank d) with `produce(dst, row)` and reduce-scatters it into `out2` ([extent * inner,
+// features]). chunks == 1: the whole product, then one collective. chunks > 1: chunk j's
+// pieces for every destination are computed into one contiguous staging block and its
+// reduce-scatter is issued before chunk j+1 is computed. Returns the collectives in flight.
+template <class Produce>
+Pending scatter_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t extent,
+                         int64_t inner, int64_t chunks, Produce&& produce) {
+  const int64_t world = pg.getSize();
+  const int64_t block = extent * inner, features = out2.size(1);
+  at::Tensor staging = at::empty({world * block, features}, out2.options());
+  Pending pending;
+  pending.keep_alive.push_back(staging);
+  if (chunks == 1) {
+    produce(staging, int64_t{0});
+    at::Tensor out = out2;
+    pending.works.push_back(pg._reduce_scatter_base(out, staging));
+    return pending;
+  }
+  int64_t offset = 0;
+  for (const auto& sp : split_even(extent, chunks)) {
+    const int64_t rows = sp.len * inner;
+    at::Tensor stage = staging.narrow(0, offset, world * rows);
+    for (int64_t d = 0; d < world; ++d) {
+      produce(stage.narrow(0, d * rows, rows), d * block + sp.lo * inner);
+    }
+    at::Tensor out = out2.narrow(0, sp.lo * inner, rows);
+    pending.works.push_back(pg._reduce_scatter_base(out, stage));
+    offset += world * rows;
+  }
+  return pending;
+}
+
+// Computes the rows of `out2` ([M, n]) with `produce(dst, row)` chunk by chunk and
+// all-reduces every chunk in place while the next one is computed.
+template <class Produce>
+Pending allreduce_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t chunks,
+                           Produce&& produce) {
+  Pending pending;
+  for (const auto& sp : split_even(out2.size(0), chunks)) {
+    at::Tensor dst = out2.narrow(0, sp.lo, sp.len);
+    produce(dst, sp.lo);
+    std::vector<at::Tensor> bufs{dst};
+    pending.works.push_back(pg.allreduce(bufs));
+  }
+  return pending;
+}
+
+std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
+  auto v = sizes.vec();
+  v.back() = last;
+  return v;
+}
+
+}  // namespace
+
+int64_t default_chunks() {
+  static const int64_t value = [] {
+    const char* env = std::getenv("TPX_DEFAULT_CHUNKS");
+    if (env == nullptr || *env == '\0') return int64_t{2};
+    const long v = std::strtol(env, nullptr, 10);
+    TORCH_CHECK_VALUE(v >= 1, "TPX_DEFAULT_CHUNKS must be an integer >= 1; got '", env, "'");
+    return static_cast<int64_t>(v);
+  }();
+  return value;
+}
+
+std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
+    const at::Tensor& a, const at::Tensor& b, int64_t gather_dim,
+    const std::string& group_name, std::optional<int64_t> chunks, const OptTensor& bias) {
+  check_operands("all_gather_matmul", a, b, bias, 2);
+  const int64_t gd = normalize_split_dim("all_gather_matmul", "gather_dim", gather_dim, a.dim());
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize();
+
+  at::Tensor am = a.movedim(gd, 0).contiguous();
+  const int64_t extent = am.size(0), inner = inner_rows(am);
+  const int64_t k = am.size(-1), n = b.size(1);
+  auto gshape = am.sizes().vec();
+  gshape[0] *= world;
+  at::Tensor gathered = at::empty(gshape, a.options());
+  at::Tensor out = at::empty(with_last(gshape, n), a.options());
+  const int64_t rows = world * extent * inner;
+  at::Tensor g2 = gathered.view({rows, k}), out2 = out.view({rows, n});
+  at::Tensor a2 = am.view({extent * inner, k});
+
+  if (world == 1) {
+    g2.copy_(a2);
+    gemm_into(out2, a2, b, bias);
+  } else {
+    gather_pipeline(*pg, a2, g2, extent, inner, pick_chunks(chunks, extent),
+                    [&](int64_t row, const at::Tensor& piece) {
+                      gemm_into(out2.narrow(0, row, piece.size(0)), piece, b, bias);
+                    });
+  }
+  return {gathered.movedim(0, gd), out.movedim(0, gd)};
+}
+
+std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
+    const at::Tensor& grad_out, const OptTensor& grad_a_gathered, const at::Tensor& a_gathered,
+    const at::Tensor& b, int64_t gather_dim, const std::string& group_name,
+    std::optional<int64_t> chunks, bool bias_grad) {
+  check_operands("all_gather_matmul_backward", a_gathered, b, std::nullopt, 2);
+  const int64_t gd =
+      normalize_split_dim("all_gather_matmul_backward", "gather_dim", gather_dim, a_gathered.dim());
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize();
+
+  at::Tensor gm = grad_out.movedim(gd, 0).contiguous();
+  at::Tensor agm = a_gathered.movedim(gd, 0).contiguous();
+  const int64_t total = agm.size(0), inner = inner_rows(agm);
+  const int64_t k = agm.size(-1), n = b.size(1);
+  TORCH_CHECK_VALUE(total % world == 0, "tpx.all_gather_matmul_backward: gathered size ", total,
+                    " along gather_dim does not divide by the group size ", world);
+  const int64_t extent = total / world;
+  at::Tensor g2 = gm.view({total * inner, n}), ag2 = agm.view({total * inner, k});
+  at::Tensor bt = b.t();
+  OptTensor addend;
+  if (grad_a_gathered.has_value()) {
+    addend = grad_a_gathered->movedim(gd, 0).contiguous().view({total * inner, k});
+  }
+  auto gshape = agm.sizes().vec();
+  gshape[0] = extent;
+  at::Tensor grad_a = at::empty(gshape, a_gathered.options());
+  at::Tensor ga2 = grad_a.view({extent * inner, k});
+
+  auto produce = [&](const at::Tensor& dst, int64_t row) {
+    at::Tensor d = dst;
+    at::Tensor gp = g2.narrow(0, row, dst.size(0));
+    if (addend.has_value()) {
+      at::addmm_out(d, addend->narrow(0, row, dst.size(0)), gp, bt);
+    } else {
+      at::mm_out(d, gp, bt);
+    }
+  };
+  Pending pending;
+  if (world == 1) {
+    produce(ga2, 0);
+  } else {
+    const int64_t c = pick_chunks(chunks, extent);
+    pending = scatter_pipeline(*pg, ga2, extent, inner, c, produce);
+    if (c == 1) pending.wait();  // the serial reference
+  }
+  // The weight gradient runs while the reduce-scatter of the input gradient is in flight.
+  at::Tensor grad_bt = at::mm(g2.t(), ag2);  // [n, k]
+  OptTensor grad_bias;
+  if (bias_grad) grad_bias = g2.sum(0);
+  pending.wait();
+  return {grad_a.movedim(0, gd), grad_bt.t(), grad_bias};
+}
+
+at::Tensor matmul_reduce_scatter(
+    const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
+    const std::string& group_name, std::optional<int64_t> chunks, const OptTensor& bias) {
+  check_operands("matmul_reduce_scatter", a, b, bias, 2);
+  const int64_t sd =
+      normalize_split_dim("matmul_reduce_scatter", "scatter_dim", scatter_dim, a.dim());
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize(), rank = pg->getRank();
+  TORCH_CHECK_VALUE(a.size(sd) % world == 0, "tpx.matmul_reduce_scatter: a.size(", scatter_dim,
+                    ") = ", a.size(sd), " must divide by the group size ", world,
+                    " to be scattered; pad that dimension to a multiple of ", world);
+
+  at::Tensor am = a.movedim(sd, 0).contiguous();
+  const int64_t total = am.size(0), inner = inner_rows(am), extent = total / world;
+  const int64_t k = am.size(-1), n = b.size(1);
+  auto oshape = with_last(am.sizes(), n);
+  oshape[0] = extent;
+  at::Tensor out = at::empty(oshape, a.options());
+  at::Tensor out2 = out.view({extent * inner, n});
+  at::Tensor a2 = am.view({total * inner, k});
+
+  if (world == 1) {
+    gemm_into(out2, a2, b, bias);
+  } else {
+    // The bias is added once, by rank 0, before the reduction: no extra pass over the output.
+    const OptTensor bias_here = rank == 0 ? bias : std::nullopt;
+    scatter_pipeline(*pg, out2, extent, inner, pick_chunks(chunks, extent),
+                     [&](const at::Tensor& dst, int64_t row) {
+                       gemm_into(dst, a2.narrow(0, row, dst.size(0)), b, bias_here);
+                     })
+        .wait();
+  }
+  return out.movedim(0, sd);
+}
+
+std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(
+    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
+    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad) {
+  check_operands("matmul_reduce_scatter_backward", a, b, std::nullopt, 2);
+  const int64_t sd =
+      normalize_split_dim("matmul_reduce_scatter_backward", "scatter_dim", scatter_dim, a.dim());
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize();
+
+  at::Tensor am = a.movedim(sd, 0).contiguous();
+  at::Tensor gm = grad_out.movedim(sd, 0).contiguous();
+  const int64_t total = am.size(0), inner = inner_rows(am), extent = total / world;
+  const int64_t k = am.size(-1), n = b.size(1);
+  TORCH_CHECK_VALUE(gm.size(0) == extent, "tpx.matmul_reduce_scatter_backward: grad_out has ",
+                    gm.size(0), " entries along scatter_dim, expected ", extent);
+  at::Tensor a2 = am.view({total * inner, k});
+  at::Tensor g2 = gm.view({extent * inner, n});
+  at::Tensor bt = b.t();
+  at::Tensor grad_a = at::empty(am.sizes(), a.options());
+  at::Tensor ga2 = grad_a.view({total * inner, k});
+  at::Tensor grad_bt = at::empty({n, k}, a.options());
+  bool first = true;
+  // Every piece of the gathered gradient feeds both products as soon as it lands.
+  auto on_piece = [&](int64_t row, const at::Tensor& gp) {
+    const int64_t rows = gp.size(0);
+    at::Tensor dst = ga2.narrow(0, row, rows);
+    at::mm_out(dst, gp, bt);
+    at::Tensor ap = a2.narrow(0, row, rows);
+    if (first) {
+      at::mm_out(grad_bt, gp.t(), ap);
+      first = false;
+    } else {
+      grad_bt.addmm_(gp.t(), ap);
+    }
+  };
+  at::Tensor gathered = g2;
+  if (world == 1) {
+    on_piece(0, g2);
+  } else {
+    gathered = at::empty({total * inner, n}, g2.options());
+    gather_pipeline(*pg, g2, gathered, extent, inner, pick_chunks(chunks, extent), on_piece);
+  }
+  OptTensor grad_bias;
+  if (bias_grad) grad_bias = gathered.sum(0);
+  return {grad_a.movedim(0, sd), grad_bt.t(), grad_bias};
+}
+
+at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b,
+                             const std::string& group_name, std::optional<int64_t> chunks,
+                             const OptTensor& bias) {
+  check_operands("matmul_all_reduce", a, b, bias, 1);
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize(), rank = pg->getRank();
+  const int64_t k = a.size(-1), n = b.size(1);
+  at::Tensor a2 = a.reshape({-1, k});
+  at::Tensor out = at::empty(with_last(a.sizes(), n), a.options());
+  at::Tensor out2 = out.view({a2.size(0), n});
+  if (world == 1) {
+    gemm_into(out2, a2, b, bias);
+    return out;
+  }
+  const OptTensor bias_here = rank == 0 ? bias : std::nullopt;
+  allreduce_pipeline(*pg, out2, pick_chunks(chunks, a2.size(0)),
+                     [&](const at::Tensor& dst, int64_t row) {
+                       gemm_into(dst, a2.narrow(0, row, dst.size(0)), b, bias_here);
+                     })
+      .wait();
+  return out;
+}
+
+at::Tensor replicated_matmul(const at::Tensor& a, const at::Tensor& b,
+                             const std::string& group_name, std::optional<int64_t> chunks,
+                             const OptTensor& bias) {
+  check_operands("replicated_matmul", a, b, bias, 1);
+  (void)resolve_group(group_name);  // validates the group; the forward needs no communication
+  (void)chunks;
+  const int64_t k = a.size(-1), n = b.size(1);
+  at::Tensor a2 = a.reshape({-1, k});
+  at::Tensor out = at::empty(with_last(a.sizes(), n), a.options());
+  gemm_into(out.view({a2.size(0), n}), a2, b, bias);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, OptTensor> replicated_matmul_backward(
+    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
+    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad) {
+  check_operands("replicated_matmul_backward", a, b, std::nullopt, 1);
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize();
+  const int64_t k = a.size(-1), n = b.size(1);
+  at::Tensor a2 = a.reshape({-1, k});
+  at::Tensor g2 = grad_out.reshape({-1, n});
+  at::Tensor bt = b.t();
+  at::Tensor grad_a = at::empty(a.sizes(), a.options());
+  at::Tensor ga2 = grad_a.view({a2.size(0), k});
+  auto produce = [&](const at::Tensor& dst, int64_t row) {
+    at::Tensor d = dst;
+    at::mm_out(d, g2.narrow(0, row, dst.size(0)), bt);
+  };
+  Pending pending;
+  if (world == 1) {
+    produce(ga2, 0);
+  } else {
+    const int64_t c = pick_chunks(chunks, a2.size(0));
+    // The input-gradient all-reduce is issued before the weight-gradient GEMM and waited
+    // after it (chunks == 1, the serial reference, waits at once).
+    pending = allreduce_pipeline(*pg, ga2, c, produce);
+    if (c == 1) pending.wait();
+  }
+  at::Tensor grad_bt = at::mm(g2.t(), a2);
+  OptTensor grad_bias;
+  if (bias_grad) grad_bias = g2.sum(0);
+  pending.wait();
+  return {grad_a, grad_bt.t(), grad_bias};
+}
+
+}  // namespace tpx

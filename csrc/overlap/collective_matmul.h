@@ -1,0 +1,69 @@
+// The overlap engine: matrix products decomposed into pieces and interleaved with the
+// asynchronous collectives of a c10d::ProcessGroup.
+//
+// One code path serves every backend: the GEMMs go through ATen (MKL/OpenBLAS on the CPU,
+// cuBLAS on the current CUDA stream) and the collectives through the process group (gloo runs
+// them on its own threads, NCCL on its own stream and orders it against the compute stream
+// with events). Ordering is only ever expressed with Work::wait(), which on NCCL makes the
+// current stream wait and never blocks the host.
+//
+// Layout convention: an N-D operand whose gathered or scattered dimension `dim` is not 0 is
+// handled in a "dim-first" layout (that dimension moved to the front, then made contiguous),
+// in which every rank's block and every chunk of it is a contiguous range of rows of a 2-D
+// [rows, features] matrix. Outputs are allocated dim-first and returned as views moved back,
+// so every GEMM piece writes straight into its final place.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <tuple>
+
+namespace tpx {
+
+// out = all_gather(a, gather_dim) @ b (+ bias). Returns (a_gathered, out).
+std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
+    const at::Tensor& a, const at::Tensor& b, int64_t gather_dim,
+    const std::string& group_name, std::optional<int64_t> chunks,
+    const std::optional<at::Tensor>& bias);
+
+// Backward of all_gather_matmul: grad_a = reduce_scatter(grad_out @ b^T + grad_a_gathered),
+// overlapped with grad_b = a_gathered^T @ grad_out (returned as the transpose of a contiguous
+// [n, k] tensor) and grad_bias = grad_out summed over rows.
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> all_gather_matmul_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_a_gathered,
+    const at::Tensor& a_gathered, const at::Tensor& b, int64_t gather_dim,
+    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad);
+
+// out = reduce_scatter(a @ b (+ bias), scatter_dim).
+at::Tensor matmul_reduce_scatter(
+    const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
+    const std::string& group_name, std::optional<int64_t> chunks,
+    const std::optional<at::Tensor>& bias);
+
+// Backward of matmul_reduce_scatter: the gradient is all-gathered piece by piece and each
+// piece feeds both grad_a = g @ b^T and grad_b += a^T @ g as soon as it lands.
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> matmul_reduce_scatter_backward(
+    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
+    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad);
+
+// out = all_reduce(a @ b (+ bias)).
+at::Tensor matmul_all_reduce(
+    const at::Tensor& a, const at::Tensor& b, const std::string& group_name,
+    std::optional<int64_t> chunks, const std::optional<at::Tensor>& bias);
+
+// out = a @ b (+ bias) with `a` replicated: no communication forward. Its backward all-reduces
+// grad_a = grad_out @ b^T (issued before the weight-gradient GEMM and waited after it).
+at::Tensor replicated_matmul(
+    const at::Tensor& a, const at::Tensor& b, const std::string& group_name,
+    std::optional<int64_t> chunks, const std::optional<at::Tensor>& bias);
+
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> replicated_matmul_backward(
+    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
+    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad);
+
+// The pipeline depth used when the caller passes chunks=None.
+int64_t default_chunks();
+
+}  // namespace tpx

@@ -1,0 +1,33 @@
+"""tpx: tensor parallelism for PyTorch.
+
+Overlapped collective matmuls (``tpx.ops``, registered as ``torch.ops.tpx.*``) and drop-in
+column/row-parallel linear layers built on them. Placements are written R (replicated),
+S(d) (sharded on dim d) and P (partial sums).
+"""
+
+from . import autograd, ops
+from .group import resolve_group, shard_range
+from .nn import ColumnParallelLinear, RowParallelLinear
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "build_info",
+    "ops",
+    "resolve_group",
+    "shard_range",
+    "__version__",
+]
+
+
+def build_info() -> dict:
+    """How the installed extension was built: ``cuda`` (whether the CUDA kernels were
+    compiled in), ``torch_version`` (the torch it was compiled against),
+    ``default_chunks`` (the pipeline depth used when ``chunks=None``), and ``version``."""
+    from . import _C
+
+    info = dict(_C.build_info())
+    info["version"] = __version__
+    return info

@@ -1,0 +1,180 @@
+"""Autograd for the tpx operators, forward and backward side by side.
+
+Each backward is the dual overlapped operator (design table):
+
+=========================  ==================================================================
+forward                    backward
+=========================  ==================================================================
+all_gather_matmul          grad_a = matmul_reduce_scatter(grad, b.T), overlapped with
+                           grad_b = a_gathered.T @ grad  (``tpx::all_gather_matmul_backward``)
+matmul_reduce_scatter      grad_a = all_gather_matmul(grad, b.T); every gathered piece also
+                           feeds grad_b += a.T @ piece  (``tpx::matmul_reduce_scatter_backward``)
+matmul_all_reduce          local: grad_a = grad @ b.T, grad_b = a.T @ grad
+replicated_matmul          grad_a = all_reduce(grad @ b.T), issued before the weight-gradient
+                           GEMM and waited after it (``tpx::replicated_matmul_backward``)
+=========================  ==================================================================
+
+The registration goes through ``torch.library.register_autograd`` so the operators stay
+single nodes for ``torch.compile``. The module also holds the two layout changes the linear
+layers need at their edges (gather / split of the last dimension, sizes may be uneven).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops  # noqa: F401  (registers the operators and their fakes)
+
+__all__ = ["gather_last_dim", "split_last_dim"]
+
+
+def _grad_or_zeros(grad, like: Tensor) -> Tensor:
+    return grad if grad is not None else torch.zeros_like(like)
+
+
+# all_gather_matmul ---------------------------------------------------------------------------
+
+
+def _all_gather_matmul_setup(ctx, inputs, output):
+    a, b, gather_dim, group_name, chunks, bias = inputs
+    ctx.save_for_backward(output[0], b)
+    ctx.args = (gather_dim, group_name, chunks, bias is not None)
+
+
+def _all_gather_matmul_backward(ctx, grad_a_gathered, grad_out):
+    a_gathered, b = ctx.saved_tensors
+    gather_dim, group_name, chunks, has_bias = ctx.args
+    if grad_out is None:
+        grad_out = a_gathered.new_zeros(list(a_gathered.shape[:-1]) + [b.shape[1]])
+    grad_a, grad_b, grad_bias = torch.ops.tpx.all_gather_matmul_backward(
+        grad_out, grad_a_gathered, a_gathered, b, gather_dim, group_name, chunks, has_bias)
+    return grad_a, grad_b, None, None, None, grad_bias
+
+
+torch.library.register_autograd(
+    "tpx::all_gather_matmul", _all_gather_matmul_backward, setup_context=_all_gather_matmul_setup)
+
+
+# matmul_reduce_scatter -----------------------------------------------------------------------
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output):
+    a, b, scatter_dim, group_name, chunks, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.args = (scatter_dim, group_name, chunks, bias is not None)
+
+
+def _matmul_reduce_scatter_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    scatter_dim, group_name, chunks, has_bias = ctx.args
+    grad_a, grad_b, grad_bias = torch.ops.tpx.matmul_reduce_scatter_backward(
+        grad_out, a, b, scatter_dim, group_name, chunks, has_bias)
+    return grad_a, grad_b, None, None, None, grad_bias
+
+
+torch.library.register_autograd(
+    "tpx::matmul_reduce_scatter", _matmul_reduce_scatter_backward,
+    setup_context=_matmul_reduce_scatter_setup)
+
+
+# matmul_all_reduce: the output is replicated, so the gradients are local ---------------------
+
+
+def _matmul_all_reduce_setup(ctx, inputs, output):
+    a, b, group_name, chunks, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.has_bias = bias is not None
+
+
+def _matmul_all_reduce_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_a = (g2 @ b.t()).view(a.shape) if need_a else None
+    grad_b = (g2.t() @ a.reshape(-1, a.shape[-1])).t() if need_b else None
+    grad_bias = g2.sum(0) if ctx.has_bias else None
+    return grad_a, grad_b, None, None, grad_bias
+
+
+torch.library.register_autograd(
+    "tpx::matmul_all_reduce", _matmul_all_reduce_backward, setup_context=_matmul_all_reduce_setup)
+
+
+# replicated_matmul ---------------------------------------------------------------------------
+
+
+def _replicated_matmul_setup(ctx, inputs, output):
+    a, b, group_name, chunks, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.args = (group_name, chunks, bias is not None)
+
+
+def _replicated_matmul_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    group_name, chunks, has_bias = ctx.args
+    grad_a, grad_b, grad_bias = torch.ops.tpx.replicated_matmul_backward(
+        grad_out, a, b, group_name, chunks, has_bias)
+    return grad_a, grad_b, None, None, grad_bias
+
+
+torch.library.register_autograd(
+    "tpx::replicated_matmul", _replicated_matmul_backward, setup_context=_replicated_matmul_setup)
+
+
+# Layout changes of the last dimension (uneven shards allowed) --------------------------------
+
+
+def _gather_last(x: Tensor, sizes: List[int], pg: dist.ProcessGroup) -> Tensor:
+    width = max(sizes)
+    local = x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+    local = local.contiguous()
+    pieces = [torch.empty_like(local) for _ in sizes]
+    dist.all_gather(pieces, local, group=pg)
+    return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """S(-1) -> R forward; backward keeps this rank's columns of the replicated gradient."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, start, pg):
+        ctx.start, ctx.width = start, x.shape[-1]
+        return _gather_last(x, sizes, pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.start:ctx.start + ctx.width].contiguous(), None, None, None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """R -> S(-1) forward (this rank's columns); backward gathers the gradient back to R."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, start, pg):
+        ctx.sizes, ctx.pg = sizes, pg
+        width = sizes[dist.get_rank(pg)]
+        return x[..., start:start + width].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.sizes, ctx.pg), None, None, None
+
+
+def gather_last_dim(x: Tensor, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
+    """``x S(-1) -> R``: concatenates every rank's ``x`` along the last dimension; rank ``r``
+    holds ``sizes[r]`` columns starting at ``start`` on this rank."""
+    if pg.size() == 1:
+        return x
+    return _GatherLastDim.apply(x, sizes, start, pg)
+
+
+def split_last_dim(x: Tensor, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
+    """``x R -> S(-1)``: keeps this rank's ``sizes[rank]`` columns from ``start``."""
+    if pg.size() == 1:
+        return x
+    return _SplitLastDim.apply(x, sizes, start, pg)

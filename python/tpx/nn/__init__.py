@@ -1,0 +1,5 @@
+"""tpx's drop-in ``nn.Module`` replacements."""
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

@@ -1,0 +1,303 @@
+"""Column- and row-parallel ``nn.Linear`` replacements.
+
+A column layer holds a block of the weight's rows (output features), a row layer a block of
+its columns (input features). Chained as column -> elementwise -> row (an MLP, attention's
+QKV and output projections) they need one collective forward and one backward, and tpx
+overlaps it with the GEMMs.
+
+Placements (R = replicated, S(d) = sharded on dim d):
+
+=================================  =======================================================
+layer                              forward
+=================================  =======================================================
+ColumnParallelLinear               x R -> y S(-1)
+  sequence_parallel=True           x S(sequence_dim) -> y S(-1)
+  gather_output=True               ... -> y R
+RowParallelLinear                  x S(-1) -> y R
+  input_is_parallel=False          x R -> (split) -> y R
+  sequence_parallel=True           x S(-1) -> y S(sequence_dim)
+=================================  =======================================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import autograd as tpx_autograd
+from .. import ops
+from ..group import (GroupLike, _range, check_same_on_ranks, resolve_group, shard_sizes,
+                     tensor_checksum)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _check_features(cls: str, **sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"tpx.{cls}: `{name}` must be a positive int; got {value!r}")
+
+
+def _check_chunks(cls: str, chunks: Optional[int]) -> None:
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"tpx.{cls}: `chunks` must be None or an int >= 1; got {chunks!r}")
+
+
+def _full_linear_init(in_features: int, out_features: int, bias: bool, device, dtype
+                      ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The full weight and bias drawn exactly as ``nn.Linear(in, out)`` draws them (same RNG
+    calls, same order), so a seeded TP model and a seeded single-device model start equal."""
+    w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        b = torch.empty(out_features, device=device, dtype=dtype)
+        nn.init.uniform_(b, -bound, bound)
+    return w, b
+
+
+class _ParallelLinear(nn.Module):
+    """Shared bookkeeping of the two layers: the group, the configuration check across ranks,
+    input validation."""
+
+    def _setup_group(self, group: GroupLike) -> None:
+        pg = resolve_group(group)
+        self.group = pg
+        self.world_size = pg.size()
+        self.rank = dist.get_rank(pg)
+
+    def _seq_dim(self, x: Tensor) -> int:
+        d = self.sequence_dim
+        if not -x.dim() <= d < x.dim() or d % x.dim() == x.dim() - 1:
+            raise ValueError(
+                f"tpx.{type(self).__name__}: sequence_dim={self.sequence_dim} does not name a "
+                f"sequence dimension of an input of shape {tuple(x.shape)} (the last dimension "
+                "holds the features); for [tokens, features] inputs pass sequence_dim=0.")
+        return d % x.dim()
+
+    def _check_input(self, x: Tensor, features: int, what: str) -> None:
+        name = type(self).__name__
+        if not isinstance(x, Tensor):
+            raise TypeError(f"tpx.{name}: input must be a Tensor; got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != features:
+            raise ValueError(f"tpx.{name}: input.shape[-1] must be {features} ({what}); got "
+                             f"input of shape {tuple(x.shape)}")
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"tpx.{name}: input dtype {x.dtype} differs from the weight dtype "
+                             f"{self.weight.dtype}; cast the input, or the module with .to(dtype)")
+        if x.device != self.weight.device:
+            raise ValueError(f"tpx.{name}: input is on {x.device} but the weight is on "
+                             f"{self.weight.device}; move one of them")
+
+    @classmethod
+    def _from_linear(cls, linear: nn.Linear, group: GroupLike, kwargs: dict):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"tpx.{cls.__name__}.from_linear expects an nn.Linear; got "
+                            f"{type(linear).__name__}")
+        for key in ("device", "dtype", "bias"):
+            if key in kwargs:
+                raise ValueError(f"tpx.{cls.__name__}.from_linear: `{key}` is taken from the "
+                                 "linear layer; do not pass it")
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                     group=group, device="meta", dtype=linear.weight.dtype, **kwargs)
+        module.to_empty(device=linear.weight.device)
+        with torch.no_grad():
+            module._load_full(linear.weight, linear.bias)
+        return module
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with ``W`` split by rows (output features) over ``group``.
+
+    Placement: ``x R -> y S(-1)``; with ``sequence_parallel=True``: ``x S(sequence_dim) ->
+    y S(-1)`` (the all-gather of ``x`` is overlapped with the GEMM); with
+    ``gather_output=True`` the output is all-gathered to ``y R``.
+
+    This rank holds ``weight[out_start:out_end]`` (``tpx.shard_range(out_features)``);
+    ``out_features`` need not divide by the group size (an LM head of 50257 at TP 4).
+    Parameters are initialised with ``nn.Linear``'s distribution over the FULL matrix and then
+    sliced, so with the same seed the shards equal the slices of ``nn.Linear``'s weights.
+
+    Backward: without sequence parallelism the input-gradient all-reduce is issued before the
+    weight-gradient GEMM and waited after it; with it, the input gradient is reduce-scattered
+    while the weight gradient is computed. Note that with sequence parallelism the gathered
+    input is kept for the backward pass.
+
+    Args:
+        in_features, out_features, bias: as in ``nn.Linear`` (full sizes).
+        group: ``None`` (default group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        gather_output: all-gather the output to every rank.
+        sequence_parallel: the input is sharded along ``sequence_dim``.
+        sequence_dim: the sequence dimension of the input (1 for ``[batch, seq, hidden]``,
+            0 for ``[seq, batch, hidden]`` or ``[tokens, hidden]``).
+        chunks: pipeline depth of the overlapped collectives (``1``: no overlap).
+        device, dtype: as in ``nn.Linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 group: GroupLike = None, gather_output: bool = False,
+                 sequence_parallel: bool = False, sequence_dim: int = 1,
+                 chunks: Optional[int] = None, device=None, dtype=None) -> None:
+        super().__init__()
+        _check_features("ColumnParallelLinear", in_features=in_features,
+                        out_features=out_features)
+        _check_chunks("ColumnParallelLinear", chunks)
+        self._setup_group(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = bool(gather_output), bool(sequence_parallel)
+        self.sequence_dim, self.chunks = sequence_dim, chunks
+        self.out_start, self.out_end = _range(out_features, self.rank, self.world_size)
+        self.out_sizes = shard_sizes(out_features, self.world_size)
+        local = self.out_end - self.out_start
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(local, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(local, **factory)) if bias else None
+        checksum = self.reset_parameters()
+        check_same_on_ranks(self.group, "ColumnParallelLinear", dict(
+            in_features=in_features, out_features=out_features, bias=bool(bias),
+            gather_output=self.gather_output, sequence_parallel=self.sequence_parallel,
+            sequence_dim=sequence_dim, dtype=str(self.weight.dtype), initial_weights=checksum))
+
+    def reset_parameters(self) -> Optional[float]:
+        """Draws the full ``nn.Linear`` initialisation and keeps this rank's rows; returns a
+        checksum of the full weights (``None`` on the meta device)."""
+        if self.weight.device.type == "meta":
+            return None
+        w, b = _full_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                 self.weight.device, self.weight.dtype)
+        with torch.no_grad():
+            self._load_full(w, b)
+        return tensor_checksum(w)
+
+    def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
+        self.weight.copy_(weight[self.out_start:self.out_end])
+        if self.bias is not None:
+            self.bias.copy_(bias[self.out_start:self.out_end])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, **kwargs
+                    ) -> "ColumnParallelLinear":
+        """Shards an ``nn.Linear`` that every rank holds whole (no communication of weights):
+        keeps rows ``shard_range(out_features)`` of its weight and bias. ``kwargs`` are the
+        keyword arguments of the constructor (``gather_output``, ``sequence_parallel``, ...)."""
+        return cls._from_linear(linear, group, kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x, self.in_features, "in_features")
+        w_t = self.weight.t()
+        if self.sequence_parallel:
+            _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
+                                         bias=self.bias)
+        else:
+            y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=self.bias)
+        if self.gather_output:
+            y = tpx_autograd.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.out_start}:{self.out_end}), bias={self.bias is not None}, "
+                f"world_size={self.world_size}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with ``W`` split by columns (input features) over ``group``.
+
+    Placement: ``x S(-1) -> y R`` (the partial products are all-reduced, overlapped with the
+    GEMM); with ``sequence_parallel=True``: ``x S(-1) -> y S(sequence_dim)`` (reduce-scattered
+    instead). With ``input_is_parallel=False`` the input is ``R`` and each rank keeps its
+    columns of it first.
+
+    This rank holds ``weight[:, in_start:in_end]`` (``tpx.shard_range(in_features)``;
+    uneven splits are supported: the input shard must then have this rank's width, as a
+    column layer with the same ``out_features`` produces). The bias is replicated: every
+    rank holds all of it and, after backward, the same full gradient of it.
+
+    Args:
+        in_features, out_features, bias: as in ``nn.Linear`` (full sizes).
+        group: ``None`` (default group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        input_is_parallel: the input already holds this rank's columns (``S(-1)``).
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` (its size must
+            divide by the group size).
+        sequence_dim: the sequence dimension of the input/output.
+        chunks: pipeline depth of the overlapped collectives (``1``: no overlap).
+        device, dtype: as in ``nn.Linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 group: GroupLike = None, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, sequence_dim: int = 1,
+                 chunks: Optional[int] = None, device=None, dtype=None) -> None:
+        super().__init__()
+        _check_features("RowParallelLinear", in_features=in_features, out_features=out_features)
+        _check_chunks("RowParallelLinear", chunks)
+        self._setup_group(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = bool(input_is_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.sequence_dim, self.chunks = sequence_dim, chunks
+        self.in_start, self.in_end = _range(in_features, self.rank, self.world_size)
+        self.in_sizes = shard_sizes(in_features, self.world_size)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(
+            torch.empty(out_features, self.in_end - self.in_start, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        checksum = self.reset_parameters()
+        check_same_on_ranks(self.group, "RowParallelLinear", dict(
+            in_features=in_features, out_features=out_features, bias=bool(bias),
+            input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel,
+            sequence_dim=sequence_dim, dtype=str(self.weight.dtype), initial_weights=checksum))
+
+    def reset_parameters(self) -> Optional[float]:
+        """Draws the full ``nn.Linear`` initialisation and keeps this rank's columns; returns
+        a checksum of the full weights (``None`` on the meta device)."""
+        if self.weight.device.type == "meta":
+            return None
+        w, b = _full_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                 self.weight.device, self.weight.dtype)
+        with torch.no_grad():
+            self._load_full(w, b)
+        return tensor_checksum(w)
+
+    def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
+        self.weight.copy_(weight[:, self.in_start:self.in_end])
+        if self.bias is not None:
+            self.bias.copy_(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, **kwargs
+                    ) -> "RowParallelLinear":
+        """Shards an ``nn.Linear`` that every rank holds whole (no communication of weights):
+        keeps columns ``shard_range(in_features)`` of its weight, and all of its bias."""
+        return cls._from_linear(linear, group, kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.input_is_parallel:
+            self._check_input(x, self.in_end - self.in_start,
+                              f"this rank's columns {self.in_start}:{self.in_end} of "
+                              f"in_features={self.in_features}")
+        else:
+            self._check_input(x, self.in_features, "in_features")
+            x = tpx_autograd.split_last_dim(x, self.in_sizes, self.in_start, self.group)
+        w_t = self.weight.t()
+        if self.sequence_parallel:
+            d = self._seq_dim(x)
+            if x.shape[d] % self.world_size:
+                raise ValueError(
+                    f"tpx.RowParallelLinear: with sequence_parallel=True the sequence dimension "
+                    f"(dim {d}, size {x.shape[d]}) must divide by the group size "
+                    f"{self.world_size}; pad the sequence to a multiple of {self.world_size}.")
+            return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=self.bias)
+        return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.in_start}:{self.in_end}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"world_size={self.world_size}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")

@@ -1,0 +1,205 @@
+"""The tpx operators: typed Python wrappers over ``torch.ops.tpx.*`` and their fake (meta)
+implementations, so ``torch.compile`` and ``torch.library.opcheck`` can trace them.
+
+Placements (per rank of the group; R = replicated, S(d) = sharded on dim d, P = partial):
+
+===========================  ======================================  ===========================
+op                           inputs                                  outputs
+===========================  ======================================  ===========================
+``all_gather_matmul``        a S(gather_dim), b R or S(1)            a_gathered R, out S(1)*
+``matmul_reduce_scatter``    a S(-1), b S(0)                         out S(scatter_dim)
+``matmul_all_reduce``        a S(-1), b S(0)                         out R
+``replicated_matmul``        a R, b S(1)                             out S(-1)
+===========================  ======================================  ===========================
+
+(*) ``out`` is R when ``b`` is replicated and S(-1) when ``b`` holds this rank's columns.
+
+Every op is differentiable (see :mod:`tpx.autograd`); ``chunks`` is the pipeline depth:
+``1`` runs the collective and the GEMM one after the other (the reference), ``None`` picks
+the default (``tpx.build_info()["default_chunks"]``, or ``TPX_DEFAULT_CHUNKS``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loads the operator library)
+from .group import GroupLike, group_name
+
+__all__ = [
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+    "replicated_matmul",
+]
+
+
+def all_gather_matmul(
+    a: Tensor,
+    b: Tensor,
+    gather_dim: int,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """``out = all_gather(a, gather_dim) @ b (+ bias)``, with the all-gather of one piece of
+    ``a`` in flight while the GEMM of another runs.
+
+    Placement: ``a S(gather_dim), b S(1) -> a_gathered R, out S(1)`` (``b`` and ``bias`` may
+    also be replicated, giving ``out R``).
+
+    Args:
+        a: ``[..., k]``, this rank's shard along ``gather_dim`` (any dim but the last); every
+            rank's shard has the same shape.
+        b: ``[k, n]``; a transposed view such as ``linear.weight.t()`` is used without a copy.
+        gather_dim: the dimension of ``a`` that is gathered.
+        group: ``None`` (default group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        chunks: pipeline depth; ``1`` is the non-overlapped reference, ``None`` the default.
+        bias: optional ``[n]``, added to every row of ``out``.
+
+    Returns:
+        ``(a_gathered, out)``: ``a`` gathered along ``gather_dim`` in rank order, and the
+        product, both with ``a.shape[gather_dim] * world_size`` entries along ``gather_dim``.
+    """
+    return torch.ops.tpx.all_gather_matmul(a, b, gather_dim, group_name(group), chunks, bias)
+
+
+def matmul_reduce_scatter(
+    a: Tensor,
+    b: Tensor,
+    scatter_dim: int,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``out = reduce_scatter(a @ b (+ bias), scatter_dim)``: the GEMM of one piece runs while
+    the previous piece is being reduce-scattered.
+
+    Placement: ``a S(-1), b S(0) -> out S(scatter_dim)``; the sum over ranks of ``a @ b`` is
+    the full product, and rank ``r`` receives the ``r``-th block of it along ``scatter_dim``.
+
+    Args:
+        a: ``[..., k_r]``, this rank's slice of the contraction dimension; ``a.shape[scatter_dim]``
+            must divide by the group size.
+        b: ``[k_r, n]``; a transposed view such as ``weight.t()`` is used without a copy.
+        scatter_dim: the dimension of the product that is scattered (not the last).
+        group, chunks: as in :func:`all_gather_matmul`.
+        bias: optional replicated ``[n]``, added once to the reduced result.
+    """
+    return torch.ops.tpx.matmul_reduce_scatter(a, b, scatter_dim, group_name(group), chunks, bias)
+
+
+def matmul_all_reduce(
+    a: Tensor,
+    b: Tensor,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``out = all_reduce(a @ b (+ bias))``: the GEMM of row chunk ``i+1`` runs while chunk
+    ``i`` is all-reduced.
+
+    Placement: ``a S(-1), b S(0) -> out R``.
+
+    Args:
+        a: ``[..., k_r]``, this rank's slice of the contraction dimension.
+        b: ``[k_r, n]``.
+        group, chunks: as in :func:`all_gather_matmul`.
+        bias: optional replicated ``[n]``, added once to the reduced result.
+    """
+    return torch.ops.tpx.matmul_all_reduce(a, b, group_name(group), chunks, bias)
+
+
+def replicated_matmul(
+    a: Tensor,
+    b: Tensor,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``out = a @ b (+ bias)`` for a replicated input: no communication forward; backward
+    all-reduces the input gradient, issued before the weight-gradient GEMM and waited after it
+    (the column-parallel linear without sequence parallelism).
+
+    Placement: ``a R, b S(1) -> out S(-1)``; ``grad_a`` is R (summed over ranks).
+    """
+    return torch.ops.tpx.replicated_matmul(a, b, group_name(group), chunks, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake implementations: shapes, dtypes and strides exactly as the C++ kernels produce them.
+# ---------------------------------------------------------------------------------------------
+
+
+def _world(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name).size()
+
+
+def _dim_first_shape(t: Tensor, dim: int) -> list:
+    return list(t.movedim(dim, 0).shape)
+
+
+@torch.library.register_fake("tpx::all_gather_matmul")
+def _all_gather_matmul_fake(a, b, gather_dim, group_name, chunks=None, bias=None):
+    gd = gather_dim % a.dim()
+    shape = _dim_first_shape(a, gd)
+    shape[0] = shape[0] * _world(group_name)
+    gathered = a.new_empty(shape)
+    out = a.new_empty(shape[:-1] + [b.shape[1]])
+    return gathered.movedim(0, gd), out.movedim(0, gd)
+
+
+@torch.library.register_fake("tpx::all_gather_matmul_backward")
+def _all_gather_matmul_backward_fake(grad_out, grad_a_gathered, a_gathered, b, gather_dim,
+                                     group_name, chunks, bias_grad):
+    gd = gather_dim % a_gathered.dim()
+    shape = _dim_first_shape(a_gathered, gd)
+    shape[0] = shape[0] // _world(group_name)
+    grad_a = a_gathered.new_empty(shape).movedim(0, gd)
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
+
+
+@torch.library.register_fake("tpx::matmul_reduce_scatter")
+def _matmul_reduce_scatter_fake(a, b, scatter_dim, group_name, chunks=None, bias=None):
+    sd = scatter_dim % a.dim()
+    shape = _dim_first_shape(a, sd)
+    shape[0] = shape[0] // _world(group_name)
+    shape[-1] = b.shape[1]
+    return a.new_empty(shape).movedim(0, sd)
+
+
+@torch.library.register_fake("tpx::matmul_reduce_scatter_backward")
+def _matmul_reduce_scatter_backward_fake(grad_out, a, b, scatter_dim, group_name, chunks,
+                                         bias_grad):
+    sd = scatter_dim % a.dim()
+    grad_a = a.new_empty(_dim_first_shape(a, sd)).movedim(0, sd)
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
+
+
+def _local_matmul_fake(a, b, group_name, chunks=None, bias=None):
+    return a.new_empty(list(a.shape[:-1]) + [b.shape[1]])
+
+
+torch.library.register_fake("tpx::matmul_all_reduce")(_local_matmul_fake)
+torch.library.register_fake("tpx::replicated_matmul")(_local_matmul_fake)
+
+
+@torch.library.register_fake("tpx::replicated_matmul_backward")
+def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, bias_grad):
+    grad_a = a.new_empty(a.shape)
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
