@@ -107,6 +107,14 @@ int64_t inner_rows(const at::Tensor& t) {
   return r;
 }
 
+// Product of all but the last dimension: the rows of t viewed as a matrix (well defined
+// even when the last dimension is empty, unlike reshape({-1, 0})).
+int64_t lead_rows(const at::Tensor& t) {
+  int64_t r = 1;
+  for (int64_t d = 0; d < t.dim() - 1; ++d) r *= t.size(d);
+  return r;
+}
+
 // out = a @ b (+ bias), written into `out` (a row range of a larger buffer).
 void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                const OptTensor& bias) {
@@ -397,7 +405,7 @@ at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b,
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize(), rank = pg->getRank();
   const int64_t k = a.size(-1), n = b.size(1);
-  at::Tensor a2 = a.reshape({-1, k});
+  at::Tensor a2 = a.reshape({lead_rows(a), k});
   at::Tensor out = at::empty(with_last(a.sizes(), n), a.options());
   at::Tensor out2 = out.view({a2.size(0), n});
   if (world == 1) {
@@ -420,7 +428,7 @@ at::Tensor replicated_matmul(const at::Tensor& a, const at::Tensor& b,
   (void)resolve_group(group_name);  // validates the group; the forward needs no communication
   (void)chunks;
   const int64_t k = a.size(-1), n = b.size(1);
-  at::Tensor a2 = a.reshape({-1, k});
+  at::Tensor a2 = a.reshape({lead_rows(a), k});
   at::Tensor out = at::empty(with_last(a.sizes(), n), a.options());
   gemm_into(out.view({a2.size(0), n}), a2, b, bias);
   return out;
@@ -433,8 +441,8 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> replicated_matmul_backward(
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize();
   const int64_t k = a.size(-1), n = b.size(1);
-  at::Tensor a2 = a.reshape({-1, k});
-  at::Tensor g2 = grad_out.reshape({-1, n});
+  at::Tensor a2 = a.reshape({lead_rows(a), k});
+  at::Tensor g2 = grad_out.reshape({lead_rows(grad_out), n});
   at::Tensor bt = b.t();
   at::Tensor grad_a = at::empty(a.sizes(), a.options());
   at::Tensor ga2 = grad_a.view({a2.size(0), k});

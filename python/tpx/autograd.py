@@ -96,7 +96,7 @@ def _matmul_all_reduce_backward(ctx, grad_out):
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     grad_a = (g2 @ b.t()).view(a.shape) if need_a else None
-    grad_b = (g2.t() @ a.reshape(-1, a.shape[-1])).t() if need_b else None
+    grad_b = (g2.t() @ a.reshape(g2.shape[0], a.shape[-1])).t() if need_b else None
     grad_bias = g2.sum(0) if ctx.has_bias else None
     return grad_a, grad_b, None, None, grad_bias
 

@@ -1,0 +1,105 @@
+"""Multi-process test harness: runs a function on W ranks of a gloo group (CPU).
+
+- Every rank runs in its own spawned process with one compute thread.
+- A rank that raises sends its traceback to the parent, which then kills every rank and
+  fails the test with a message that names the rank and the function.
+- A run that exceeds ``timeout`` seconds kills every rank and fails naming the ranks that
+  had not finished; a rank that dies without a word (a crash) is reported with its exit code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT = float(os.environ.get("TPX_TEST_TIMEOUT", "240"))
+
+
+def _worker(fn, rank, world_size, init_file, results, args, backend):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+        fn(rank, world_size, *args)
+        results.put((rank, None))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
+              backend: str = "gloo") -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; raises ``AssertionError``
+    naming the failing rank (or ``TimeoutError`` naming the stuck ones)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="tpx_pg_")
+    os.close(fd)
+    os.unlink(init_file)  # the FileStore creates it
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, init_file, results, args, backend))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    name = getattr(fn, "__qualname__", repr(fn))
+    done: set = set()
+    deadline = _now() + timeout
+    try:
+        while len(done) < world_size:
+            try:
+                rank, err = results.get(timeout=0.2)
+            except queue.Empty:
+                if _now() > deadline:
+                    missing = sorted(set(range(world_size)) - done)
+                    raise TimeoutError(f"{name} (world size {world_size}): ranks {missing} did "
+                                       f"not finish within {timeout:.0f} s; all ranks killed")
+                for r, p in enumerate(procs):
+                    if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                        _drain(results, done)
+                        if r not in done:
+                            raise AssertionError(f"{name} (world size {world_size}): rank {r} "
+                                                 f"died with exit code {p.exitcode}")
+                continue
+            if err is not None:
+                raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
+                                     f"\n{err}")
+            done.add(rank)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def _drain(results, done):
+    while True:
+        try:
+            rank, err = results.get_nowait()
+        except queue.Empty:
+            return
+        if err is not None:
+            raise AssertionError(f"rank {rank} failed:\n{err}")
+        done.add(rank)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

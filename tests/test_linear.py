@@ -1,0 +1,156 @@
+"""ColumnParallelLinear / RowParallelLinear against nn.Linear: outputs, input gradients and
+every parameter gradient, with and without sequence parallelism, gather_output,
+input_is_parallel=False, 2-D and 3-D inputs, uneven feature splits, world sizes 1-4."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import tpx
+from harness import run_ranks
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _mlp_case(rank, world, d, h, shape, seq_dim, sp, chunks, gen):
+    """column -> ReLU -> row against the same two nn.Linear layers."""
+    case = f"d={d} h={h} shape={shape} seq_dim={seq_dim} sp={sp} chunks={chunks}"
+    ref1, ref2 = nn.Linear(d, h), nn.Linear(h, d)
+    col = tpx.ColumnParallelLinear.from_linear(ref1, sequence_parallel=sp, sequence_dim=seq_dim,
+                                               chunks=chunks)
+    row = tpx.RowParallelLinear.from_linear(ref2, sequence_parallel=sp, sequence_dim=seq_dim,
+                                            chunks=chunks)
+    x_full = torch.randn(shape, generator=gen)
+    gy = torch.randn(shape, generator=gen)
+
+    xr = x_full.clone().requires_grad_(True)
+    y_ref = ref2(torch.relu(ref1(xr)))
+    (y_ref * gy).sum().backward()
+
+    if sp:
+        s = shape[seq_dim] // world
+        x = x_full.narrow(seq_dim, rank * s, s).clone().requires_grad_(True)
+        y = row(torch.relu(col(x)))
+        close(y, y_ref.narrow(seq_dim, rank * s, s).detach(), f"output {case}")
+        (y * gy.narrow(seq_dim, rank * s, s)).sum().backward()
+        close(x.grad, xr.grad.narrow(seq_dim, rank * s, s), f"grad input {case}")
+    else:
+        x = x_full.clone().requires_grad_(True)
+        y = row(torch.relu(col(x)))
+        close(y, y_ref.detach(), f"output {case}")
+        (y * gy).sum().backward()
+        close(x.grad, xr.grad, f"grad input {case}")
+    c0, c1 = col.out_start, col.out_end
+    close(col.weight.grad, ref1.weight.grad[c0:c1], f"grad column weight {case}")
+    close(col.bias.grad, ref1.bias.grad[c0:c1], f"grad column bias {case}")
+    close(row.weight.grad, ref2.weight.grad[:, c0:c1], f"grad row weight {case}")
+    # The row bias is replicated: its full gradient, on every rank, with no extra call.
+    close(row.bias.grad, ref2.bias.grad, f"grad row bias {case}")
+
+
+def _check_mlp(rank, world):
+    gen = torch.Generator().manual_seed(21 + world)
+    torch.manual_seed(3)  # the reference layers are drawn identically on every rank
+    for (h, (shape, seq_dim)), sp, chunks in itertools.product(
+            [(4 * world, ((2, 2 * world, 8), 1)),        # 3-D [batch, seq, hidden]
+             (5 * world + 1, ((2 * world, 8), 0)),        # 2-D [tokens, hidden], uneven h
+             (3 * world - 1, ((2 * world, 3, 8), 0))],    # 3-D [seq, batch, hidden], uneven h
+            (False, True), (1, 2, None)):
+        _mlp_case(rank, world, 8, h, shape, seq_dim, sp, chunks, gen)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_mlp_matches_nn_linear(world):
+    run_ranks(_check_mlp, world)
+
+
+def _check_edges(rank, world):
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(9)
+    # gather_output: y R, every gradient as nn.Linear's.
+    for out_features, shape in [(7, (3, 5)), (world * 2 + 1, (2, 3, 5))]:
+        ref = nn.Linear(5, out_features)
+        col = tpx.ColumnParallelLinear.from_linear(ref, gather_output=True)
+        x_full = torch.randn(shape, generator=gen)
+        gy = torch.randn(list(shape[:-1]) + [out_features], generator=gen)
+        xr, x = x_full.clone().requires_grad_(True), x_full.clone().requires_grad_(True)
+        (ref(xr) * gy).sum().backward()
+        y = col(x)
+        close(y, ref(x_full).detach(), "gather_output forward")
+        (y * gy).sum().backward()
+        close(x.grad, xr.grad, "gather_output grad input")
+        close(col.weight.grad, ref.weight.grad[col.out_start:col.out_end], "gather_output grad W")
+        close(col.bias.grad, ref.bias.grad[col.out_start:col.out_end], "gather_output grad b")
+
+    # input_is_parallel=False (x R is split inside), with and without sequence parallelism.
+    for sp in (False, True):
+        ref = nn.Linear(3 * world + 1, 4)
+        row = tpx.RowParallelLinear.from_linear(ref, input_is_parallel=False,
+                                                sequence_parallel=sp, sequence_dim=0)
+        x_full = torch.randn(2 * world, 3 * world + 1, generator=gen)
+        gy = torch.randn(2 * world, 4, generator=gen)
+        xr, x = x_full.clone().requires_grad_(True), x_full.clone().requires_grad_(True)
+        (ref(xr) * gy).sum().backward()
+        y = row(x)
+        if sp:
+            close(y, ref(x_full).detach()[2 * rank:2 * rank + 2], "split input, SP forward")
+            (y * gy[2 * rank:2 * rank + 2]).sum().backward()
+            # The gathered output gradient reaches every column of x on every rank.
+            close(x.grad, xr.grad, "split input, SP grad input")
+        else:
+            close(y, ref(x_full).detach(), "split input forward")
+            (y * gy).sum().backward()
+            close(x.grad, xr.grad, "split input grad input")
+        close(row.weight.grad, ref.weight.grad[:, row.in_start:row.in_end], "split input grad W")
+        close(row.bias.grad, ref.bias.grad, "split input grad bias")
+
+    # More ranks than output features: trailing ranks hold no rows and still take part.
+    ref = nn.Linear(4, 2)
+    col = tpx.ColumnParallelLinear.from_linear(ref, gather_output=True)
+    x = torch.randn(3, 4, generator=gen)
+    close(col(x), ref(x), "out_features < world size")
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_gather_output_split_input_uneven(world):
+    run_ranks(_check_edges, world)
+
+
+def _check_seeded_init(rank, world):
+    for bias in (True, False):
+        torch.manual_seed(1234)
+        ref_col = nn.Linear(6, 5 * world + 1, bias=bias)
+        torch.manual_seed(1234)
+        col = tpx.ColumnParallelLinear(6, 5 * world + 1, bias=bias)
+        assert torch.equal(col.weight, ref_col.weight[col.out_start:col.out_end])
+        torch.manual_seed(77)
+        ref_row = nn.Linear(3 * world + 2, 4, bias=bias)
+        torch.manual_seed(77)
+        row = tpx.RowParallelLinear(3 * world + 2, 4, bias=bias)
+        assert torch.equal(row.weight, ref_row.weight[:, row.in_start:row.in_end])
+        if bias:
+            assert torch.equal(col.bias, ref_col.bias[col.out_start:col.out_end])
+            assert torch.equal(row.bias, ref_row.bias)
+    # dtype and device arguments are honoured.
+    m = tpx.ColumnParallelLinear(4, 8, dtype=torch.float64)
+    assert m.weight.dtype == torch.float64 and m.bias.dtype == torch.float64
+    m = tpx.RowParallelLinear(8, 4, device="meta")
+    assert m.weight.is_meta
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_seeded_init_equals_nn_linear(world):
+    run_ranks(_check_seeded_init, world)
+
+
+def test_shard_range_matches_torch_chunk():
+    for size, world in itertools.product([1, 2, 5, 7, 10, 50257], [1, 2, 3, 4, 8]):
+        pieces = torch.arange(size).chunk(world)
+        for rank in range(world):
+            start, end = tpx.group._range(size, rank, world)
+            expected = pieces[rank] if rank < len(pieces) else torch.arange(0)
+            assert torch.equal(torch.arange(size)[start:end], expected), (size, world, rank)

@@ -1,0 +1,207 @@
+"""The collective matmuls against the unsharded torch computation, forward and every gradient,
+at world sizes 1-4, chunks 1/2/4/default, 2-D and 3-D inputs, uneven shard widths."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpx
+from harness import run_ranks
+
+WORLD_SIZES = [1, 2, 3, 4]
+CHUNKS = [1, 2, 4, None]
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+# (global shape of the gathered / scattered operand, dim) cases; the dim's global size is
+# world * 3 so that every rank holds 3 entries along it (chunks 4 > 3 exercises clamping).
+def _layouts(world, k):
+    return [((world * 3, k), 0),
+            ((2, world * 3, k), 1),
+            ((world * 3, 2, k), 0),
+            ((2, world * 3, k), -2)]
+
+
+def _check_all_gather_matmul(rank, world):
+    gen = torch.Generator().manual_seed(100 + world)
+    k, n = 6, 5 * world + 1  # n does not divide: uneven column shards
+    c0, c1 = tpx.shard_range(n)
+    for (shape, gd), chunks, with_bias, transposed in itertools.product(
+            _layouts(world, k), CHUNKS, (False, True), (True, False)):
+        case = f"shape={shape} gather_dim={gd} chunks={chunks} bias={with_bias} b.T={transposed}"
+        full_a = torch.randn(shape, generator=gen)
+        B = torch.randn(k, n, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+        gag = [torch.randn(shape, generator=gen) for _ in range(world)]  # grad of every copy
+
+        fa, fB, fbias = leaf(full_a), leaf(B), leaf(bias)
+        ref = fa @ fB + (fbias if with_bias else 0)
+        ((ref * gy).sum() + sum((fa * g).sum() for g in gag)).backward()
+
+        s = shape[gd] // world
+        a = leaf(full_a.narrow(gd, rank * s, s))
+        if transposed:
+            w = leaf(B[:, c0:c1].t())
+            b = w.t()
+        else:
+            w = leaf(B[:, c0:c1])
+            b = w
+        bias_r = leaf(bias[c0:c1]) if with_bias else None
+        gathered, out = tpx.ops.all_gather_matmul(a, b, gd, chunks=chunks, bias=bias_r)
+        assert torch.equal(gathered, full_a), case
+        close(out, ref[..., c0:c1].detach(), f"out {case}")
+        ((out * gy[..., c0:c1]).sum() + (gathered * gag[rank]).sum()).backward()
+        close(a.grad, fa.grad.narrow(gd, rank * s, s), f"grad a {case}")
+        grad_b = w.grad.t() if transposed else w.grad
+        close(grad_b, fB.grad[:, c0:c1], f"grad b {case}")
+        if with_bias:
+            close(bias_r.grad, fbias.grad[c0:c1], f"grad bias {case}")
+
+
+def _check_matmul_reduce_scatter(rank, world):
+    gen = torch.Generator().manual_seed(200 + world)
+    k, n = 4 * world + 1, 7  # k does not divide: uneven contraction shards
+    k0, k1 = tpx.shard_range(k)
+    for (shape, sd), chunks, with_bias, transposed in itertools.product(
+            _layouts(world, k), CHUNKS, (False, True), (True, False)):
+        case = f"shape={shape} scatter_dim={sd} chunks={chunks} bias={with_bias} b.T={transposed}"
+        A = torch.randn(shape, generator=gen)
+        B = torch.randn(k, n, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+
+        fA, fB, fbias = leaf(A), leaf(B), leaf(bias)
+        ref = fA @ fB + (fbias if with_bias else 0)
+        (ref * gy).sum().backward()
+
+        s = shape[sd] // world
+        a = leaf(A[..., k0:k1])
+        w = leaf(B[k0:k1].t() if transposed else B[k0:k1])
+        b = w.t() if transposed else w
+        bias_r = leaf(bias) if with_bias else None
+        out = tpx.ops.matmul_reduce_scatter(a, b, sd, chunks=chunks, bias=bias_r)
+        close(out, ref.narrow(sd, rank * s, s).detach(), f"out {case}")
+        (out * gy.narrow(sd, rank * s, s)).sum().backward()
+        close(a.grad, fA.grad[..., k0:k1], f"grad a {case}")
+        close(w.grad.t() if transposed else w.grad, fB.grad[k0:k1], f"grad b {case}")
+        if with_bias:  # replicated parameter: the full gradient on every rank
+            close(bias_r.grad, fbias.grad, f"grad bias {case}")
+
+
+def _check_matmul_all_reduce(rank, world):
+    gen = torch.Generator().manual_seed(300 + world)
+    k, n = 4 * world + 1, 7
+    k0, k1 = tpx.shard_range(k)
+    shapes = [(9, k), (2, 5, k), (3, 1, 4, k)]
+    for shape, chunks, with_bias in itertools.product(shapes, CHUNKS, (False, True)):
+        case = f"shape={shape} chunks={chunks} bias={with_bias}"
+        A = torch.randn(shape, generator=gen)
+        B = torch.randn(k, n, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+        fA, fB, fbias = leaf(A), leaf(B), leaf(bias)
+        ref = fA @ fB + (fbias if with_bias else 0)
+        (ref * gy).sum().backward()
+
+        a, w = leaf(A[..., k0:k1]), leaf(B[k0:k1].t())
+        bias_r = leaf(bias) if with_bias else None
+        out = tpx.ops.matmul_all_reduce(a, w.t(), chunks=chunks, bias=bias_r)
+        close(out, ref.detach(), f"out {case}")
+        (out * gy).sum().backward()
+        close(a.grad, fA.grad[..., k0:k1], f"grad a {case}")
+        close(w.grad.t(), fB.grad[k0:k1], f"grad b {case}")
+        if with_bias:
+            close(bias_r.grad, fbias.grad, f"grad bias {case}")
+
+
+def _check_replicated_matmul(rank, world):
+    gen = torch.Generator().manual_seed(400 + world)
+    k, n = 6, 5 * world + 1
+    c0, c1 = tpx.shard_range(n)
+    shapes = [(9, k), (2, 5, k)]
+    for shape, chunks, with_bias in itertools.product(shapes, CHUNKS, (False, True)):
+        case = f"shape={shape} chunks={chunks} bias={with_bias}"
+        A = torch.randn(shape, generator=gen)
+        B = torch.randn(k, n, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+        fA, fB, fbias = leaf(A), leaf(B), leaf(bias)
+        ref = fA @ fB + (fbias if with_bias else 0)
+        (ref * gy).sum().backward()
+
+        a, w = leaf(A), leaf(B[:, c0:c1].t())
+        bias_r = leaf(bias[c0:c1]) if with_bias else None
+        out = tpx.ops.replicated_matmul(a, w.t(), chunks=chunks, bias=bias_r)
+        close(out, ref[..., c0:c1].detach(), f"out {case}")
+        (out * gy[..., c0:c1]).sum().backward()
+        close(a.grad, fA.grad, f"grad a (all-reduced) {case}")
+        close(w.grad.t(), fB.grad[:, c0:c1], f"grad b {case}")
+        if with_bias:
+            close(bias_r.grad, fbias.grad[c0:c1], f"grad bias {case}")
+
+
+def _check_all_ops(rank, world):
+    _check_all_gather_matmul(rank, world)
+    _check_matmul_reduce_scatter(rank, world)
+    _check_matmul_all_reduce(rank, world)
+    _check_replicated_matmul(rank, world)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ops_match_unsharded(world):
+    run_ranks(_check_all_ops, world)
+
+
+def _check_chunks_agree(rank, world):
+    """Every pipeline depth gives the numbers of chunks=1 (the non-overlapped reference)."""
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(2, 8, 16, generator=gen)
+    b = torch.randn(16, 12, generator=gen)
+    ref_g, ref = tpx.ops.all_gather_matmul(a, b, 1, chunks=1)
+    ref_rs = tpx.ops.matmul_reduce_scatter(ref, b.t(), 1, chunks=1)
+    ref_ar = tpx.ops.matmul_all_reduce(a, b, chunks=1)
+    for c in (2, 3, 4, 8):
+        g, out = tpx.ops.all_gather_matmul(a, b, 1, chunks=c)
+        assert torch.equal(g, ref_g)
+        close(out, ref, f"all_gather_matmul chunks={c}")
+        close(tpx.ops.matmul_reduce_scatter(ref, b.t(), 1, chunks=c), ref_rs,
+              f"matmul_reduce_scatter chunks={c}")
+        close(tpx.ops.matmul_all_reduce(a, b, chunks=c), ref_ar, f"matmul_all_reduce chunks={c}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunks_match_reference(world):
+    run_ranks(_check_chunks_agree, world)
+
+
+def _opcheck_all(rank, world):
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(2, 4, 8, generator=gen, requires_grad=True)
+    w = torch.randn(6, 8, generator=gen, requires_grad=True)
+    bias = torch.randn(6, generator=gen, requires_grad=True)
+    r = torch.randn(2, 4 * world, 8, generator=gen, requires_grad=True)
+    cases = [
+        (torch.ops.tpx.all_gather_matmul.default, (a, w.t(), 1, name, 2, bias)),
+        (torch.ops.tpx.all_gather_matmul.default, (a, w.t(), 0, name, 1, None)),
+        (torch.ops.tpx.matmul_reduce_scatter.default, (r, w.t(), 1, name, 2, bias)),
+        (torch.ops.tpx.matmul_all_reduce.default, (a, w.t(), name, 2, bias)),
+        (torch.ops.tpx.replicated_matmul.default, (a, w.t(), name, 2, bias)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck(world):
+    run_ranks(_opcheck_all, world)
