@@ -16,16 +16,16 @@ def close(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
-def _mlp_case(rank, world, d, h, shape, seq_dim, sp, chunks, gen):
+def _mlp_case(rank, world, d, h, shape, seq_dim, sp, chunks, gen, dev="cpu"):
     """column -> ReLU -> row against the same two nn.Linear layers."""
     case = f"d={d} h={h} shape={shape} seq_dim={seq_dim} sp={sp} chunks={chunks}"
-    ref1, ref2 = nn.Linear(d, h), nn.Linear(h, d)
+    ref1, ref2 = nn.Linear(d, h).to(dev), nn.Linear(h, d).to(dev)
     col = tpx.ColumnParallelLinear.from_linear(ref1, sequence_parallel=sp, sequence_dim=seq_dim,
                                                chunks=chunks)
     row = tpx.RowParallelLinear.from_linear(ref2, sequence_parallel=sp, sequence_dim=seq_dim,
                                             chunks=chunks)
-    x_full = torch.randn(shape, generator=gen)
-    gy = torch.randn(shape, generator=gen)
+    x_full = torch.randn(shape, generator=gen).to(dev)
+    gy = torch.randn(shape, generator=gen).to(dev)
 
     xr = x_full.clone().requires_grad_(True)
     y_ref = ref2(torch.relu(ref1(xr)))
@@ -52,7 +52,7 @@ def _mlp_case(rank, world, d, h, shape, seq_dim, sp, chunks, gen):
     close(row.bias.grad, ref2.bias.grad, f"grad row bias {case}")
 
 
-def _check_mlp(rank, world):
+def _check_mlp(rank, world, dev="cpu"):
     gen = torch.Generator().manual_seed(21 + world)
     torch.manual_seed(3)  # the reference layers are drawn identically on every rank
     for (h, (shape, seq_dim)), sp, chunks in itertools.product(
@@ -60,7 +60,7 @@ def _check_mlp(rank, world):
              (5 * world + 1, ((2 * world, 8), 0)),        # 2-D [tokens, hidden], uneven h
              (3 * world - 1, ((2 * world, 3, 8), 0))],    # 3-D [seq, batch, hidden], uneven h
             (False, True), (1, 2, None)):
-        _mlp_case(rank, world, 8, h, shape, seq_dim, sp, chunks, gen)
+        _mlp_case(rank, world, 8, h, shape, seq_dim, sp, chunks, gen, dev)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

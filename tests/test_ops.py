@@ -22,6 +22,11 @@ def leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
+def randn(*shape, gen, dev):
+    """Drawn on the CPU from `gen` (the same numbers on every rank), then moved to `dev`."""
+    return torch.randn(*shape, generator=gen).to(dev)
+
+
 # (global shape of the gathered / scattered operand, dim) cases; the dim's global size is
 # world * 3 so that every rank holds 3 entries along it (chunks 4 > 3 exercises clamping).
 def _layouts(world, k):
@@ -31,18 +36,18 @@ def _layouts(world, k):
             ((2, world * 3, k), -2)]
 
 
-def _check_all_gather_matmul(rank, world):
+def _check_all_gather_matmul(rank, world, dev="cpu"):
     gen = torch.Generator().manual_seed(100 + world)
     k, n = 6, 5 * world + 1  # n does not divide: uneven column shards
     c0, c1 = tpx.shard_range(n)
     for (shape, gd), chunks, with_bias, transposed in itertools.product(
             _layouts(world, k), CHUNKS, (False, True), (True, False)):
         case = f"shape={shape} gather_dim={gd} chunks={chunks} bias={with_bias} b.T={transposed}"
-        full_a = torch.randn(shape, generator=gen)
-        B = torch.randn(k, n, generator=gen)
-        bias = torch.randn(n, generator=gen)
-        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
-        gag = [torch.randn(shape, generator=gen) for _ in range(world)]  # grad of every copy
+        full_a = randn(shape, gen=gen, dev=dev)
+        B = randn(k, n, gen=gen, dev=dev)
+        bias = randn(n, gen=gen, dev=dev)
+        gy = randn(list(shape[:-1]) + [n], gen=gen, dev=dev)
+        gag = [randn(shape, gen=gen, dev=dev) for _ in range(world)]  # grad of every copy
 
         fa, fB, fbias = leaf(full_a), leaf(B), leaf(bias)
         ref = fa @ fB + (fbias if with_bias else 0)
@@ -68,17 +73,17 @@ def _check_all_gather_matmul(rank, world):
             close(bias_r.grad, fbias.grad[c0:c1], f"grad bias {case}")
 
 
-def _check_matmul_reduce_scatter(rank, world):
+def _check_matmul_reduce_scatter(rank, world, dev="cpu"):
     gen = torch.Generator().manual_seed(200 + world)
     k, n = 4 * world + 1, 7  # k does not divide: uneven contraction shards
     k0, k1 = tpx.shard_range(k)
     for (shape, sd), chunks, with_bias, transposed in itertools.product(
             _layouts(world, k), CHUNKS, (False, True), (True, False)):
         case = f"shape={shape} scatter_dim={sd} chunks={chunks} bias={with_bias} b.T={transposed}"
-        A = torch.randn(shape, generator=gen)
-        B = torch.randn(k, n, generator=gen)
-        bias = torch.randn(n, generator=gen)
-        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+        A = randn(shape, gen=gen, dev=dev)
+        B = randn(k, n, gen=gen, dev=dev)
+        bias = randn(n, gen=gen, dev=dev)
+        gy = randn(list(shape[:-1]) + [n], gen=gen, dev=dev)
 
         fA, fB, fbias = leaf(A), leaf(B), leaf(bias)
         ref = fA @ fB + (fbias if with_bias else 0)
@@ -98,17 +103,17 @@ def _check_matmul_reduce_scatter(rank, world):
             close(bias_r.grad, fbias.grad, f"grad bias {case}")
 
 
-def _check_matmul_all_reduce(rank, world):
+def _check_matmul_all_reduce(rank, world, dev="cpu"):
     gen = torch.Generator().manual_seed(300 + world)
     k, n = 4 * world + 1, 7
     k0, k1 = tpx.shard_range(k)
     shapes = [(9, k), (2, 5, k), (3, 1, 4, k)]
     for shape, chunks, with_bias in itertools.product(shapes, CHUNKS, (False, True)):
         case = f"shape={shape} chunks={chunks} bias={with_bias}"
-        A = torch.randn(shape, generator=gen)
-        B = torch.randn(k, n, generator=gen)
-        bias = torch.randn(n, generator=gen)
-        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+        A = randn(shape, gen=gen, dev=dev)
+        B = randn(k, n, gen=gen, dev=dev)
+        bias = randn(n, gen=gen, dev=dev)
+        gy = randn(list(shape[:-1]) + [n], gen=gen, dev=dev)
         fA, fB, fbias = leaf(A), leaf(B), leaf(bias)
         ref = fA @ fB + (fbias if with_bias else 0)
         (ref * gy).sum().backward()
@@ -124,17 +129,17 @@ def _check_matmul_all_reduce(rank, world):
             close(bias_r.grad, fbias.grad, f"grad bias {case}")
 
 
-def _check_replicated_matmul(rank, world):
+def _check_replicated_matmul(rank, world, dev="cpu"):
     gen = torch.Generator().manual_seed(400 + world)
     k, n = 6, 5 * world + 1
     c0, c1 = tpx.shard_range(n)
     shapes = [(9, k), (2, 5, k)]
     for shape, chunks, with_bias in itertools.product(shapes, CHUNKS, (False, True)):
         case = f"shape={shape} chunks={chunks} bias={with_bias}"
-        A = torch.randn(shape, generator=gen)
-        B = torch.randn(k, n, generator=gen)
-        bias = torch.randn(n, generator=gen)
-        gy = torch.randn(list(shape[:-1]) + [n], generator=gen)
+        A = randn(shape, gen=gen, dev=dev)
+        B = randn(k, n, gen=gen, dev=dev)
+        bias = randn(n, gen=gen, dev=dev)
+        gy = randn(list(shape[:-1]) + [n], gen=gen, dev=dev)
         fA, fB, fbias = leaf(A), leaf(B), leaf(bias)
         ref = fA @ fB + (fbias if with_bias else 0)
         (ref * gy).sum().backward()
@@ -150,11 +155,11 @@ def _check_replicated_matmul(rank, world):
             close(bias_r.grad, fbias.grad[c0:c1], f"grad bias {case}")
 
 
-def _check_all_ops(rank, world):
-    _check_all_gather_matmul(rank, world)
-    _check_matmul_reduce_scatter(rank, world)
-    _check_matmul_all_reduce(rank, world)
-    _check_replicated_matmul(rank, world)
+def _check_all_ops(rank, world, dev="cpu"):
+    _check_all_gather_matmul(rank, world, dev)
+    _check_matmul_reduce_scatter(rank, world, dev)
+    _check_matmul_all_reduce(rank, world, dev)
+    _check_replicated_matmul(rank, world, dev)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -162,11 +167,11 @@ def test_ops_match_unsharded(world):
     run_ranks(_check_all_ops, world)
 
 
-def _check_chunks_agree(rank, world):
+def _check_chunks_agree(rank, world, dev="cpu"):
     """Every pipeline depth gives the numbers of chunks=1 (the non-overlapped reference)."""
     gen = torch.Generator().manual_seed(7)
-    a = torch.randn(2, 8, 16, generator=gen)
-    b = torch.randn(16, 12, generator=gen)
+    a = randn(2, 8, 16, gen=gen, dev=dev)
+    b = randn(16, 12, gen=gen, dev=dev)
     ref_g, ref = tpx.ops.all_gather_matmul(a, b, 1, chunks=1)
     ref_rs = tpx.ops.matmul_reduce_scatter(ref, b.t(), 1, chunks=1)
     ref_ar = tpx.ops.matmul_all_reduce(a, b, chunks=1)
@@ -184,7 +189,7 @@ def test_chunks_match_reference(world):
     run_ranks(_check_chunks_agree, world)
 
 
-def _opcheck_all(rank, world):
+def _opcheck_all(rank, world, dev="cpu"):
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(11)
     a = torch.randn(2, 4, 8, generator=gen, requires_grad=True)

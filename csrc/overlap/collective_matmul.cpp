@@ -59,9 +59,13 @@ std::vector<Span> split_even(int64_t n, int64_t parts) {
   return spans;
 }
 
+void check_chunks(std::optional<int64_t> chunks) {
+  TORCH_CHECK_VALUE(!chunks.has_value() || *chunks >= 1,
+                    "tpx: chunks must be >= 1 (or None for the default); got ", *chunks);
+}
+
 int64_t pick_chunks(std::optional<int64_t> chunks, int64_t extent) {
   const int64_t c = chunks.has_value() ? *chunks : default_chunks();
-  TORCH_CHECK_VALUE(c >= 1, "tpx: chunks must be >= 1 (or None for the default); got ", c);
   return std::max<int64_t>(1, std::min(c, extent));
 }
 
@@ -236,6 +240,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     const at::Tensor& a, const at::Tensor& b, int64_t gather_dim,
     const std::string& group_name, std::optional<int64_t> chunks, const OptTensor& bias) {
   check_operands("all_gather_matmul", a, b, bias, 2);
+  check_chunks(chunks);
   const int64_t gd = normalize_split_dim("all_gather_matmul", "gather_dim", gather_dim, a.dim());
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize();
@@ -268,6 +273,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
     const at::Tensor& b, int64_t gather_dim, const std::string& group_name,
     std::optional<int64_t> chunks, bool bias_grad) {
   check_operands("all_gather_matmul_backward", a_gathered, b, std::nullopt, 2);
+  check_chunks(chunks);
   const int64_t gd =
       normalize_split_dim("all_gather_matmul_backward", "gather_dim", gather_dim, a_gathered.dim());
   auto pg = resolve_group(group_name);
@@ -320,6 +326,7 @@ at::Tensor matmul_reduce_scatter(
     const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
     const std::string& group_name, std::optional<int64_t> chunks, const OptTensor& bias) {
   check_operands("matmul_reduce_scatter", a, b, bias, 2);
+  check_chunks(chunks);
   const int64_t sd =
       normalize_split_dim("matmul_reduce_scatter", "scatter_dim", scatter_dim, a.dim());
   auto pg = resolve_group(group_name);
@@ -355,6 +362,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(
     const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
     const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad) {
   check_operands("matmul_reduce_scatter_backward", a, b, std::nullopt, 2);
+  check_chunks(chunks);
   const int64_t sd =
       normalize_split_dim("matmul_reduce_scatter_backward", "scatter_dim", scatter_dim, a.dim());
   auto pg = resolve_group(group_name);
@@ -402,6 +410,7 @@ at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b,
                              const std::string& group_name, std::optional<int64_t> chunks,
                              const OptTensor& bias) {
   check_operands("matmul_all_reduce", a, b, bias, 1);
+  check_chunks(chunks);
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize(), rank = pg->getRank();
   const int64_t k = a.size(-1), n = b.size(1);
@@ -425,6 +434,7 @@ at::Tensor replicated_matmul(const at::Tensor& a, const at::Tensor& b,
                              const std::string& group_name, std::optional<int64_t> chunks,
                              const OptTensor& bias) {
   check_operands("replicated_matmul", a, b, bias, 1);
+  check_chunks(chunks);
   (void)resolve_group(group_name);  // validates the group; the forward needs no communication
   (void)chunks;
   const int64_t k = a.size(-1), n = b.size(1);
@@ -438,6 +448,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> replicated_matmul_backward(
     const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
     const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad) {
   check_operands("replicated_matmul_backward", a, b, std::nullopt, 1);
+  check_chunks(chunks);
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize();
   const int64_t k = a.size(-1), n = b.size(1);

@@ -108,7 +108,10 @@ def check_same_on_ranks(pg: dist.ProcessGroup, what: str, config: dict) -> None:
             raise ValueError(
                 f"tpx: {what}: ranks of the group were given different arguments "
                 f"(this rank {dist.get_rank(pg)} vs rank {rank}: {diff}). Every rank must build "
-                "the same model with the same arguments (and seed the RNG identically)."
+                "the same model with the same arguments; `initial_weights` differing means the "
+                "ranks drew different random weights: call torch.manual_seed(seed) with the same "
+                "seed on every rank before building tpx modules (or use from_linear / load a "
+                "checkpoint)."
             )
 
 

@@ -21,13 +21,14 @@ the default (``tpx.build_info()["default_chunks"]``, or ``TPX_DEFAULT_CHUNKS``).
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the operator library)
-from .group import GroupLike, group_name
+from .group import GroupLike, check_same_on_ranks, resolve_group
 
 __all__ = [
     "all_gather_matmul",
@@ -65,7 +66,9 @@ def all_gather_matmul(
         ``(a_gathered, out)``: ``a`` gathered along ``gather_dim`` in rank order, and the
         product, both with ``a.shape[gather_dim] * world_size`` entries along ``gather_dim``.
     """
-    return torch.ops.tpx.all_gather_matmul(a, b, gather_dim, group_name(group), chunks, bias)
+    # b (and bias) may hold a different number of columns on each rank; a may not differ.
+    name = _group_name("all_gather_matmul", group, a, gather_dim=gather_dim, k=b.shape[0])
+    return torch.ops.tpx.all_gather_matmul(a, b, gather_dim, name, chunks, bias)
 
 
 def matmul_reduce_scatter(
@@ -91,7 +94,9 @@ def matmul_reduce_scatter(
         group, chunks: as in :func:`all_gather_matmul`.
         bias: optional replicated ``[n]``, added once to the reduced result.
     """
-    return torch.ops.tpx.matmul_reduce_scatter(a, b, scatter_dim, group_name(group), chunks, bias)
+    name = _group_name("matmul_reduce_scatter", group, bias, scatter_dim=scatter_dim,
+                       out_shape=(*a.shape[:-1], b.shape[1]))
+    return torch.ops.tpx.matmul_reduce_scatter(a, b, scatter_dim, name, chunks, bias)
 
 
 def matmul_all_reduce(
@@ -113,7 +118,9 @@ def matmul_all_reduce(
         group, chunks: as in :func:`all_gather_matmul`.
         bias: optional replicated ``[n]``, added once to the reduced result.
     """
-    return torch.ops.tpx.matmul_all_reduce(a, b, group_name(group), chunks, bias)
+    # The contraction width (b.shape[0]) may differ by rank; the output shape may not.
+    name = _group_name("matmul_all_reduce", group, bias, out_shape=(*a.shape[:-1], b.shape[1]))
+    return torch.ops.tpx.matmul_all_reduce(a, b, name, chunks, bias)
 
 
 def replicated_matmul(
@@ -130,8 +137,24 @@ def replicated_matmul(
 
     Placement: ``a R, b S(1) -> out S(-1)``; ``grad_a`` is R (summed over ranks).
     """
-    return torch.ops.tpx.replicated_matmul(a, b, group_name(group), chunks, bias)
+    name = _group_name("replicated_matmul", group, a)
+    return torch.ops.tpx.replicated_matmul(a, b, name, chunks, bias)
 
+
+def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
+    """Resolves ``group``; with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
+    collective, that every rank calls ``op`` with the same shapes and dtypes, so that a
+    mismatch raises the same error on every rank instead of hanging one of them."""
+    pg = resolve_group(group)
+    if debug_checks_enabled() and pg.size() > 1 and not torch.compiler.is_compiling():
+        meta = [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]
+        check_same_on_ranks(pg, f"tpx.ops.{op}", dict(op=op, tensors=meta, **same))
+    return pg.group_name
+
+
+def debug_checks_enabled() -> bool:
+    """``TPX_DEBUG_CHECKS=1``: every collective op first checks that the ranks agree."""
+    return os.environ.get("TPX_DEBUG_CHECKS", "0") == "1"
 
 # ---------------------------------------------------------------------------------------------
 # Fake implementations: shapes, dtypes and strides exactly as the C++ kernels produce them.

@@ -1,0 +1,389 @@
+"""Benchmark of a tensor-parallel MLP block: column-parallel Linear -> ReLU -> row-parallel Linear.
+
+What is measured: one training step of the block -- ``zero_grad``, forward, and backward of
+``loss = (y * g).sum()`` for a fixed random ``g`` -- on a 2-D fp32 input ``[tokens, d]``
+(``d -> h -> d``), for these variants, all built from the same seeded ``nn.Linear`` weights:
+
+* ``tpx chunks=1``       tpx.ColumnParallelLinear / RowParallelLinear, collectives not overlapped;
+* ``tpx chunks=None/2/4`` the same layers with the collectives overlapped with the GEMMs;
+* ``DTensor TP``         ``parallelize_module`` with ColwiseParallel / RowwiseParallel (default
+                         input layouts) on a 1-D DeviceMesh, fed a plain replicated tensor;
+* ``single process``     the unsharded MLP in one process (one thread on CPU), timed on rank 0
+                         while the other ranks wait; ``ideal`` = its time / world size.
+
+Every variant is first checked against the unsharded reference (output, input gradient, and this
+rank's shard of the first layer's weight gradient; rtol = atol = 1e-4). Every timed iteration
+starts with a barrier; an iteration's time is the maximum over ranks; the median (and min) over
+iterations is reported. Results go to ``benchmarks/results/bench_linear_<device>_tp<world>.json``.
+
+Run:
+    python benchmarks/bench_linear.py                  # CPU: 2 gloo ranks spawned, 1 thread each
+    python benchmarks/bench_linear.py --shapes small --quick
+    torchrun --nproc-per-node 2 benchmarks/bench_linear.py --device cuda   # NCCL, >= 2 GPUs
+
+With ``--device cuda`` and a single GPU the TP block is not run; instead one monolithic bf16 GEMM
+is compared with the row-chunked decomposition tpx uses (M split into 2/4/8 chunks, each written
+into a slice of a preallocated output), timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
+REPEATS = {"small": 20, "large": 5}
+WARMUP = {"small": 5, "large": 2}
+TOL = dict(rtol=1e-4, atol=1e-4)
+SEED = 1234
+GEMM_SHAPES = [(8192, 8192, 3584), (8192, 3584, 8192)]  # (M, K, N)
+GEMM_CHUNKS = (1, 2, 4, 8)
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+class MLP(nn.Module):
+    def __init__(self, fc1: nn.Module, fc2: nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = fc1, nn.ReLU(), fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def step(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """One timed unit of work: zero_grad + forward + backward."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    y = model(x)
+    (y * g).sum().backward()
+    return y
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(model, x, g, warmup: int, repeats: int, device, distributed: bool) -> list:
+    """Per-iteration wall times in ms; with ``distributed`` each iteration starts at a barrier
+    and its time is the max over ranks."""
+    for _ in range(warmup):
+        step(model, x, g)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        if distributed:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step(model, x, g)
+        synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    if distributed:
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = t.tolist()
+    return times
+
+
+def check_variant(name: str, model, x, g, expect: dict, rows: tuple, device) -> None:
+    """Compares one step of ``model`` with the unsharded reference; every rank raises if any
+    rank disagrees (so no rank is left waiting in a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    y = step(model, x, g)
+    w_grad = model.fc1.weight.grad
+    got = {"output": y.full_tensor() if isinstance(y, DTensor) else y,
+           "input gradient": x.grad,
+           "fc1 weight-gradient shard":
+               w_grad.to_local() if isinstance(w_grad, DTensor) else w_grad}
+    want = {"output": expect["y"], "input gradient": expect["x_grad"],
+            "fc1 weight-gradient shard": expect["w1_grad"][rows[0]:rows[1]]}
+    error = ""
+    for key, value in got.items():
+        try:
+            if value is None:
+                raise AssertionError("it is None")
+            torch.testing.assert_close(value.detach(), want[key], **TOL)
+        except AssertionError as e:
+            error = (f"{name}: the {key} differs from the unsharded reference on rank "
+                     f"{dist.get_rank()}:\n{e}")
+            break
+    flag = torch.tensor([1.0 if error else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise RuntimeError(error or f"{name}: another rank disagrees with the reference; "
+                                    "see its error message")
+
+
+def build_variants(ref: MLP, device: torch.device, world: int) -> dict:
+    import tpx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    default = tpx.build_info()["default_chunks"]
+    variants = {}
+    for label, chunks in [("tpx chunks=1", 1), (f"tpx chunks=None (={default})", None),
+                          ("tpx chunks=2", 2), ("tpx chunks=4", 4)]:
+        variants[label] = MLP(tpx.ColumnParallelLinear.from_linear(ref.fc1, chunks=chunks),
+                              tpx.RowParallelLinear.from_linear(ref.fc2, chunks=chunks))
+    mesh = init_device_mesh(device.type, (world,))
+    variants["DTensor TP"] = parallelize_module(
+        copy.deepcopy(ref), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return variants
+
+
+def bench_shape(name: str, args, device, world: int) -> list:
+    import tpx
+
+    shape = SHAPES[name]
+    repeats = args.repeats or REPEATS[name]
+    warmup = WARMUP[name] if args.warmup is None else args.warmup
+    torch.manual_seed(SEED)  # identical on every rank: same weights, input and g
+    ref = MLP(nn.Linear(shape["d"], shape["h"]), nn.Linear(shape["h"], shape["d"])).to(device)
+    x = torch.randn(shape["tokens"], shape["d"], device=device, requires_grad=True)
+    g = torch.randn(shape["tokens"], shape["d"], device=device)
+    y = step(ref, x, g)
+    expect = {"y": y.detach().clone(), "x_grad": x.grad.clone(),
+              "w1_grad": ref.fc1.weight.grad.clone()}
+    rows = tpx.shard_range(shape["h"])
+
+    variants = build_variants(ref, device, world)
+    for label, model in variants.items():
+        check_variant(label, model, x, g, expect, rows, device)
+
+    results = []
+    if dist.get_rank() == 0:  # the unsharded model, one process; the other ranks wait
+        times = time_steps(ref, x, g, warmup, repeats, device, distributed=False)
+        results.append(dict(variant="single process", times_ms=times))
+    dist.barrier()
+    for label, model in variants.items():
+        times = time_steps(model, x, g, warmup, repeats, device, distributed=True)
+        results.append(dict(variant=label, times_ms=times))
+    for r in results:
+        r.update(shape=name, median_ms=statistics.median(r["times_ms"]),
+                 min_ms=min(r["times_ms"]), repeats=repeats, warmup=warmup)
+    return results
+
+
+def add_ratios(results: list, world: int) -> None:
+    by = {r["variant"]: r for r in results}
+    single = by["single process"]["median_ms"]
+    dtensor = by["DTensor TP"]["median_ms"]
+    serial = by["tpx chunks=1"]["median_ms"]
+    ideal = single / world
+    for r in results:
+        r["ideal_ms"] = ideal
+        r["vs_dtensor"] = r["median_ms"] / dtensor
+        r["vs_ideal"] = r["median_ms"] / ideal
+        if r["variant"].startswith("tpx") and r["variant"] != "tpx chunks=1":
+            r["vs_tpx_chunks1"] = r["median_ms"] / serial
+
+
+def format_table(headers: list, rows: list) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def environment(device: torch.device, world: int, backend: str) -> dict:
+    env = dict(torch=torch.__version__, python=platform.python_version(),
+               platform=platform.platform(), cpu_count=os.cpu_count(),
+               cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(),
+               cpu_capability=torch.backends.cpu.get_cpu_capability(),
+               threads_per_rank=torch.get_num_threads(),
+               interop_threads=torch.get_num_interop_threads(),
+               world_size=world, backend=backend, device=device.type)
+    try:
+        import tpx
+        env.update(tpx=tpx.__version__, tpx_build=tpx.build_info())
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return env
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def print_env(env: dict) -> None:
+    print("environment: " + ", ".join(f"{k}={env[k]}" for k in (
+        "torch", "tpx", "device", "backend", "world_size", "threads_per_rank", "cpu_count",
+        "cpus_usable", "cpu_capability", "gpu") if k in env))
+
+
+def run_tp(rank: int, world: int, args, init_method: str, local_rank: int) -> None:
+    """The TP benchmark on one rank (spawned, or started by torchrun)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        torch.set_num_threads(1)
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    try:
+        env = environment(device, world, backend)
+        if rank == 0:
+            print_env(env)
+        results = []
+        for name in args.shapes:
+            if rank == 0:
+                print(f"running {name} {SHAPES[name]} ...", flush=True)
+            shape_results = bench_shape(name, args, device, world)
+            if rank == 0:
+                add_ratios(shape_results, world)
+                results += shape_results
+        if rank == 0:
+            report_tp(results, env, args, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def report_tp(results: list, env: dict, args, world: int) -> None:
+    fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = [[r["shape"], r["variant"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}",
+             fmt(r["vs_dtensor"]), fmt(r["vs_ideal"]), fmt(r.get("vs_tpx_chunks1"))]
+            for r in results]
+    print(f"\nMLP fwd+bwd, fp32, TP={world} ({env['backend']}), ratios are median / median "
+          "(lower is better); ideal = single process / world size")
+    print(format_table(["shape", "variant", "median ms", "min ms", "vs DTensor", "vs ideal",
+                        "vs tpx chunks=1"], rows))
+    path = Path(args.out) if args.out else RESULTS_DIR / f"bench_linear_{args.device}_tp{world}.json"
+    payload = dict(benchmark="bench_linear: MLP column->ReLU->row, fwd+bwd",
+                   shapes={n: SHAPES[n] for n in args.shapes},
+                   config=dict(vars(args), seed=SEED, tolerance=TOL, dtype="float32"),
+                   environment=env, results=results)
+    print(f"\nwrote {write_json(path, payload)}")
+
+
+def _spawned(rank: int, world: int, args, init_method: str) -> None:
+    run_tp(rank, world, args, init_method, local_rank=rank)
+
+
+def gemm_bench(args, device: str = "cuda", shapes=GEMM_SHAPES, dtype=torch.bfloat16) -> None:
+    """One GPU: a monolithic GEMM vs tpx's row-chunked decomposition of it."""
+    dev = torch.device(device)
+    repeats, warmup = args.repeats or 20, 5 if args.warmup is None else args.warmup
+    records = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=dev, dtype=dtype) / k ** 0.5
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        out = torch.empty(m, n, device=dev, dtype=dtype)
+        expect = torch.mm(a, b)
+
+        def run(chunks: int) -> None:
+            base, extra, lo = m // chunks, m % chunks, 0
+            for i in range(chunks):
+                hi = lo + base + (i < extra)
+                torch.mm(a[lo:hi], b, out=out[lo:hi])
+                lo = hi
+
+        for chunks in GEMM_CHUNKS:
+            out.zero_()
+            run(chunks)
+            torch.testing.assert_close(out, expect, rtol=1.6e-2, atol=1e-2)
+            for _ in range(warmup):
+                run(chunks)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run(chunks)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            med = statistics.median(times)
+            records.append(dict(m=m, k=k, n=n, chunks=chunks, times_ms=times, median_ms=med,
+                                min_ms=min(times), tflops=2 * m * k * n / med / 1e9))
+    for r in records:
+        mono = next(x for x in records if x["chunks"] == 1 and (x["m"], x["k"], x["n"])
+                    == (r["m"], r["k"], r["n"]))
+        r["vs_monolithic"] = r["median_ms"] / mono["median_ms"]
+    env = environment(dev, 1, "none")
+    print_env(env)
+    print(f"\nGEMM {dtype}, monolithic (chunks=1) vs M split into chunks; CUDA events")
+    print(format_table(
+        ["M x K x N", "chunks", "median ms", "min ms", "TFLOP/s", "vs monolithic"],
+        [[f"{r['m']}x{r['k']}x{r['n']}", r["chunks"], f"{r['median_ms']:.3f}",
+          f"{r['min_ms']:.3f}", f"{r['tflops']:.1f}", f"{r['vs_monolithic']:.3f}"]
+         for r in records]))
+    path = Path(args.out) if args.out else RESULTS_DIR / f"bench_linear_{device}_tp1.json"
+    payload = dict(benchmark="bench_linear: single-GPU GEMM decomposition",
+                   shapes=[dict(m=m, k=k, n=n) for m, k, n in shapes],
+                   config=dict(vars(args), dtype=str(dtype)), environment=env, results=records)
+    print(f"\nwrote {write_json(path, payload)}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="ranks to spawn (ignored under torchrun; default 2)")
+    p.add_argument("--shapes", default="small,large",
+                   help=f"comma-separated subset of {','.join(SHAPES)} (default: all)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed iterations (default: small 20, large 5; GEMM 20)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up iterations (default: small 5, large 2; GEMM 5)")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 2 repeats, 1 warm-up")
+    args = p.parse_args(argv)
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown or not args.shapes:
+        p.error(f"--shapes: unknown {unknown}; choose from {list(SHAPES)}")
+    if args.quick:
+        args.repeats = args.repeats or 2
+        args.warmup = 1 if args.warmup is None else args.warmup
+    if args.world_size < 1 or (args.repeats is not None and args.repeats < 1):
+        p.error("--world-size and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        if args.device == "cuda" and world == 1:
+            return gemm_bench(args)
+        run_tp(int(os.environ["RANK"]), world, args, "env://",
+               local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        return
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available")
+        if torch.cuda.device_count() < 2:
+            return gemm_bench(args)
+        args.world_size = min(args.world_size, torch.cuda.device_count())
+    tmpdir = tempfile.mkdtemp(prefix="bench_linear_")
+    try:
+        init_method = f"file://{os.path.join(tmpdir, 'store')}"
+        mp.spawn(_spawned, args=(args.world_size, args, init_method), nprocs=args.world_size)
+    except mp.ProcessRaisedException as e:
+        raise SystemExit(f"bench_linear aborted: {e}") from None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
