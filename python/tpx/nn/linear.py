@@ -94,6 +94,18 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"tpx.{name}: input is on {x.device} but the weight is on "
                              f"{self.weight.device}; move one of them")
 
+    def reset_parameters(self) -> Optional[float]:
+        """Draws the full ``nn.Linear`` initialisation (same RNG calls as ``nn.Linear``) and
+        keeps this rank's shard; returns a checksum of the full weights (``None`` on the meta
+        device), which the constructor compares across ranks."""
+        if self.weight.device.type == "meta":
+            return None
+        w, b = _full_linear_init(self.in_features, self.out_features, self.bias is not None,
+                                 self.weight.device, self.weight.dtype)
+        with torch.no_grad():
+            self._load_full(w, b)
+        return tensor_checksum(w)
+
     @classmethod
     def _from_linear(cls, linear: nn.Linear, group: GroupLike, kwargs: dict):
         if not isinstance(linear, nn.Linear):
@@ -162,17 +174,6 @@ class ColumnParallelLinear(_ParallelLinear):
             in_features=in_features, out_features=out_features, bias=bool(bias),
             gather_output=self.gather_output, sequence_parallel=self.sequence_parallel,
             sequence_dim=sequence_dim, dtype=str(self.weight.dtype), initial_weights=checksum))
-
-    def reset_parameters(self) -> Optional[float]:
-        """Draws the full ``nn.Linear`` initialisation and keeps this rank's rows; returns a
-        checksum of the full weights (``None`` on the meta device)."""
-        if self.weight.device.type == "meta":
-            return None
-        w, b = _full_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                 self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self._load_full(w, b)
-        return tensor_checksum(w)
 
     def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
         self.weight.copy_(weight[self.out_start:self.out_end])
@@ -253,17 +254,6 @@ class RowParallelLinear(_ParallelLinear):
             in_features=in_features, out_features=out_features, bias=bool(bias),
             input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel,
             sequence_dim=sequence_dim, dtype=str(self.weight.dtype), initial_weights=checksum))
-
-    def reset_parameters(self) -> Optional[float]:
-        """Draws the full ``nn.Linear`` initialisation and keeps this rank's columns; returns
-        a checksum of the full weights (``None`` on the meta device)."""
-        if self.weight.device.type == "meta":
-            return None
-        w, b = _full_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                 self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self._load_full(w, b)
-        return tensor_checksum(w)
 
     def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
         self.weight.copy_(weight[:, self.in_start:self.in_end])
