@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
-REPEATS = {"small": 20, "large": 5}
+REPEATS = {"small": 60, "large": 10}
 WARMUP = {"small": 5, "large": 2}
 TOL = dict(rtol=1e-4, atol=1e-4)
 SEED = 1234
@@ -150,6 +150,9 @@ def bench_shape(name: str, args, device, world: int) -> list:
     import tpx
 
     shape = SHAPES[name]
+    if shape["h"] % world:  # DTensor's RowwiseParallel rebuilds the global shape as local * world
+        raise ValueError(f"{name}: h={shape['h']} must divide by the world size {world} for the "
+                         "DTensor variant")
     repeats = args.repeats or REPEATS[name]
     warmup = WARMUP[name] if args.warmup is None else args.warmup
     torch.manual_seed(SEED)  # identical on every rank: same weights, input and g
@@ -195,8 +198,10 @@ def add_ratios(results: list, world: int) -> None:
 
 def format_table(headers: list, rows: list) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    line = lambda cells: "  ".join(  # noqa: E731
-        str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list) -> str:  # the first two columns are text, the others numbers
+        return "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -267,7 +272,7 @@ def report_tp(results: list, env: dict, args, world: int) -> None:
           "(lower is better); ideal = single process / world size")
     print(format_table(["shape", "variant", "median ms", "min ms", "vs DTensor", "vs ideal",
                         "vs tpx chunks=1"], rows))
-    path = Path(args.out) if args.out else RESULTS_DIR / f"bench_linear_{args.device}_tp{world}.json"
+    path = Path(args.out or RESULTS_DIR / f"bench_linear_{args.device}_tp{world}.json")
     payload = dict(benchmark="bench_linear: MLP column->ReLU->row, fwd+bwd",
                    shapes={n: SHAPES[n] for n in args.shapes},
                    config=dict(vars(args), seed=SEED, tolerance=TOL, dtype="float32"),
@@ -305,7 +310,8 @@ def gemm_bench(args, device: str = "cuda", shapes=GEMM_SHAPES, dtype=torch.bfloa
                 run(chunks)
             times = []
             for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 run(chunks)
                 end.record()
@@ -326,7 +332,7 @@ def gemm_bench(args, device: str = "cuda", shapes=GEMM_SHAPES, dtype=torch.bfloa
         [[f"{r['m']}x{r['k']}x{r['n']}", r["chunks"], f"{r['median_ms']:.3f}",
           f"{r['min_ms']:.3f}", f"{r['tflops']:.1f}", f"{r['vs_monolithic']:.3f}"]
          for r in records]))
-    path = Path(args.out) if args.out else RESULTS_DIR / f"bench_linear_{device}_tp1.json"
+    path = Path(args.out or RESULTS_DIR / f"bench_linear_{device}_tp1.json")
     payload = dict(benchmark="bench_linear: single-GPU GEMM decomposition",
                    shapes=[dict(m=m, k=k, n=n) for m, k, n in shapes],
                    config=dict(vars(args), dtype=str(dtype)), environment=env, results=records)

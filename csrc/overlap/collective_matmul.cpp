@@ -64,10 +64,20 @@ void check_chunks(std::optional<int64_t> chunks) {
                     "tpx: chunks must be >= 1 (or None for the default); got ", *chunks);
 }
 
-int64_t pick_chunks(std::optional<int64_t> chunks, int64_t extent) {
-  const int64_t c = chunks.has_value() ? *chunks : default_chunks();
+// The default pipeline depth gives every chunk's collective at least this many bytes: below
+// it a collective costs mostly its fixed latency, and splitting it only adds latencies.
+constexpr int64_t kMinDefaultChunkBytes = int64_t{1} << 20;
+
+// The pipeline depth for a collective that moves `bytes` per rank in `extent` splittable units.
+// Callers pass the size of a buffer whose shape every rank shares (never an uneven shard), so
+// all ranks pick the same depth and issue matching collectives.
+int64_t pick_chunks(std::optional<int64_t> chunks, int64_t extent, int64_t bytes) {
+  int64_t c = chunks.has_value() ? *chunks : default_chunks();
+  if (!chunks.has_value()) c = std::min(c, std::max<int64_t>(1, bytes / kMinDefaultChunkBytes));
   return std::max<int64_t>(1, std::min(c, extent));
 }
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 int64_t normalize_split_dim(const char* op, const char* name, int64_t dim, int64_t ndim) {
   const int64_t d = dim < 0 ? dim + ndim : dim;
@@ -260,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     g2.copy_(a2);
     gemm_into(out2, a2, b, bias);
   } else {
-    gather_pipeline(*pg, a2, g2, extent, inner, pick_chunks(chunks, extent),
+    gather_pipeline(*pg, a2, g2, extent, inner, pick_chunks(chunks, extent, nbytes(a2)),
                     [&](int64_t row, const at::Tensor& piece) {
                       gemm_into(out2.narrow(0, row, piece.size(0)), piece, b, bias);
                     });
@@ -310,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
   if (world == 1) {
     produce(ga2, 0);
   } else {
-    const int64_t c = pick_chunks(chunks, extent);
+    const int64_t c = pick_chunks(chunks, extent, nbytes(ga2));
     pending = scatter_pipeline(*pg, ga2, extent, inner, c, produce);
     if (c == 1) pending.wait();  // the serial reference
   }
@@ -349,7 +359,7 @@ at::Tensor matmul_reduce_scatter(
   } else {
     // The bias is added once, by rank 0, before the reduction: no extra pass over the output.
     const OptTensor bias_here = rank == 0 ? bias : std::nullopt;
-    scatter_pipeline(*pg, out2, extent, inner, pick_chunks(chunks, extent),
+    scatter_pipeline(*pg, out2, extent, inner, pick_chunks(chunks, extent, nbytes(out2)),
                      [&](const at::Tensor& dst, int64_t row) {
                        gemm_into(dst, a2.narrow(0, row, dst.size(0)), b, bias_here);
                      })
@@ -399,7 +409,8 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(
     on_piece(0, g2);
   } else {
     gathered = at::empty({total * inner, n}, g2.options());
-    gather_pipeline(*pg, g2, gathered, extent, inner, pick_chunks(chunks, extent), on_piece);
+    gather_pipeline(*pg, g2, gathered, extent, inner,
+                    pick_chunks(chunks, extent, nbytes(g2)), on_piece);
   }
   OptTensor grad_bias;
   if (bias_grad) grad_bias = gathered.sum(0);
@@ -422,7 +433,7 @@ at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b,
     return out;
   }
   const OptTensor bias_here = rank == 0 ? bias : std::nullopt;
-  allreduce_pipeline(*pg, out2, pick_chunks(chunks, a2.size(0)),
+  allreduce_pipeline(*pg, out2, pick_chunks(chunks, a2.size(0), nbytes(out2)),
                      [&](const at::Tensor& dst, int64_t row) {
                        gemm_into(dst, a2.narrow(0, row, dst.size(0)), b, bias_here);
                      })
@@ -465,7 +476,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> replicated_matmul_backward(
   if (world == 1) {
     produce(ga2, 0);
   } else {
-    const int64_t c = pick_chunks(chunks, a2.size(0));
+    const int64_t c = pick_chunks(chunks, a2.size(0), nbytes(ga2));
     // The input-gradient all-reduce is issued before the weight-gradient GEMM and waited
     // after it (chunks == 1, the serial reference, waits at once).
     pending = allreduce_pipeline(*pg, ga2, c, produce);

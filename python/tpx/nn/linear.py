@@ -36,6 +36,12 @@ from ..group import (GroupLike, _range, check_same_on_ranks, resolve_group, shar
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
+def _default_chunks() -> int:
+    from .. import build_info
+
+    return build_info()["default_chunks"]
+
+
 def _check_features(cls: str, **sizes: int) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -115,12 +121,25 @@ class _ParallelLinear(nn.Module):
             if key in kwargs:
                 raise ValueError(f"tpx.{cls.__name__}.from_linear: `{key}` is taken from the "
                                  "linear layer; do not pass it")
-        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                     group=group, device="meta", dtype=linear.weight.dtype, **kwargs)
-        module.to_empty(device=linear.weight.device)
+        return cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                   group=group, device=linear.weight.device, dtype=linear.weight.dtype,
+                   _full_weights=(linear.weight, linear.bias), **kwargs)
+
+    def _init_weights(self, full_weights) -> Optional[float]:
+        """Fills the shards, from ``full_weights`` (``from_linear``) or from a fresh
+        initialisation; returns the checksum of the full weights compared across ranks."""
+        if full_weights is None:
+            return self.reset_parameters()
         with torch.no_grad():
-            module._load_full(linear.weight, linear.bias)
-        return module
+            self._load_full(*full_weights)
+        return tensor_checksum(full_weights[0])
+
+    def _config(self, **config) -> dict:
+        # chunks decides how many collectives run, so it must agree too.
+        return dict(config, in_features=self.in_features, out_features=self.out_features,
+                    bias=self.bias is not None, sequence_parallel=self.sequence_parallel,
+                    sequence_dim=self.sequence_dim, chunks=self.chunks,
+                    default_chunks=_default_chunks(), dtype=str(self.weight.dtype))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -154,7 +173,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: GroupLike = None, gather_output: bool = False,
                  sequence_parallel: bool = False, sequence_dim: int = 1,
-                 chunks: Optional[int] = None, device=None, dtype=None) -> None:
+                 chunks: Optional[int] = None, device=None, dtype=None,
+                 _full_weights=None) -> None:
         super().__init__()
         _check_features("ColumnParallelLinear", in_features=in_features,
                         out_features=out_features)
@@ -169,11 +189,9 @@ class ColumnParallelLinear(_ParallelLinear):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(local, **factory)) if bias else None
-        checksum = self.reset_parameters()
-        check_same_on_ranks(self.group, "ColumnParallelLinear", dict(
-            in_features=in_features, out_features=out_features, bias=bool(bias),
-            gather_output=self.gather_output, sequence_parallel=self.sequence_parallel,
-            sequence_dim=sequence_dim, dtype=str(self.weight.dtype), initial_weights=checksum))
+        checksum = self._init_weights(_full_weights)
+        check_same_on_ranks(self.group, "ColumnParallelLinear", self._config(
+            gather_output=self.gather_output, initial_weights=checksum))
 
     def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
         self.weight.copy_(weight[self.out_start:self.out_end])
@@ -234,7 +252,8 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: GroupLike = None, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, sequence_dim: int = 1,
-                 chunks: Optional[int] = None, device=None, dtype=None) -> None:
+                 chunks: Optional[int] = None, device=None, dtype=None,
+                 _full_weights=None) -> None:
         super().__init__()
         _check_features("RowParallelLinear", in_features=in_features, out_features=out_features)
         _check_chunks("RowParallelLinear", chunks)
@@ -249,11 +268,9 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(
             torch.empty(out_features, self.in_end - self.in_start, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        checksum = self.reset_parameters()
-        check_same_on_ranks(self.group, "RowParallelLinear", dict(
-            in_features=in_features, out_features=out_features, bias=bool(bias),
-            input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel,
-            sequence_dim=sequence_dim, dtype=str(self.weight.dtype), initial_weights=checksum))
+        checksum = self._init_weights(_full_weights)
+        check_same_on_ranks(self.group, "RowParallelLinear", self._config(
+            input_is_parallel=self.input_is_parallel, initial_weights=checksum))
 
     def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
         self.weight.copy_(weight[:, self.in_start:self.in_end])
