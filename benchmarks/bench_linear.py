@@ -5,16 +5,18 @@ What is measured: one training step of the block -- ``zero_grad``, forward, and 
 (``d -> h -> d``), for these variants, all built from the same seeded ``nn.Linear`` weights:
 
 * ``tpx chunks=1``       tpx.ColumnParallelLinear / RowParallelLinear, collectives not overlapped;
-* ``tpx chunks=None/2/4`` the same layers with the collectives overlapped with the GEMMs;
+* ``tpx default chunks/2/4`` the same layers, collectives overlapped with the GEMMs (the
+                         default depth is 1 for messages under 1 MiB, else 2);
 * ``DTensor TP``         ``parallelize_module`` with ColwiseParallel / RowwiseParallel (default
                          input layouts) on a 1-D DeviceMesh, fed a plain replicated tensor;
 * ``single process``     the unsharded MLP in one process (one thread on CPU), timed on rank 0
                          while the other ranks wait; ``ideal`` = its time / world size.
 
 Every variant is first checked against the unsharded reference (output, input gradient, and this
-rank's shard of the first layer's weight gradient; rtol = atol = 1e-4). Every timed iteration
-starts with a barrier; an iteration's time is the maximum over ranks; the median (and min) over
-iterations is reported. Results go to ``benchmarks/results/bench_linear_<device>_tp<world>.json``.
+rank's shard of the first layer's weight gradient; rtol = atol = 1e-4). A timed sample is a
+block of steps run back to back after one barrier (10 steps for the small shape, 1 for the
+large); its time per step is the maximum over ranks. Variants are sampled round robin and the
+median (and min) over samples is reported. Results go to ``benchmarks/results/bench_linear_<device>_tp<world>.json``.
 
 Run:
     python benchmarks/bench_linear.py                  # CPU: 2 gloo ranks spawned, 1 thread each
@@ -47,6 +49,7 @@ from torch import nn
 SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
 REPEATS = {"small": 60, "large": 10}
 WARMUP = {"small": 5, "large": 2}
+BLOCK = {"small": 10, "large": 1}  # steps per timed sample
 TOL = dict(rtol=1e-4, atol=1e-4)
 SEED = 1234
 GEMM_SHAPES = [(8192, 8192, 3584), (8192, 3584, 8192)]  # (M, K, N)
@@ -77,9 +80,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(model, x, g, warmup: int, repeats: int, device, distributed: bool) -> list:
-    """Per-iteration wall times in ms; with ``distributed`` each iteration starts at a barrier
-    and its time is the max over ranks."""
+def time_steps(model, x, g, warmup: int, repeats: int, device, distributed: bool,
+               block: int = 1) -> list:
+    """Per-step wall times in ms: each sample runs ``block`` steps back to back (as training
+    does, with no barrier between steps) after one barrier, and reports their mean; with
+    ``distributed`` a sample's time is the max over ranks."""
     for _ in range(warmup):
         step(model, x, g)
     times = []
@@ -88,9 +93,10 @@ def time_steps(model, x, g, warmup: int, repeats: int, device, distributed: bool
         if distributed:
             dist.barrier()
         t0 = time.perf_counter()
-        step(model, x, g)
+        for _ in range(block):
+            step(model, x, g)
         synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((time.perf_counter() - t0) * 1e3 / block)
     if distributed:
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -134,9 +140,8 @@ def build_variants(ref: MLP, device: torch.device, world: int) -> dict:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    default = tpx.build_info()["default_chunks"]
     variants = {}
-    for label, chunks in [("tpx chunks=1", 1), (f"tpx chunks=None (={default})", None),
+    for label, chunks in [("tpx chunks=1", 1), ("tpx default chunks", None),
                           ("tpx chunks=2", 2), ("tpx chunks=4", 4)]:
         variants[label] = MLP(tpx.ColumnParallelLinear.from_linear(ref.fc1, chunks=chunks),
                               tpx.RowParallelLinear.from_linear(ref.fc2, chunks=chunks))
@@ -168,17 +173,25 @@ def bench_shape(name: str, args, device, world: int) -> list:
     for label, model in variants.items():
         check_variant(label, model, x, g, expect, rows, device)
 
+    block = BLOCK[name]
     results = []
     if dist.get_rank() == 0:  # the unsharded model, one process; the other ranks wait
-        times = time_steps(ref, x, g, warmup, repeats, device, distributed=False)
+        times = time_steps(ref, x, g, warmup, repeats, device, distributed=False, block=block)
         results.append(dict(variant="single process", times_ms=times))
     dist.barrier()
-    for label, model in variants.items():
-        times = time_steps(model, x, g, warmup, repeats, device, distributed=True)
-        results.append(dict(variant=label, times_ms=times))
+    # Round robin: every round takes one sample of each variant, so slow drifts of the
+    # machine's speed spread over all variants instead of landing on one.
+    for model in variants.values():
+        time_steps(model, x, g, warmup, 0, device, distributed=True)
+    samples = {label: [] for label in variants}
+    for _ in range(repeats):
+        for label, model in variants.items():
+            samples[label] += time_steps(model, x, g, 0, 1, device, distributed=True, block=block)
+    results += [dict(variant=label, times_ms=t) for label, t in samples.items()]
     for r in results:
         r.update(shape=name, median_ms=statistics.median(r["times_ms"]),
-                 min_ms=min(r["times_ms"]), repeats=repeats, warmup=warmup)
+                 min_ms=min(r["times_ms"]), repeats=repeats, warmup=warmup,
+                 steps_per_sample=block)
     return results
 
 
@@ -244,6 +257,11 @@ def run_tp(rank: int, world: int, args, init_method: str, local_rank: int) -> No
     else:
         torch.set_num_threads(1)
         device, backend = torch.device("cpu"), "gloo"
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if args.pin and len(cpus) >= world:
+            # One core per rank, for every variant alike: the rank's compute thread and its
+            # gloo threads stay together instead of migrating between cores.
+            os.sched_setaffinity(0, {cpus[local_rank]})
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
         env = environment(device, world, backend)
@@ -353,6 +371,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="warm-up iterations (default: small 5, large 2; GEMM 5)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     p.add_argument("--quick", action="store_true", help="smoke test: 2 repeats, 1 warm-up")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin each CPU rank to its own core (pinned by default)")
     args = p.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]
