@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import tpx
@@ -154,3 +155,28 @@ def test_shard_range_matches_torch_chunk():
             start, end = tpx.group._range(size, rank, world)
             expected = pieces[rank] if rank < len(pieces) else torch.arange(0)
             assert torch.equal(torch.arange(size)[start:end], expected), (size, world, rank)
+
+
+def _check_subgroups(rank, world):
+    """Two TP groups side by side (data parallel x tensor parallel): each group's layers
+    equal nn.Linear, and the groups do not interfere."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    torch.manual_seed(31 + rank // 2)  # the two groups hold different models
+    ref1, ref2 = nn.Linear(6, 10), nn.Linear(10, 6)
+    col = tpx.ColumnParallelLinear.from_linear(ref1, group=mine)
+    row = tpx.RowParallelLinear.from_linear(ref2, group=mine, chunks=2)
+    assert (col.rank, col.world_size) == (rank % 2, 2)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank // 2))
+    xr = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    y, y_ref = row(torch.relu(col(x))), ref2(torch.relu(ref1(xr)))
+    close(y, y_ref.detach(), "subgroup forward")
+    y.sum().backward()
+    y_ref.sum().backward()
+    close(x.grad, xr.grad, "subgroup grad input")
+    close(col.weight.grad, ref1.weight.grad[col.out_start:col.out_end], "subgroup grad W")
+
+
+def test_two_tp_groups_side_by_side():
+    run_ranks(_check_subgroups, 4)
