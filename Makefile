@@ -41,6 +41,7 @@ $(VENV)/.deps-installed:
 
 $(STAMP): $(DEPS) $(EXT_INPUTS)
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
+	@$(PY) -c "import tpx; i = tpx.build_info(); print('tpx', i['version'], 'built', 'WITH CUDA kernels' if i['cuda'] else 'CPU-only (no CUDA kernels: torch has no CUDA or nvcc was not found)')"
 	mkdir -p build && touch $@
 
 # Every CUDA source must compile with bare nvcc (no torch headers) for sm_80 and sm_90a.

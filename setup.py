@@ -55,7 +55,7 @@ def _sources(with_cuda):
 
 def _extension():
     with_cuda = _want_cuda()
-    cxx = ["-O3", "-std=c++17"]
+    cxx = ["-O3"]
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
         return CUDAExtension(
@@ -63,7 +63,7 @@ def _extension():
             _sources(True),
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TPX_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
         )
     return CppExtension(
         "tpx._C",

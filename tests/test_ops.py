@@ -203,6 +203,19 @@ def _opcheck_all(rank, world, dev="cpu"):
         (torch.ops.tpx.matmul_all_reduce.default, (a, w.t(), name, 2, bias)),
         (torch.ops.tpx.replicated_matmul.default, (a, w.t(), name, 2, bias)),
     ]
+    # The backward operators, on inputs shaped as their forwards produce them.
+    g_ag = randn(2, 4 * world, 6, gen=gen, dev="cpu")
+    gathered = randn(2, 4 * world, 8, gen=gen, dev="cpu")
+    cases += [
+        (torch.ops.tpx.all_gather_matmul_backward.default,
+         (g_ag, None, gathered, w.detach().t(), 1, name, 2, True)),
+        (torch.ops.tpx.all_gather_matmul_backward.default,
+         (g_ag, gathered.clone(), gathered, w.detach().t(), 1, name, 1, False)),
+        (torch.ops.tpx.matmul_reduce_scatter_backward.default,
+         (randn(2, 4, 6, gen=gen, dev="cpu"), r.detach(), w.detach().t(), 1, name, 2, True)),
+        (torch.ops.tpx.replicated_matmul_backward.default,
+         (randn(2, 4, 6, gen=gen, dev="cpu"), a.detach(), w.detach().t(), name, 2, False)),
+    ]
     for op, args in cases:
         torch.library.opcheck(op, args)
 

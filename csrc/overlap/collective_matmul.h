@@ -15,7 +15,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/Optional.h>
+#include <optional>
 
 #include <string>
 #include <tuple>
