@@ -260,14 +260,16 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
   const int64_t k = am.size(-1), n = b.size(1);
   auto gshape = am.sizes().vec();
   gshape[0] *= world;
-  at::Tensor gathered = at::empty(gshape, a.options());
+  // At world size 1 the dim-first copy of `a`, when one was made, already is the result.
+  const bool reuse = world == 1 && !am.is_alias_of(a);
+  at::Tensor gathered = reuse ? am : at::empty(gshape, a.options());
   at::Tensor out = at::empty(with_last(gshape, n), a.options());
   const int64_t rows = world * extent * inner;
   at::Tensor g2 = gathered.view({rows, k}), out2 = out.view({rows, n});
   at::Tensor a2 = am.view({extent * inner, k});
 
   if (world == 1) {
-    g2.copy_(a2);
+    if (!reuse) g2.copy_(a2);
     gemm_into(out2, a2, b, bias);
   } else {
     gather_pipeline(*pg, a2, g2, extent, inner, pick_chunks(chunks, extent, nbytes(a2)),
