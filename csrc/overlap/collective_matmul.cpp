@@ -77,6 +77,10 @@ int64_t pick_chunks(std::optional<int64_t> chunks, int64_t extent, int64_t bytes
   return std::max<int64_t>(1, std::min(c, extent));
 }
 
+// An explicit chunks=1 asks for the plain, non-overlapped computation. (A default depth of 1,
+// picked for a small message, still overlaps that one collective with the weight gradient.)
+bool serial_reference(std::optional<int64_t> chunks) { return chunks.has_value() && *chunks == 1; }
+
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 int64_t normalize_split_dim(const char* op, const char* name, int64_t dim, int64_t ndim) {
@@ -324,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
   } else {
     const int64_t c = pick_chunks(chunks, extent, nbytes(ga2));
     pending = scatter_pipeline(*pg, ga2, extent, inner, c, produce);
-    if (c == 1) pending.wait();  // the serial reference
+    if (serial_reference(chunks)) pending.wait();
   }
   // The weight gradient runs while the reduce-scatter of the input gradient is in flight.
   at::Tensor grad_bt = at::mm(g2.t(), ag2);  // [n, k]
@@ -480,9 +484,9 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> replicated_matmul_backward(
   } else {
     const int64_t c = pick_chunks(chunks, a2.size(0), nbytes(ga2));
     // The input-gradient all-reduce is issued before the weight-gradient GEMM and waited
-    // after it (chunks == 1, the serial reference, waits at once).
+    // after it (an explicit chunks=1, the serial reference, waits at once).
     pending = allreduce_pipeline(*pg, ga2, c, produce);
-    if (c == 1) pending.wait();
+    if (serial_reference(chunks)) pending.wait();
   }
   at::Tensor grad_bt = at::mm(g2.t(), a2);
   OptTensor grad_bias;
