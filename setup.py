@@ -47,7 +47,9 @@ def _want_cuda():
 
 
 def _sources(with_cuda):
-    srcs = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/overlap/*.cpp"))
+    srcs = sorted(glob.glob("csrc/*.cpp"))
+    for sub in ("common", "overlap", "vocab"):
+        srcs += sorted(glob.glob(f"csrc/{sub}/*.cpp"))
     if with_cuda:
         srcs += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
     return srcs

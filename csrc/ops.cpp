@@ -1,11 +1,12 @@
 // The tpx operator library: every schema in one place, and the CPU and CUDA kernels.
 //
-// The collective matmuls are device-generic (ATen GEMMs plus c10d collectives), so the same
-// engine function serves both dispatch keys. Fake (meta) implementations for torch.compile
+// The ops are device-generic (ATen kernels plus c10d collectives), so the same function
+// serves both dispatch keys until a dedicated CUDA kernel replaces it. Fake (meta) implementations for torch.compile
 // are registered from Python (tpx/ops.py).
 #include <torch/library.h>
 
 #include "overlap/collective_matmul.h"
+#include "vocab/cross_entropy.h"
 
 TORCH_LIBRARY(tpx, m) {
   m.def(
@@ -30,17 +31,34 @@ TORCH_LIBRARY(tpx, m) {
   m.def(
       "replicated_matmul_backward(Tensor grad_out, Tensor a, Tensor b, str group_name, "
       "int? chunks, bool bias_grad) -> (Tensor, Tensor, Tensor?)");
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, "
+      "int vocab_size, str group_name, int ignore_index, float label_smoothing, "
+      "bool inplace_backward) -> (Tensor, Tensor)");
+  m.def(
+      "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
+      "Tensor lse, int vocab_start, int vocab_size, int ignore_index, float label_smoothing) "
+      "-> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy_backward_(Tensor grad_loss, Tensor(a!) logits, "
+      "Tensor target, Tensor lse, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing) -> ()");
 }
 
-#define TPX_REGISTER_COLLECTIVE_MATMULS(m)                                           \
+#define TPX_REGISTER_OPS(m)                                           \
   m.impl("all_gather_matmul", &tpx::all_gather_matmul);                              \
   m.impl("all_gather_matmul_backward", &tpx::all_gather_matmul_backward);            \
   m.impl("matmul_reduce_scatter", &tpx::matmul_reduce_scatter);                      \
   m.impl("matmul_reduce_scatter_backward", &tpx::matmul_reduce_scatter_backward);    \
   m.impl("matmul_all_reduce", &tpx::matmul_all_reduce);                              \
   m.impl("replicated_matmul", &tpx::replicated_matmul);                              \
-  m.impl("replicated_matmul_backward", &tpx::replicated_matmul_backward)
+  m.impl("replicated_matmul_backward", &tpx::replicated_matmul_backward);              \
+  m.impl("vocab_parallel_cross_entropy", &tpx::vocab_parallel_cross_entropy);          \
+  m.impl("vocab_parallel_cross_entropy_backward",                                      \
+         &tpx::vocab_parallel_cross_entropy_backward);                                 \
+  m.impl("vocab_parallel_cross_entropy_backward_",                                     \
+         &tpx::vocab_parallel_cross_entropy_backward_)
 
-TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_COLLECTIVE_MATMULS(m); }
+TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_OPS(m); }
 
-TORCH_LIBRARY_IMPL(tpx, CUDA, m) { TPX_REGISTER_COLLECTIVE_MATMULS(m); }
+TORCH_LIBRARY_IMPL(tpx, CUDA, m) { TPX_REGISTER_OPS(m); }

@@ -1,7 +1,6 @@
-#include "collective_matmul.h"
+#include "overlap/collective_matmul.h"
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "common/process_group.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -19,27 +18,6 @@ namespace {
 using c10d::ProcessGroup;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using OptTensor = std::optional<at::Tensor>;
-
-c10::intrusive_ptr<ProcessGroup> resolve_group(const std::string& name) {
-  try {
-    return c10d::resolve_process_group(name);
-  } catch (const std::exception&) {
-    TORCH_CHECK(false, "tpx: no process group is registered under the name '", name,
-                "'. Call torch.distributed.init_process_group() first and pass a ProcessGroup "
-                "(or a 1-D DeviceMesh) of this process as `group`.");
-  }
-}
-
-// Collectives in flight, and the buffers they read or write.
-struct Pending {
-  std::vector<WorkPtr> works;
-  std::vector<at::Tensor> keep_alive;
-  void wait() {
-    for (auto& w : works) w->wait();
-    works.clear();
-    keep_alive.clear();
-  }
-};
 
 struct Span {
   int64_t lo;

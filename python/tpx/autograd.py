@@ -126,6 +126,31 @@ torch.library.register_autograd(
     "tpx::replicated_matmul", _replicated_matmul_backward, setup_context=_replicated_matmul_setup)
 
 
+# vocab_parallel_cross_entropy: backward is one fused pass, optionally over the logits -------
+
+
+def _vocab_ce_setup(ctx, inputs, output):
+    logits, target, vocab_start, vocab_size, _, ignore_index, smoothing, inplace = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.args = (vocab_start, vocab_size, ignore_index, smoothing, inplace)
+
+
+def _vocab_ce_backward(ctx, grad_loss, grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    vocab_start, vocab_size, ignore_index, smoothing, inplace = ctx.args
+    args = (grad_loss, logits, target, lse, vocab_start, vocab_size, ignore_index, smoothing)
+    if inplace:
+        torch.ops.tpx.vocab_parallel_cross_entropy_backward_(*args)
+        grad = logits
+    else:
+        grad = torch.ops.tpx.vocab_parallel_cross_entropy_backward(*args)
+    return grad, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tpx::vocab_parallel_cross_entropy", _vocab_ce_backward, setup_context=_vocab_ce_setup)
+
+
 # Layout changes of the last dimension (uneven shards allowed) --------------------------------
 
 

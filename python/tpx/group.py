@@ -120,3 +120,27 @@ def tensor_checksum(t: Optional[torch.Tensor]) -> Optional[float]:
     if t is None or t.device.type == "meta" or t.numel() == 0:
         return None
     return float(t.detach().double().sum()) + float(t.detach().double().abs().sum())
+
+
+def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> Tuple[int, int]:
+    """``(start, full_size)`` of this rank's block of a dimension sharded over ``pg`` whose
+    local size is ``local_size``. With ``vocab_size`` the layout is ``shard_range(vocab_size)``
+    (checked, no communication); without it the ranks' local sizes are all-gathered (one
+    integer each) and the blocks follow rank order, so any split is accepted."""
+    rank, world = dist.get_rank(pg), pg.size()
+    if vocab_size is not None:
+        start, end = _range(vocab_size, rank, world)
+        if end - start != local_size:
+            raise ValueError(
+                f"tpx: this rank holds {local_size} vocabulary entries but shard_range("
+                f"{vocab_size}) gives it {end - start} ([{start}, {end})); shard the vocabulary "
+                "with tpx.shard_range, or pass the right vocab_size")
+        return start, vocab_size
+    if world == 1:
+        return 0, local_size
+    mine = torch.tensor([local_size], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=pg)
+    sizes = [int(s) for s in sizes]
+    return sum(sizes[:rank]), sum(sizes)

@@ -35,6 +35,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "matmul_all_reduce",
     "replicated_matmul",
+    "vocab_parallel_cross_entropy_rows",
 ]
 
 
@@ -141,6 +142,30 @@ def replicated_matmul(
     return torch.ops.tpx.replicated_matmul(a, b, name, chunks, bias)
 
 
+def vocab_parallel_cross_entropy_rows(
+    logits: Tensor,
+    target: Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: GroupLike = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    inplace_backward: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Per-row cross-entropy of vocab-sharded logits, with ONE collective for the row
+    statistics. Most users want :func:`tpx.vocab_parallel_cross_entropy` instead.
+
+    Placement: ``logits S(1) [N, V_local]`` (columns ``[vocab_start, vocab_start + V_local)``
+    of ``vocab_size``), ``target R [N]`` -> ``loss R [N] (fp32)``, ``lse R [N] (fp32)``.
+    Ignored rows have loss 0. With ``inplace_backward`` the gradient is written over
+    ``logits`` (which must not be used afterwards).
+    """
+    name = _group_name("vocab_parallel_cross_entropy", group, target, vocab_size=vocab_size)
+    return torch.ops.tpx.vocab_parallel_cross_entropy(
+        logits, target, vocab_start, vocab_size, name, ignore_index, label_smoothing,
+        inplace_backward)
+
+
 def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
     """Resolves ``group``; with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
     collective, that every rank calls ``op`` with the same shapes and dtypes, so that a
@@ -226,3 +251,24 @@ def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, bias_gr
     grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
     grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
     return grad_a, grad_b, grad_bias
+
+
+@torch.library.register_fake("tpx::vocab_parallel_cross_entropy")
+def _vocab_parallel_cross_entropy_fake(logits, target, vocab_start, vocab_size, group_name,
+                                       ignore_index, label_smoothing, inplace_backward):
+    rows = logits.shape[0]
+    return (logits.new_empty((rows,), dtype=torch.float32),
+            logits.new_empty((rows,), dtype=torch.float32))
+
+
+@torch.library.register_fake("tpx::vocab_parallel_cross_entropy_backward")
+def _vocab_parallel_cross_entropy_backward_fake(grad_loss, logits, target, lse, vocab_start,
+                                                vocab_size, ignore_index, label_smoothing):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("tpx::vocab_parallel_cross_entropy_backward_")
+def _vocab_parallel_cross_entropy_backward_inplace_fake(grad_loss, logits, target, lse,
+                                                        vocab_start, vocab_size, ignore_index,
+                                                        label_smoothing):
+    return None

@@ -1,5 +1,9 @@
-"""tpx's drop-in ``nn.Module`` replacements."""
+"""tpx's drop-in ``nn.Module`` replacements and their functional forms."""
 
+from . import functional
+from .functional import vocab_parallel_cross_entropy
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .loss import VocabParallelCrossEntropyLoss
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelCrossEntropyLoss",
+           "functional", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,172 @@
+// Vocab-parallel cross-entropy: logits sharded over the vocabulary, exact F.cross_entropy.
+//
+// Forward: each rank reduces its [N, V_r] shard to four fp32 statistics per row (max, sum of
+// exp relative to that max, the target logit if this rank holds the target, the sum of the
+// logits for label smoothing). The statistics of all ranks travel in ONE all-gather and every
+// rank combines them the same way:
+//   M = max_r m_r,  S = sum_r s_r exp(m_r - M),  lse = M + log S,
+//   loss = lse - (1 - eps) x_t - (eps / V) sum_j x_j          (0 for ignored rows).
+// Backward, one fused pass per row block: grad = g * (softmax - (1 - eps) onehot - eps / V),
+// optionally written over the logits themselves.
+//
+// The shard is processed in row blocks whose fp32 working copy stays in cache, with ATen's
+// vectorised kernels (runtime-dispatched SIMD), so any device and dtype works; the
+// arithmetic is fp32 whatever the logits' dtype.
+#include "vocab/cross_entropy.h"
+
+#include "common/process_group.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace tpx {
+namespace {
+
+// Rows per block: a block's fp32 working copy is about 1 MiB.
+int64_t block_rows(int64_t width) {
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(width, 1));
+}
+
+void check_args(const char* op, const at::Tensor& logits, const at::Tensor& target,
+                int64_t vocab_start, int64_t vocab_size, double label_smoothing) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "tpx.", op, ": logits must be 2-D [N, V_local]; got ",
+                    logits.sizes());
+  TORCH_CHECK_VALUE(at::isFloatingType(logits.scalar_type()), "tpx.", op,
+                    ": logits must be floating point; got ", logits.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == logits.size(0), "tpx.", op,
+                    ": target must be 1-D with one entry per row of logits (", logits.size(0),
+                    "); got ", target.sizes());
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong, "tpx.", op,
+                    ": target must be int64; got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.device() == logits.device(), "tpx.", op, ": target is on ",
+                    target.device(), " but logits are on ", logits.device());
+  TORCH_CHECK_VALUE(vocab_start >= 0 && vocab_start + logits.size(1) <= vocab_size, "tpx.", op,
+                    ": the shard [", vocab_start, ", ", vocab_start + logits.size(1),
+                    ") does not lie in the vocabulary [0, ", vocab_size, ")");
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0, "tpx.", op,
+                    ": label_smoothing must lie in [0, 1]; got ", label_smoothing);
+}
+
+// Local index of every row's target in this shard (0 where the shard does not hold it) and
+// whether it holds it.
+std::pair<at::Tensor, at::Tensor> local_targets(const at::Tensor& target, int64_t vocab_start,
+                                                int64_t width, int64_t ignore_index) {
+  at::Tensor local = target - vocab_start;
+  at::Tensor held = (local >= 0) & (local < width) & (target != ignore_index);
+  return {at::where(held, local, at::zeros_like(local)), held};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
+    const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start, int64_t vocab_size,
+    const std::string& group_name, int64_t ignore_index, double label_smoothing,
+    bool inplace_backward) {
+  (void)inplace_backward;  // used by the backward
+  check_args("vocab_parallel_cross_entropy", logits, target, vocab_start, vocab_size,
+             label_smoothing);
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize();
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  const auto f32 = logits.options().dtype(at::kFloat);
+
+  // Per-row statistics of this shard: [max, sum exp(x - max), target logit, sum x].
+  at::Tensor stats = at::zeros({rows, 4}, f32);
+  if (width == 0) {
+    stats.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
+  } else {
+    const int64_t step = block_rows(width);
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+      const int64_t n = std::min(step, rows - r0);
+      at::Tensor x = logits.narrow(0, r0, n).to(at::kFloat);
+      at::Tensor st = stats.narrow(0, r0, n);
+      at::Tensor m = std::get<0>(x.max(1, /*keepdim=*/true));
+      st.select(1, 0).copy_(m.squeeze(1));
+      st.select(1, 1).copy_((x - m).exp_().sum(1));
+      if (label_smoothing > 0) st.select(1, 3).copy_(x.sum(1));
+    }
+    auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);
+    at::Tensor xt = logits.gather(1, idx.unsqueeze(1)).squeeze(1).to(at::kFloat);
+    stats.select(1, 2).copy_(xt * held);
+  }
+
+  // ONE collective: every rank's statistics, combined identically on every rank.
+  at::Tensor all = stats.unsqueeze(0);
+  if (world > 1) {
+    at::Tensor flat = at::empty({world * rows, 4}, f32);
+    all_gather_into(*pg, flat, stats);
+    all = flat.view({world, rows, 4});
+  }
+  at::Tensor m_r = all.select(2, 0);
+  at::Tensor m = std::get<0>(m_r.max(0));
+  at::Tensor s = (all.select(2, 1) * (m_r - m).exp()).sum(0);
+  at::Tensor lse = m + s.log();
+  const double eps = label_smoothing;
+  at::Tensor loss = lse - (1.0 - eps) * all.select(2, 2).sum(0);
+  if (eps > 0) loss -= (eps / static_cast<double>(vocab_size)) * all.select(2, 3).sum(0);
+  loss.masked_fill_(target == ignore_index, 0);
+  return {loss, lse};
+}
+
+namespace {
+
+// grad[r0:r0+n] = g * (softmax - (1 - eps) onehot - eps / V), computed in place in `x`
+// (an fp32 block of logits) and copied to `dst` when it is not `x` itself.
+void backward_block(at::Tensor x, const at::Tensor& dst, const at::Tensor& lse,
+                    const at::Tensor& g, const at::Tensor& idx, const at::Tensor& held,
+                    double eps, int64_t vocab_size) {
+  x.sub_(lse.unsqueeze(1)).exp_().mul_(g.unsqueeze(1));
+  if (eps > 0) x.sub_((g * (eps / static_cast<double>(vocab_size))).unsqueeze(1));
+  x.scatter_add_(1, idx.unsqueeze(1), (-(1.0 - eps) * g * held).unsqueeze(1));
+  if (!x.is_same(dst)) dst.copy_(x);
+}
+
+void backward_into(const at::Tensor& out, const at::Tensor& grad_loss, const at::Tensor& logits,
+                   const at::Tensor& target, const at::Tensor& lse, int64_t vocab_start,
+                   int64_t vocab_size, int64_t ignore_index, double label_smoothing) {
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  if (width == 0 || rows == 0) return;
+  auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);
+  at::Tensor g = grad_loss.to(at::kFloat).masked_fill(target == ignore_index, 0);
+  at::Tensor lse32 = lse.to(at::kFloat);
+  const bool direct = out.scalar_type() == at::kFloat && out.is_contiguous();
+  const bool in_place = out.is_same(logits);
+  const int64_t step = block_rows(width);
+  for (int64_t r0 = 0; r0 < rows; r0 += step) {
+    const int64_t n = std::min(step, rows - r0);
+    at::Tensor dst = out.narrow(0, r0, n);
+    at::Tensor x = direct ? dst : logits.narrow(0, r0, n).to(at::kFloat);
+    if (direct && !in_place) x.copy_(logits.narrow(0, r0, n));
+    backward_block(x, dst, lse32.narrow(0, r0, n), g.narrow(0, r0, n), idx.narrow(0, r0, n),
+                   held.narrow(0, r0, n), label_smoothing, vocab_size);
+  }
+}
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+    const at::Tensor& lse, int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
+    double label_smoothing) {
+  check_args("vocab_parallel_cross_entropy_backward", logits, target, vocab_start, vocab_size,
+             label_smoothing);
+  at::Tensor out = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  backward_into(out, grad_loss, logits, target, lse, vocab_start, vocab_size, ignore_index,
+                label_smoothing);
+  if (logits.size(1) == 0 || logits.size(0) == 0) out.zero_();
+  return out;
+}
+
+void vocab_parallel_cross_entropy_backward_(
+    const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+    const at::Tensor& lse, int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
+    double label_smoothing) {
+  check_args("vocab_parallel_cross_entropy_backward_", logits, target, vocab_start, vocab_size,
+             label_smoothing);
+  TORCH_CHECK_VALUE(logits.is_contiguous(), "tpx: inplace_backward needs contiguous logits");
+  backward_into(logits, grad_loss, logits, target, lse, vocab_start, vocab_size, ignore_index,
+                label_smoothing);
+}
+
+}  // namespace tpx

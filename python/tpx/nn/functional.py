@@ -1,0 +1,102 @@
+"""Functional forms of tpx's vocab-parallel layers (the ``torch.nn.functional`` of tpx)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
+from .. import ops
+from ..group import GroupLike, resolve_group, vocab_layout
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _check_loss_args(fn: str, logits: Tensor, target: Tensor, reduction: str,
+                     label_smoothing: float) -> Tensor:
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise ValueError(f"tpx.{fn}: logits must be a floating-point Tensor [..., V_local]")
+    if not isinstance(target, Tensor) or target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise ValueError(f"tpx.{fn}: target must be an integer Tensor of class ids")
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"tpx.{fn}: target shape {tuple(target.shape)} must equal logits.shape"
+                         f"[:-1] = {tuple(logits.shape[:-1])} (logits are [..., V_local])")
+    if target.device != logits.device:
+        raise ValueError(f"tpx.{fn}: target is on {target.device} but logits on {logits.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"tpx.{fn}: reduction must be one of {_REDUCTIONS}; got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"tpx.{fn}: label_smoothing must lie in [0, 1]; got {label_smoothing}")
+    return target.reshape(-1).long()
+
+
+def _check_targets(fn: str, target: Tensor, vocab_size: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(f"tpx.{fn}: target id {value} is outside the vocabulary [0, {vocab_size})"
+                         f" and is not ignore_index={ignore_index}")
+
+
+def _reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str,
+            shape, dtype) -> Tensor:
+    if reduction == "none":
+        return loss_rows.view(shape).to(dtype)
+    total = loss_rows.sum()
+    if reduction == "sum":
+        return total.to(dtype)
+    return (total / (target != ignore_index).sum()).to(dtype)
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    group: GroupLike = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    inplace_backward: bool = False,
+    vocab_size: Optional[int] = None,
+) -> Tensor:
+    """Cross-entropy of logits sharded over the vocabulary, equal to ``F.cross_entropy`` on the
+    gathered logits (``F.cross_entropy(full.reshape(-1, V), target.reshape(-1), ...)``, or of
+    ``target``'s shape with ``reduction="none"``), without gathering them.
+
+    Placement: ``logits S(-1)`` — this rank's ``[..., V_local]`` columns, in rank order
+    (``tpx.shard_range(V)``; widths may differ by rank) — and ``target R`` (global ids,
+    ``logits.shape[:-1]``) -> ``loss R`` (the same value on every rank).
+
+    The four per-row statistics (max, sum of exp, target logit, sum of logits) of all ranks
+    travel in ONE all-gather. Label smoothing is over the FULL vocabulary; ``ignore_index``
+    rows contribute nothing and ``mean`` divides by the number of the other rows; the
+    arithmetic is fp32 for bf16/fp16 logits, and the result has the logits' dtype.
+
+    Args:
+        logits: ``[..., V_local]`` floating point.
+        target: integer ids in ``[0, V)`` or ``ignore_index``; others raise ``ValueError``.
+        group: ``None``, a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        ignore_index, label_smoothing, reduction: as in ``F.cross_entropy``.
+        inplace_backward: write the gradient over ``logits`` to save memory (``logits``
+            must not be used after the loss).
+        vocab_size: the full vocabulary size. When given, the shard must be
+            ``shard_range(vocab_size)`` and no extra communication is needed; when omitted,
+            the ranks' widths are all-gathered (one integer each) on every call.
+    """
+    fn = "vocab_parallel_cross_entropy"
+    target1 = _check_loss_args(fn, logits, target, reduction, label_smoothing)
+    pg = resolve_group(group)
+    width = logits.shape[-1]
+    start, full = vocab_layout(width, pg, vocab_size, logits.device)
+    _check_targets(fn, target1, full, ignore_index)
+    logits2 = logits.reshape(-1, width)
+    if inplace_backward and not logits2.is_contiguous():
+        raise ValueError(f"tpx.{fn}: inplace_backward=True needs contiguous logits")
+    loss_rows, _ = ops.vocab_parallel_cross_entropy_rows(
+        logits2, target1, start, full, pg, ignore_index, float(label_smoothing),
+        bool(inplace_backward))
+    return _reduce(loss_rows, target1, ignore_index, reduction, target.shape, logits.dtype)

@@ -1,0 +1,131 @@
+"""Vocab-parallel cross-entropy against F.cross_entropy on the gathered logits: every
+combination of label smoothing, ignore_index and reduction, gradients, in-place backward,
+bf16, a vocabulary (1003) that does not divide by the world size, world sizes 1-4."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpx
+from harness import run_ranks
+
+V = 1003
+
+
+def _case(rank, world, gen, *, smoothing, ignore_index, reduction, inplace, pass_vocab,
+          dtype=torch.float32, shape=(3, 5)):
+    case = (f"smoothing={smoothing} ignore_index={ignore_index} reduction={reduction} "
+            f"inplace={inplace} vocab_size={pass_vocab} dtype={dtype}")
+    full = (3 * torch.randn(*shape, V, generator=gen)).to(dtype)
+    target = torch.randint(0, V, shape, generator=gen)
+    target.view(-1)[::4] = ignore_index  # some rows ignored
+    target.view(-1)[1] = V - 1          # the last id, held by the last rank
+    kw = dict(ignore_index=ignore_index, label_smoothing=smoothing, reduction=reduction)
+
+    ref_in = full.float().requires_grad_(True)
+    ref = F.cross_entropy(ref_in.reshape(-1, V), target.reshape(-1), **kw)
+    if reduction == "none":
+        ref = ref.view(shape)
+    grad = torch.randn(ref.shape, generator=gen)
+    ref.backward(grad)
+
+    v0, v1 = tpx.shard_range(V)
+    local = full[..., v0:v1].clone().requires_grad_(True)
+    # In place, the backward overwrites the logits: give it a non-leaf copy to overwrite.
+    x = local * 1 if inplace else local
+    loss = tpx.vocab_parallel_cross_entropy(x, target, inplace_backward=inplace,
+                                            vocab_size=V if pass_vocab else None, **kw)
+    assert loss.dtype == dtype and loss.shape == ref.shape, case
+    got_grad = torch.autograd.grad(loss, x, grad.to(dtype))[0]
+    if inplace:
+        assert got_grad.data_ptr() == x.data_ptr(), f"{case}: gradient not written in place"
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-5, atol=1e-5)
+    else:  # bf16 inputs, fp32 arithmetic: within a bf16 rounding of the fp32 reference
+        tol = dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(loss.float(), ref.detach(), msg=lambda m: f"loss {case}: {m}",
+                               **tol)
+    torch.testing.assert_close(got_grad.float(), ref_in.grad[..., v0:v1],
+                               msg=lambda m: f"grad {case}: {m}", **tol)
+
+
+def _check_cross_entropy(rank, world):
+    gen = torch.Generator().manual_seed(50 + world)
+    for smoothing, ignore_index, reduction in itertools.product(
+            (0.0, 0.1), (-100, 7), ("none", "sum", "mean")):
+        _case(rank, world, gen, smoothing=smoothing, ignore_index=ignore_index,
+              reduction=reduction, inplace=False, pass_vocab=reduction != "sum")
+    for inplace, reduction in itertools.product((True,), ("mean", "none")):
+        _case(rank, world, gen, smoothing=0.1, ignore_index=-100, reduction=reduction,
+              inplace=inplace, pass_vocab=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        _case(rank, world, gen, smoothing=0.1, ignore_index=-100, reduction="mean",
+              inplace=False, pass_vocab=True, dtype=dtype)
+    _case(rank, world, gen, smoothing=0.0, ignore_index=-100, reduction="none", inplace=False,
+          pass_vocab=False, shape=(17,))
+    # The module form.
+    loss_fn = tpx.VocabParallelCrossEntropyLoss(label_smoothing=0.2, vocab_size=V)
+    full = torch.randn(6, V, generator=gen)
+    target = torch.randint(0, V, (6,), generator=gen)
+    v0, v1 = tpx.shard_range(V)
+    torch.testing.assert_close(loss_fn(full[:, v0:v1], target),
+                               F.cross_entropy(full, target, label_smoothing=0.2))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cross_entropy_matches_torch(world):
+    run_ranks(_check_cross_entropy, world)
+
+
+def _check_bad_inputs(rank, world):
+    v0, v1 = tpx.shard_range(V)
+    logits = torch.randn(4, v1 - v0)
+    for bad in (V, -3):
+        target = torch.tensor([1, 2, bad, 3])
+        with pytest.raises(ValueError, match=f"target id {bad} is outside the vocabulary"):
+            tpx.vocab_parallel_cross_entropy(logits, target, vocab_size=V)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        tpx.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long),
+                                         reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing must lie in"):
+        tpx.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long),
+                                         label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"target shape \(3,\) must equal"):
+        tpx.vocab_parallel_cross_entropy(logits, torch.zeros(3, dtype=torch.long))
+    if world > 1:
+        with pytest.raises(ValueError, match="shard_range"):
+            tpx.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long),
+                                             vocab_size=V + world)
+    # The group is still in step.
+    target = torch.tensor([0, 5, V - 1, -100])
+    full = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(tpx.vocab_parallel_cross_entropy(full[:, v0:v1], target),
+                               F.cross_entropy(full, target))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_cross_entropy_bad_inputs(world):
+    run_ranks(_check_bad_inputs, world)
+
+
+def _opcheck_ce(rank, world):
+    name = torch.distributed.group.WORLD.group_name
+    v0, v1 = tpx.shard_range(V)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, v1 - v0, generator=gen, requires_grad=True)
+    target = torch.randint(0, V, (6,), generator=gen)
+    target[0] = -100
+    torch.library.opcheck(torch.ops.tpx.vocab_parallel_cross_entropy.default,
+                          (logits, target, v0, V, name, -100, 0.1, False))
+    loss, lse = torch.ops.tpx.vocab_parallel_cross_entropy(logits.detach(), target, v0, V, name,
+                                                           -100, 0.1, False)
+    args = (torch.randn(6, generator=gen), logits.detach().clone(), target, lse, v0, V, -100, 0.1)
+    torch.library.opcheck(torch.ops.tpx.vocab_parallel_cross_entropy_backward.default, args)
+    torch.library.opcheck(torch.ops.tpx.vocab_parallel_cross_entropy_backward_.default, args)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cross_entropy_opcheck(world):
+    run_ranks(_opcheck_ce, world)
