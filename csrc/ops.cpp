@@ -7,6 +7,7 @@
 
 #include "overlap/collective_matmul.h"
 #include "vocab/cross_entropy.h"
+#include "vocab/embedding.h"
 
 TORCH_LIBRARY(tpx, m) {
   m.def(
@@ -43,6 +44,12 @@ TORCH_LIBRARY(tpx, m) {
       "vocab_parallel_cross_entropy_backward_(Tensor grad_loss, Tensor(a!) logits, "
       "Tensor target, Tensor lse, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing) -> ()");
+  m.def(
+      "vocab_parallel_embedding(Tensor weight, Tensor ids, int vocab_start, str group_name, "
+      "int? scatter_dim, int padding_idx) -> Tensor");
+  m.def(
+      "vocab_parallel_embedding_backward(Tensor grad_out, Tensor ids, int vocab_start, "
+      "int num_local, int padding_idx, str group_name, int? scatter_dim) -> Tensor");
 }
 
 #define TPX_REGISTER_OPS(m)                                           \
@@ -57,7 +64,9 @@ TORCH_LIBRARY(tpx, m) {
   m.impl("vocab_parallel_cross_entropy_backward",                                      \
          &tpx::vocab_parallel_cross_entropy_backward);                                 \
   m.impl("vocab_parallel_cross_entropy_backward_",                                     \
-         &tpx::vocab_parallel_cross_entropy_backward_)
+         &tpx::vocab_parallel_cross_entropy_backward_);                                \
+  m.impl("vocab_parallel_embedding", &tpx::vocab_parallel_embedding);                  \
+  m.impl("vocab_parallel_embedding_backward", &tpx::vocab_parallel_embedding_backward)
 
 TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_OPS(m); }
 

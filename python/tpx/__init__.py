@@ -8,7 +8,7 @@ S(d) (sharded on dim d) and P (partial sums).
 from . import autograd, ops
 from .group import resolve_group, shard_range
 from .nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropyLoss,
-                 vocab_parallel_cross_entropy)
+                 VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 __version__ = "0.1.0"
 
@@ -16,6 +16,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelCrossEntropyLoss",
+    "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "build_info",
     "ops",

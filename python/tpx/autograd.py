@@ -151,6 +151,25 @@ torch.library.register_autograd(
     "tpx::vocab_parallel_cross_entropy", _vocab_ce_backward, setup_context=_vocab_ce_setup)
 
 
+# vocab_parallel_embedding -------------------------------------------------------------------
+
+
+def _embedding_setup(ctx, inputs, output):
+    weight, ids, vocab_start, group_name, scatter_dim, padding_idx = inputs
+    ctx.save_for_backward(ids)
+    ctx.args = (vocab_start, weight.shape[0], padding_idx, group_name, scatter_dim)
+
+
+def _embedding_backward(ctx, grad_out):
+    (ids,) = ctx.saved_tensors
+    grad_weight = torch.ops.tpx.vocab_parallel_embedding_backward(grad_out, ids, *ctx.args)
+    return grad_weight, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tpx::vocab_parallel_embedding", _embedding_backward, setup_context=_embedding_setup)
+
+
 # Layout changes of the last dimension (uneven shards allowed) --------------------------------
 
 

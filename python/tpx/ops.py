@@ -36,6 +36,7 @@ __all__ = [
     "matmul_all_reduce",
     "replicated_matmul",
     "vocab_parallel_cross_entropy_rows",
+    "vocab_parallel_embedding",
 ]
 
 
@@ -166,6 +167,28 @@ def vocab_parallel_cross_entropy_rows(
         inplace_backward)
 
 
+def vocab_parallel_embedding(
+    weight: Tensor,
+    ids: Tensor,
+    vocab_start: int,
+    group: GroupLike = None,
+    scatter_dim: Optional[int] = None,
+    padding_idx: int = -1,
+) -> Tensor:
+    """Embedding lookup in a table whose rows are sharded over the group.
+
+    Placement: ``weight S(0)`` (rows ``[vocab_start, vocab_start + V_local)``), ``ids R`` ->
+    ``out R`` (``[*ids.shape, D]``), or ``out S(scatter_dim)`` when ``scatter_dim`` is given
+    (sequence parallelism: the partial results are reduce-scattered instead of all-reduced).
+    Ids outside this rank's rows contribute zeros; ``padding_idx`` (a LOCAL row index, -1
+    for none) receives no gradient. Ids must lie in the vocabulary (not checked here).
+    """
+    name = _group_name("vocab_parallel_embedding", group, ids, scatter_dim=scatter_dim,
+                       dim=weight.shape[-1])
+    return torch.ops.tpx.vocab_parallel_embedding(weight, ids, vocab_start, name, scatter_dim,
+                                                  padding_idx)
+
+
 def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
     """Resolves ``group``; with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
     collective, that every rank calls ``op`` with the same shapes and dtypes, so that a
@@ -272,3 +295,21 @@ def _vocab_parallel_cross_entropy_backward_inplace_fake(grad_loss, logits, targe
                                                         vocab_start, vocab_size, ignore_index,
                                                         label_smoothing):
     return None
+
+
+@torch.library.register_fake("tpx::vocab_parallel_embedding")
+def _vocab_parallel_embedding_fake(weight, ids, vocab_start, group_name, scatter_dim,
+                                   padding_idx):
+    dim = weight.shape[1]
+    if scatter_dim is None:
+        return weight.new_empty(list(ids.shape) + [dim])
+    sd = scatter_dim % ids.dim()
+    shape = _dim_first_shape(ids, sd) + [dim]
+    shape[0] = shape[0] // _world(group_name)
+    return weight.new_empty(shape).movedim(0, sd)
+
+
+@torch.library.register_fake("tpx::vocab_parallel_embedding_backward")
+def _vocab_parallel_embedding_backward_fake(grad_out, ids, vocab_start, num_local, padding_idx,
+                                            group_name, scatter_dim):
+    return grad_out.new_empty((num_local, grad_out.shape[-1]))

@@ -2,8 +2,10 @@
 
 from . import functional
 from .functional import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .loss import VocabParallelCrossEntropyLoss
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelCrossEntropyLoss",
+           "VocabParallelEmbedding",
            "functional", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,108 @@
+// Vocab-parallel embedding: masked gather forward, scatter-add backward, with the partial
+// results reduced over the group (all-reduce, or reduce-scatter under sequence parallelism).
+// The ids are processed dim-first (the scattered dimension moved to the front) so that each
+// rank's block of the output is a contiguous range of rows.
+#include "vocab/embedding.h"
+
+#include "common/process_group.h"
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+
+namespace tpx {
+namespace {
+
+int64_t normalize_scatter_dim(std::optional<int64_t> dim, int64_t ndim) {
+  const int64_t d = *dim < 0 ? *dim + ndim : *dim;
+  TORCH_CHECK_VALUE(d >= 0 && d < ndim, "tpx.vocab_parallel_embedding: scatter_dim=", *dim,
+                    " is out of range for ids with ", ndim, " dimensions");
+  return d;
+}
+
+// Local row of every id, and whether this rank holds it.
+std::pair<at::Tensor, at::Tensor> local_rows(const at::Tensor& ids, int64_t vocab_start,
+                                             int64_t num_local) {
+  at::Tensor local = ids - vocab_start;
+  at::Tensor held = (local >= 0) & (local < num_local);
+  return {at::where(held, local, at::zeros_like(local)), held};
+}
+
+void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, "tpx.", op, ": ids must be int64; got ",
+                    ids.scalar_type());
+  TORCH_CHECK_VALUE(ids.device() == like.device(), "tpx.", op, ": ids are on ", ids.device(),
+                    " but the table is on ", like.device());
+}
+
+}  // namespace
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& ids,
+                                    int64_t vocab_start, const std::string& group_name,
+                                    std::optional<int64_t> scatter_dim, int64_t padding_idx) {
+  (void)padding_idx;  // used by the backward
+  TORCH_CHECK_VALUE(weight.dim() == 2, "tpx.vocab_parallel_embedding: weight must be 2-D "
+                    "[V_local, D]; got ", weight.sizes());
+  check_ids("vocab_parallel_embedding", ids, weight);
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize(), dim = weight.size(1);
+  at::Tensor idm = ids;
+  int64_t sd = 0;
+  if (scatter_dim.has_value()) {
+    sd = normalize_scatter_dim(scatter_dim, ids.dim());
+    TORCH_CHECK_VALUE(ids.size(sd) % world == 0, "tpx.vocab_parallel_embedding: ids.size(", sd,
+                      ") = ", ids.size(sd), " must divide by the group size ", world,
+                      " to be scattered; pad the sequence to a multiple of ", world);
+    idm = ids.movedim(sd, 0).contiguous();
+  }
+  auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, weight.size(0));
+  at::Tensor partial = weight.index_select(0, idx);            // [numel(ids), D]
+  partial.masked_fill_(held.logical_not().unsqueeze(1), 0);
+  auto shape = idm.sizes().vec();
+  shape.push_back(dim);
+  if (!scatter_dim.has_value()) {
+    if (world > 1) {
+      std::vector<at::Tensor> bufs{partial};
+      pg->allreduce(bufs)->wait();
+    }
+    return partial.view(shape);
+  }
+  if (world == 1) return partial.view(shape).movedim(0, sd);
+  shape[0] /= world;
+  at::Tensor out = at::empty(shape, partial.options());
+  at::Tensor o = out.view({-1, dim}), in = partial;
+  pg->_reduce_scatter_base(o, in)->wait();
+  return out.movedim(0, sd);
+}
+
+at::Tensor vocab_parallel_embedding_backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                             int64_t vocab_start, int64_t num_local,
+                                             int64_t padding_idx, const std::string& group_name,
+                                             std::optional<int64_t> scatter_dim) {
+  check_ids("vocab_parallel_embedding_backward", ids, grad_out);
+  auto pg = resolve_group(group_name);
+  const int64_t world = pg->getSize(), dim = grad_out.size(-1);
+  at::Tensor idm = ids;
+  at::Tensor g;  // [numel(ids), D], rows in the order of idm
+  if (scatter_dim.has_value()) {
+    const int64_t sd = normalize_scatter_dim(scatter_dim, ids.dim());
+    idm = ids.movedim(sd, 0).contiguous();
+    at::Tensor local = grad_out.movedim(sd, 0).contiguous().view({-1, dim});
+    if (world > 1) {
+      g = at::empty({local.size(0) * world, dim}, local.options());
+      all_gather_into(*pg, g, local);
+    } else {
+      g = local;
+    }
+  } else {
+    g = grad_out.reshape({-1, dim});
+  }
+  auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, num_local);
+  if (padding_idx >= 0) held = held & (idx != padding_idx);
+  at::Tensor rows = held.nonzero().squeeze(1);
+  at::Tensor grad_weight = at::zeros({num_local, dim}, g.options());
+  grad_weight.index_add_(0, idx.index_select(0, rows), g.index_select(0, rows));
+  return grad_weight;
+}
+
+}  // namespace tpx

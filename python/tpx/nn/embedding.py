@@ -1,0 +1,134 @@
+"""Vocab-parallel ``nn.Embedding`` replacement."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
+from .. import ops
+from ..group import GroupLike, _range, check_same_on_ranks, resolve_group, tensor_checksum
+
+__all__ = ["VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with the rows of its table sharded over ``group``.
+
+    Placement: ``ids R -> y R``; with ``sequence_parallel=True``: ``ids R -> y
+    S(sequence_dim)`` (the partial lookups are reduce-scattered along the sequence instead of
+    all-reduced; that dimension of ``ids`` must divide by the group size).
+
+    This rank holds rows ``tpx.shard_range(num_embeddings)`` (uneven splits allowed); ids
+    outside them look up zeros, so the rows of other ranks never leak. ``padding_idx``
+    behaves as in ``nn.Embedding``: its row is initialised to zero and gets no gradient. Ids
+    outside ``[0, num_embeddings)`` raise ``ValueError``. Parameters are initialised with
+    ``nn.Embedding``'s distribution over the FULL table and then sliced, so with the same seed
+    the shards equal the slices of ``nn.Embedding``'s weight.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: Optional[int] = None, *, group: GroupLike = None,
+                 sequence_parallel: bool = False, sequence_dim: int = 1, device=None,
+                 dtype=None, _full_weight: Optional[Tensor] = None) -> None:
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"tpx.VocabParallelEmbedding: `{name}` must be a positive int; "
+                                 f"got {value!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"tpx.VocabParallelEmbedding: padding_idx={padding_idx} must lie "
+                                 f"in [-{num_embeddings}, {num_embeddings})")
+            padding_idx %= num_embeddings
+        self.group = resolve_group(group)
+        self.world_size, self.rank = self.group.size(), torch.distributed.get_rank(self.group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+        self.vocab_start, self.vocab_end = _range(num_embeddings, self.rank, self.world_size)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
+                                               device=device, dtype=dtype))
+        if _full_weight is not None:
+            with torch.no_grad():
+                self.weight.copy_(_full_weight[self.vocab_start:self.vocab_end])
+            checksum = tensor_checksum(_full_weight)
+        else:
+            checksum = self.reset_parameters()
+        check_same_on_ranks(self.group, "VocabParallelEmbedding", dict(
+            num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
+            sequence_parallel=self.sequence_parallel, sequence_dim=sequence_dim,
+            dtype=str(self.weight.dtype), initial_weights=checksum))
+
+    @property
+    def _local_padding_idx(self) -> int:
+        p = self.padding_idx
+        return p - self.vocab_start if p is not None and self.vocab_start <= p < self.vocab_end else -1
+
+    def reset_parameters(self) -> Optional[float]:
+        """Draws the full table as ``nn.Embedding`` does (normal(0, 1), padding row zero) and
+        keeps this rank's rows; returns a checksum of the full table."""
+        if self.weight.device.type == "meta":
+            return None
+        full = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device,
+                           dtype=self.weight.dtype)
+        nn.init.normal_(full)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                full[self.padding_idx].fill_(0)
+        with torch.no_grad():
+            self.weight.copy_(full[self.vocab_start:self.vocab_end])
+        return tensor_checksum(full)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, **kwargs
+                       ) -> "VocabParallelEmbedding":
+        """Shards an ``nn.Embedding`` that every rank holds whole (keeps this rank's rows)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError("tpx.VocabParallelEmbedding.from_embedding expects an nn.Embedding; "
+                            f"got {type(embedding).__name__}")
+        for key in ("device", "dtype", "padding_idx"):
+            if key in kwargs:
+                raise ValueError(f"tpx.VocabParallelEmbedding.from_embedding: `{key}` is taken "
+                                 "from the embedding; do not pass it")
+        for unsupported in ("max_norm", "sparse"):
+            if getattr(embedding, unsupported, None):
+                raise ValueError(f"tpx.VocabParallelEmbedding: nn.Embedding({unsupported}=...) is "
+                                 "not supported")
+        w = embedding.weight
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                   group=group, device=w.device, dtype=w.dtype, _full_weight=w, **kwargs)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError("tpx.VocabParallelEmbedding: ids must be an integer Tensor")
+        if ids.device != self.weight.device:
+            raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
+                             f"is on {self.weight.device}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"tpx.VocabParallelEmbedding: id {bad} is outside the table "
+                                 f"[0, {self.num_embeddings})")
+        scatter_dim = None
+        if self.sequence_parallel:
+            d = self.sequence_dim
+            if not -ids.dim() <= d < ids.dim():
+                raise ValueError(f"tpx.VocabParallelEmbedding: sequence_dim={d} is not a dimension "
+                                 f"of ids of shape {tuple(ids.shape)}")
+            scatter_dim = d % ids.dim()
+            if ids.shape[scatter_dim] % self.world_size:
+                raise ValueError(
+                    f"tpx.VocabParallelEmbedding: with sequence_parallel=True the sequence "
+                    f"dimension (dim {scatter_dim}, size {ids.shape[scatter_dim]}) must divide by "
+                    f"the group size {self.world_size}; pad the sequence.")
+        return ops.vocab_parallel_embedding(self.weight, ids.long(), self.vocab_start, self.group,
+                                            scatter_dim, self._local_padding_idx)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.vocab_start}:"
+                f"{self.vocab_end}), padding_idx={self.padding_idx}, world_size={self.world_size}, "
+                f"sequence_parallel={self.sequence_parallel}")

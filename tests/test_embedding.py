@@ -1,0 +1,85 @@
+"""VocabParallelEmbedding against nn.Embedding: forward, weight gradient, padding_idx,
+sequence parallelism, an uneven vocabulary (1003), seeded initialisation, bad ids."""
+
+import pytest
+import torch
+from torch import nn
+
+import tpx
+from harness import run_ranks
+
+V, D = 1003, 8
+
+
+def _check_embedding(rank, world):
+    gen = torch.Generator().manual_seed(60 + world)
+    torch.manual_seed(4)
+    for padding_idx, sp, shape, seq_dim in [(None, False, (3, 7), 1), (5, False, (11,), 0),
+                                            (V - 1, True, (2, 2 * world), 1),
+                                            (None, True, (3 * world, 2), 0)]:
+        case = f"padding_idx={padding_idx} sp={sp} shape={shape}"
+        ref = nn.Embedding(V, D, padding_idx=padding_idx)
+        emb = tpx.VocabParallelEmbedding.from_embedding(ref, sequence_parallel=sp,
+                                                        sequence_dim=seq_dim)
+        ids = torch.randint(0, V, shape, generator=gen)
+        ids.view(-1)[0] = V - 1  # held by the last rank
+        if padding_idx is not None:
+            ids.view(-1)[1::3] = padding_idx
+        gy = torch.randn(*shape, D, generator=gen)
+        y_ref = ref(ids)
+        (y_ref * gy).sum().backward()
+        y = emb(ids)
+        if sp:
+            s = shape[seq_dim] // world
+            y_ref, gy = y_ref.narrow(seq_dim, rank * s, s), gy.narrow(seq_dim, rank * s, s)
+        torch.testing.assert_close(y, y_ref.detach(), rtol=0, atol=0, msg=case)
+        (y * gy).sum().backward()
+        torch.testing.assert_close(emb.weight.grad, ref.weight.grad[emb.vocab_start:emb.vocab_end],
+                                   rtol=1e-5, atol=1e-5, msg=case)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_embedding_matches_nn_embedding(world):
+    run_ranks(_check_embedding, world)
+
+
+def _check_init_and_errors(rank, world):
+    torch.manual_seed(8)
+    ref = nn.Embedding(V, D, padding_idx=3)
+    torch.manual_seed(8)
+    emb = tpx.VocabParallelEmbedding(V, D, padding_idx=3)
+    assert torch.equal(emb.weight, ref.weight[emb.vocab_start:emb.vocab_end].detach())
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=f"id {bad} is outside the table"):
+            emb(torch.tensor([[0, bad]]))
+    with pytest.raises(ValueError, match="ids must be an integer Tensor"):
+        emb(torch.zeros(2, 3))
+    if world > 1:
+        sp = tpx.VocabParallelEmbedding(V, D, sequence_parallel=True)
+        with pytest.raises(ValueError, match="must divide by the group size"):
+            sp(torch.zeros(2, world + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="padding_idx"):
+        tpx.VocabParallelEmbedding(V, D, padding_idx=V)
+    # Still in step.
+    torch.testing.assert_close(emb(torch.tensor([0, 500, V - 1])), ref(torch.tensor([0, 500, V - 1])))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_embedding_init_and_errors(world):
+    run_ranks(_check_init_and_errors, world)
+
+
+def _opcheck_embedding(rank, world):
+    name = torch.distributed.group.WORLD.group_name
+    v0, v1 = tpx.shard_range(V)
+    weight = torch.randn(v1 - v0, D, requires_grad=True)
+    ids = torch.randint(0, V, (2, 2 * world), generator=torch.Generator().manual_seed(1))
+    torch.library.opcheck(torch.ops.tpx.vocab_parallel_embedding.default,
+                          (weight, ids, v0, name, None, -1))
+    torch.library.opcheck(torch.ops.tpx.vocab_parallel_embedding.default,
+                          (weight, ids, v0, name, 1, 0))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_embedding_opcheck(world):
+    run_ranks(_opcheck_embedding, world)
