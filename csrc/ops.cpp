@@ -8,6 +8,7 @@
 #include "overlap/collective_matmul.h"
 #include "vocab/cross_entropy.h"
 #include "vocab/embedding.h"
+#include "vocab/linear_cross_entropy.h"
 
 TORCH_LIBRARY(tpx, m) {
   m.def(
@@ -50,6 +51,15 @@ TORCH_LIBRARY(tpx, m) {
   m.def(
       "vocab_parallel_embedding_backward(Tensor grad_out, Tensor ids, int vocab_start, "
       "int num_local, int padding_idx, str group_name, int? scatter_dim) -> Tensor");
+  m.def(
+      "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "int vocab_start, int vocab_size, str group_name, int chunk_size, int ignore_index, "
+      "float label_smoothing) -> (Tensor, Tensor)");
+  m.def(
+      "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
+      "Tensor? bias, Tensor target, Tensor lse, int vocab_start, int vocab_size, "
+      "str group_name, int chunk_size, int ignore_index, float label_smoothing) "
+      "-> (Tensor, Tensor, Tensor?)");
 }
 
 #define TPX_REGISTER_OPS(m)                                           \
@@ -66,7 +76,9 @@ TORCH_LIBRARY(tpx, m) {
   m.impl("vocab_parallel_cross_entropy_backward_",                                     \
          &tpx::vocab_parallel_cross_entropy_backward_);                                \
   m.impl("vocab_parallel_embedding", &tpx::vocab_parallel_embedding);                  \
-  m.impl("vocab_parallel_embedding_backward", &tpx::vocab_parallel_embedding_backward)
+  m.impl("vocab_parallel_embedding_backward", &tpx::vocab_parallel_embedding_backward); \
+  m.impl("linear_cross_entropy", &tpx::linear_cross_entropy);                          \
+  m.impl("linear_cross_entropy_backward", &tpx::linear_cross_entropy_backward)
 
 TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_OPS(m); }
 

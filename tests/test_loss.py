@@ -124,8 +124,58 @@ def _opcheck_ce(rank, world):
     args = (torch.randn(6, generator=gen), logits.detach().clone(), target, lse, v0, V, -100, 0.1)
     torch.library.opcheck(torch.ops.tpx.vocab_parallel_cross_entropy_backward.default, args)
     torch.library.opcheck(torch.ops.tpx.vocab_parallel_cross_entropy_backward_.default, args)
+    hidden = torch.randn(6, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(v1 - v0, 8, generator=gen, requires_grad=True)
+    bias = torch.randn(v1 - v0, generator=gen, requires_grad=True)
+    torch.library.opcheck(torch.ops.tpx.linear_cross_entropy.default,
+                          (hidden, weight, bias, target, v0, V, name, 4, -100, 0.1))
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_cross_entropy_opcheck(world):
     run_ranks(_opcheck_ce, world)
+
+
+def _check_linear_cross_entropy(rank, world):
+    gen = torch.Generator().manual_seed(70 + world)
+    d = 16
+    v0, v1 = tpx.shard_range(V)
+    for chunk_size, with_bias, smoothing, reduction in [(4, True, 0.1, "mean"),
+                                                        (5, False, 0.0, "none"),
+                                                        (None, True, 0.0, "sum"),
+                                                        (1000, False, 0.2, "mean")]:
+        case = f"chunk_size={chunk_size} bias={with_bias} smoothing={smoothing} {reduction}"
+        hidden = torch.randn(2, 9, d, generator=gen)
+        weight = torch.randn(V, d, generator=gen) / 4
+        bias = torch.randn(V, generator=gen)
+        target = torch.randint(0, V, (2, 9), generator=gen)
+        target[0, ::3] = -100
+        kw = dict(label_smoothing=smoothing, reduction=reduction)
+
+        h_ref, w_ref, b_ref = (t.clone().requires_grad_(True) for t in (hidden, weight, bias))
+        logits = h_ref @ w_ref.t() + (b_ref if with_bias else 0)
+        ref = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), **kw)
+        if reduction == "none":
+            ref = ref.view(2, 9)
+        grad = torch.randn(ref.shape, generator=gen)
+        ref.backward(grad)
+
+        h = hidden.clone().requires_grad_(True)
+        w = weight[v0:v1].clone().requires_grad_(True)
+        b = bias[v0:v1].clone().requires_grad_(True) if with_bias else None
+        loss = tpx.linear_cross_entropy(h, w, target, bias=b, chunk_size=chunk_size, **kw)
+        loss.backward(grad)
+        tol = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss, ref.detach(), msg=lambda m: f"loss {case}: {m}", **tol)
+        torch.testing.assert_close(h.grad, h_ref.grad, msg=lambda m: f"grad hidden {case}: {m}",
+                                   **tol)
+        torch.testing.assert_close(w.grad, w_ref.grad[v0:v1],
+                                   msg=lambda m: f"grad weight {case}: {m}", **tol)
+        if with_bias:
+            torch.testing.assert_close(b.grad, b_ref.grad[v0:v1],
+                                       msg=lambda m: f"grad bias {case}: {m}", **tol)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_linear_cross_entropy_matches_linear_plus_ce(world):
+    run_ranks(_check_linear_cross_entropy, world)

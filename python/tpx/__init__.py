@@ -8,7 +8,8 @@ S(d) (sharded on dim d) and P (partial sums).
 from . import autograd, ops
 from .group import resolve_group, shard_range
 from .nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropyLoss,
-                 VocabParallelEmbedding, vocab_parallel_cross_entropy)
+                 VocabParallelEmbedding, linear_cross_entropy,
+                 vocab_parallel_cross_entropy)
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "build_info",
+    "linear_cross_entropy",
     "ops",
     "resolve_group",
     "shard_range",

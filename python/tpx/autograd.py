@@ -151,6 +151,26 @@ torch.library.register_autograd(
     "tpx::vocab_parallel_cross_entropy", _vocab_ce_backward, setup_context=_vocab_ce_setup)
 
 
+# linear_cross_entropy: the backward recomputes each chunk's logits ---------------------------
+
+
+def _linear_ce_setup(ctx, inputs, output):
+    hidden, weight, bias, target, *rest = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, output[1])
+    ctx.args = tuple(rest)
+
+
+def _linear_ce_backward(ctx, grad_loss, grad_lse):
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = torch.ops.tpx.linear_cross_entropy_backward(
+        grad_loss, hidden, weight, bias, target, lse, *ctx.args)
+    return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
+
+
+torch.library.register_autograd(
+    "tpx::linear_cross_entropy", _linear_ce_backward, setup_context=_linear_ce_setup)
+
+
 # vocab_parallel_embedding -------------------------------------------------------------------
 
 

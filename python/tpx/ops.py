@@ -37,6 +37,7 @@ __all__ = [
     "replicated_matmul",
     "vocab_parallel_cross_entropy_rows",
     "vocab_parallel_embedding",
+    "linear_cross_entropy_rows",
 ]
 
 
@@ -189,6 +190,32 @@ def vocab_parallel_embedding(
                                                   padding_idx)
 
 
+def linear_cross_entropy_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: GroupLike = None,
+    bias: Optional[Tensor] = None,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """Per-row cross-entropy of ``hidden @ weight.T (+ bias)`` without the full logits: tokens
+    are processed ``chunk_size`` at a time (one statistics all-gather per chunk). Most users
+    want :func:`tpx.linear_cross_entropy` instead.
+
+    Placement: ``hidden R [N, d]``, ``weight S(0) [V_local, d]`` (vocabulary rows from
+    ``vocab_start``), ``bias S(0)``, ``target R [N]`` -> ``loss R [N]``, ``lse R [N]`` (fp32).
+    """
+    name = _group_name("linear_cross_entropy", group, hidden, target, vocab_size=vocab_size,
+                       chunk_size=chunk_size)
+    return torch.ops.tpx.linear_cross_entropy(hidden, weight, bias, target, vocab_start,
+                                              vocab_size, name, chunk_size, ignore_index,
+                                              label_smoothing)
+
+
 def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
     """Resolves ``group``; with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
     collective, that every rank calls ``op`` with the same shapes and dtypes, so that a
@@ -313,3 +340,20 @@ def _vocab_parallel_embedding_fake(weight, ids, vocab_start, group_name, scatter
 def _vocab_parallel_embedding_backward_fake(grad_out, ids, vocab_start, num_local, padding_idx,
                                             group_name, scatter_dim):
     return grad_out.new_empty((num_local, grad_out.shape[-1]))
+
+
+@torch.library.register_fake("tpx::linear_cross_entropy")
+def _linear_cross_entropy_fake(hidden, weight, bias, target, vocab_start, vocab_size,
+                               group_name, chunk_size, ignore_index, label_smoothing):
+    rows = hidden.shape[0]
+    return (hidden.new_empty((rows,), dtype=torch.float32),
+            hidden.new_empty((rows,), dtype=torch.float32))
+
+
+@torch.library.register_fake("tpx::linear_cross_entropy_backward")
+def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, bias, target, lse,
+                                        vocab_start, vocab_size, group_name, chunk_size,
+                                        ignore_index, label_smoothing):
+    grad_bias = None if bias is None else torch.empty_like(bias)
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format), grad_bias)

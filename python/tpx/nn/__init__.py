@@ -1,11 +1,11 @@
 """tpx's drop-in ``nn.Module`` replacements and their functional forms."""
 
 from . import functional
-from .functional import vocab_parallel_cross_entropy
+from .functional import linear_cross_entropy, vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .loss import VocabParallelCrossEntropyLoss
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelCrossEntropyLoss",
            "VocabParallelEmbedding",
-           "functional", "vocab_parallel_cross_entropy"]
+           "functional", "linear_cross_entropy", "vocab_parallel_cross_entropy"]

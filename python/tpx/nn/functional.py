@@ -11,7 +11,7 @@ from .. import autograd as _autograd  # noqa: F401  (registers the backward of e
 from .. import ops
 from ..group import GroupLike, resolve_group, vocab_layout
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy"]
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -100,3 +100,52 @@ def vocab_parallel_cross_entropy(
         logits2, target1, start, full, pg, ignore_index, float(label_smoothing),
         bool(inplace_backward))
     return _reduce(loss_rows, target1, ignore_index, reduction, target.shape, logits.dtype)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: GroupLike = None,
+    bias: Optional[Tensor] = None,
+    chunk_size: Optional[int] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    vocab_size: Optional[int] = None,
+) -> Tensor:
+    """The LM head and the vocab-parallel cross-entropy fused:
+    ``vocab_parallel_cross_entropy(hidden @ weight.T + bias, target)`` without ever holding the
+    logits of all tokens. Tokens are processed ``chunk_size`` at a time, so the peak memory
+    of the logits is ``O(chunk_size x V_local)``; the backward recomputes each chunk's logits
+    and overwrites them with their gradient.
+
+    Placement: ``hidden R [..., d]``, ``weight S(0) [V_local, d]`` (this rank's vocabulary
+    rows, ``tpx.shard_range(V)``), ``bias S(0) [V_local]``, ``target R`` -> ``loss R``.
+    Gradients of ``hidden`` (R, summed over the vocabulary shards), ``weight`` and ``bias``
+    (this rank's rows) equal those of the unfused computation.
+
+    Args:
+        chunk_size: tokens per chunk; default: a chunk's fp32 logits take about 64 MiB.
+        The others: as in :func:`vocab_parallel_cross_entropy`.
+    """
+    fn = "linear_cross_entropy"
+    if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+        raise ValueError(f"tpx.{fn}: hidden must be a floating-point Tensor [..., d]")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"tpx.{fn}: weight must be [V_local, d] with d = hidden.shape[-1] = "
+                         f"{hidden.shape[-1]}; got {tuple(getattr(weight, 'shape', ()))}")
+    fake_logits = hidden.new_empty(()).expand(*hidden.shape[:-1], weight.shape[0])
+    target1 = _check_loss_args(fn, fake_logits, target, reduction, label_smoothing)
+    if chunk_size is None:
+        chunk_size = max(1, (1 << 24) // max(weight.shape[0], 1))
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"tpx.{fn}: chunk_size must be an int >= 1; got {chunk_size!r}")
+    pg = resolve_group(group)
+    start, full = vocab_layout(weight.shape[0], pg, vocab_size, hidden.device)
+    _check_targets(fn, target1, full, ignore_index)
+    loss_rows, _ = ops.linear_cross_entropy_rows(
+        hidden.reshape(-1, hidden.shape[-1]), weight, target1, start, full, pg, bias,
+        chunk_size, ignore_index, float(label_smoothing))
+    return _reduce(loss_rows, target1, ignore_index, reduction, target.shape, hidden.dtype)
