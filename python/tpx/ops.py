@@ -10,6 +10,11 @@ op                           inputs                                  outputs
 ``matmul_reduce_scatter``    a S(-1), b S(0)                         out S(scatter_dim)
 ``matmul_all_reduce``        a S(-1), b S(0)                         out R
 ``replicated_matmul``        a R, b S(1)                             out S(-1)
+``vocab_parallel_cross_``    logits S(1) [N, V_local], target R      loss R [N], lse R [N]
+``entropy_rows``
+``linear_cross_entropy_``    hidden R, weight S(0), target R         loss R [N], lse R [N]
+``rows``
+``vocab_parallel_embedding`` weight S(0), ids R                      out R, or S(scatter_dim)
 ===========================  ======================================  ===========================
 
 (*) ``out`` is R when ``b`` is replicated and S(-1) when ``b`` holds this rank's columns.
