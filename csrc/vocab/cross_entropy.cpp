@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
       const int64_t n = std::min(step, rows - r0);
       at::Tensor x = logits.narrow(0, r0, n).to(at::kFloat);
       at::Tensor st = stats.narrow(0, r0, n);
-      at::Tensor m = std::get<0>(x.max(1, /*keepdim=*/true));
+      at::Tensor m = x.amax(1, /*keepdim=*/true);
       st.select(1, 0).copy_(m.squeeze(1));
       st.select(1, 1).copy_((x - m).exp_().sum(1));
       if (label_smoothing > 0) st.select(1, 3).copy_(x.sum(1));
@@ -99,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
     all = flat.view({world, rows, 4});
   }
   at::Tensor m_r = all.select(2, 0);
-  at::Tensor m = std::get<0>(m_r.max(0));
+  at::Tensor m = m_r.amax(0);
   at::Tensor s = (all.select(2, 1) * (m_r - m).exp()).sum(0);
   at::Tensor lse = m + s.log();
   const double eps = label_smoothing;
