@@ -259,7 +259,9 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
                       gemm_into(out2.narrow(0, row, piece.size(0)), piece, b, bias);
                     });
   }
-  return {gathered.movedim(0, gd), out.movedim(0, gd)};
+  // `out` is handed to user code that may .view() it, so it is returned contiguous: one copy
+  // when gather_dim is not the leading dimension (none for [seq, batch, ...] layouts).
+  return {gathered.movedim(0, gd), out.movedim(0, gd).contiguous()};
 }
 
 std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
@@ -349,7 +351,7 @@ at::Tensor matmul_reduce_scatter(
                      })
         .wait();
   }
-  return out.movedim(0, sd);
+  return out.movedim(0, sd).contiguous();  // contiguous for user code, as in all_gather_matmul
 }
 
 std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(

@@ -67,12 +67,12 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
     }
     return partial.view(shape);
   }
-  if (world == 1) return partial.view(shape).movedim(0, sd);
+  if (world == 1) return partial.view(shape).movedim(0, sd).contiguous();
   shape[0] /= world;
   at::Tensor out = at::empty(shape, partial.options());
   at::Tensor o = out.view({-1, dim}), in = partial;
   pg->_reduce_scatter_base(o, in)->wait();
-  return out.movedim(0, sd);
+  return out.movedim(0, sd).contiguous();  // contiguous for user code that may .view() it
 }
 
 at::Tensor vocab_parallel_embedding_backward(const at::Tensor& grad_out, const at::Tensor& ids,

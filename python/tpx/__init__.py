@@ -7,6 +7,8 @@ S(d) (sharded on dim d) and P (partial sums).
 
 from . import autograd, ops
 from .group import resolve_group, shard_range
+from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+                       Replicate, RowwiseParallel, SequenceParallel, Shard, parallelize_module)
 from .nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropyLoss,
                  VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
@@ -14,6 +16,15 @@ from .nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntr
 __version__ = "0.1.0"
 
 __all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "Replicate",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "Shard",
+    "parallelize_module",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelCrossEntropyLoss",

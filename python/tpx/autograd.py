@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import ops  # noqa: F401  (registers the operators and their fakes)
 
-__all__ = ["gather_last_dim", "split_last_dim"]
+__all__ = ["all_reduce_grad", "gather_dim", "gather_last_dim", "split_dim", "split_last_dim"]
 
 
 def _grad_or_zeros(grad, like: Tensor) -> Tensor:
@@ -190,55 +190,96 @@ torch.library.register_autograd(
     "tpx::vocab_parallel_embedding", _embedding_backward, setup_context=_embedding_setup)
 
 
-# Layout changes of the last dimension (uneven shards allowed) --------------------------------
+# Layout changes along one dimension (shards may be uneven: `sizes` per rank) -----------------
 
 
-def _gather_last(x: Tensor, sizes: List[int], pg: dist.ProcessGroup) -> Tensor:
+def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Tensor:
     width = max(sizes)
-    local = x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+    local = x.movedim(dim, -1)
+    if local.shape[-1] != width:
+        local = F.pad(local, (0, width - local.shape[-1]))
     local = local.contiguous()
     pieces = [torch.empty_like(local) for _ in sizes]
     dist.all_gather(pieces, local, group=pg)
-    return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1)
+    return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1).movedim(-1, dim)
 
 
-class _GatherLastDim(torch.autograd.Function):
-    """S(-1) -> R forward; backward keeps this rank's columns of the replicated gradient."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, start, pg):
-        ctx.start, ctx.width = start, x.shape[-1]
-        return _gather_last(x, sizes, pg)
+class _GatherDim(torch.autograd.Function):
+    """S(dim) -> R forward; backward keeps this rank's slice of the replicated gradient."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad[..., ctx.start:ctx.start + ctx.width].contiguous(), None, None, None
-
-
-class _SplitLastDim(torch.autograd.Function):
-    """R -> S(-1) forward (this rank's columns); backward gathers the gradient back to R."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, start, pg):
-        ctx.sizes, ctx.pg = sizes, pg
-        width = sizes[dist.get_rank(pg)]
-        return x[..., start:start + width].contiguous()
+    def forward(ctx, x, dim, sizes, start, pg):
+        ctx.dim, ctx.start, ctx.width = dim, start, x.shape[dim]
+        return _gather(x, dim, sizes, pg)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.sizes, ctx.pg), None, None, None
+        return grad.narrow(ctx.dim, ctx.start, ctx.width).contiguous(), None, None, None, None
+
+
+class _SplitDim(torch.autograd.Function):
+    """R -> S(dim) forward (this rank's slice); backward gathers the gradient back to R."""
+
+    @staticmethod
+    def forward(ctx, x, dim, sizes, start, pg):
+        ctx.dim, ctx.sizes, ctx.pg = dim, sizes, pg
+        return x.narrow(dim, start, sizes[dist.get_rank(pg)]).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.sizes, ctx.pg), None, None, None, None
+
+
+def gather_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
+    """``x S(dim) -> R``: concatenates every rank's ``x`` along ``dim``; rank ``r`` holds
+    ``sizes[r]`` entries, this rank's starting at ``start``."""
+    if pg.size() == 1:
+        return x
+    return _GatherDim.apply(x, dim % x.dim(), sizes, start, pg)
+
+
+def split_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
+    """``x R -> S(dim)``: keeps this rank's ``sizes[rank]`` entries from ``start``."""
+    if pg.size() == 1:
+        return x
+    return _SplitDim.apply(x, dim % x.dim(), sizes, start, pg)
 
 
 def gather_last_dim(x: Tensor, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
-    """``x S(-1) -> R``: concatenates every rank's ``x`` along the last dimension; rank ``r``
-    holds ``sizes[r]`` columns starting at ``start`` on this rank."""
-    if pg.size() == 1:
-        return x
-    return _GatherLastDim.apply(x, sizes, start, pg)
+    """``x S(-1) -> R`` (see :func:`gather_dim`)."""
+    return gather_dim(x, -1, sizes, start, pg)
 
 
 def split_last_dim(x: Tensor, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
-    """``x R -> S(-1)``: keeps this rank's ``sizes[rank]`` columns from ``start``."""
+    """``x R -> S(-1)`` (see :func:`split_dim`)."""
+    return split_dim(x, -1, sizes, start, pg)
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (a replicated tensor whose
+    consumers each saw only part of the data, e.g. under sequence parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.pg)
+        return grad, None
+
+
+def all_reduce_grad(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
+    """Identity whose backward all-reduces the gradient over ``pg``."""
     if pg.size() == 1:
         return x
-    return _SplitLastDim.apply(x, sizes, start, pg)
+    return _AllReduceGrad.apply(x, pg)
+
+
+def all_reduce_grad_value(grad: Tensor, pg: dist.ProcessGroup) -> Tensor:
+    """The sum over ``pg`` of a gradient (for a tensor hook on a replicated parameter)."""
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=pg)
+    return grad

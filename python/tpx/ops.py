@@ -258,7 +258,7 @@ def _all_gather_matmul_fake(a, b, gather_dim, group_name, chunks=None, bias=None
     shape[0] = shape[0] * _world(group_name)
     gathered = a.new_empty(shape)
     out = a.new_empty(shape[:-1] + [b.shape[1]])
-    return gathered.movedim(0, gd), out.movedim(0, gd)
+    return gathered.movedim(0, gd), out.movedim(0, gd).contiguous()
 
 
 @torch.library.register_fake("tpx::all_gather_matmul_backward")
@@ -279,7 +279,7 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, group_name, chunks=None, bias
     shape = _dim_first_shape(a, sd)
     shape[0] = shape[0] // _world(group_name)
     shape[-1] = b.shape[1]
-    return a.new_empty(shape).movedim(0, sd)
+    return a.new_empty(shape).movedim(0, sd).contiguous()
 
 
 @torch.library.register_fake("tpx::matmul_reduce_scatter_backward")
@@ -338,7 +338,7 @@ def _vocab_parallel_embedding_fake(weight, ids, vocab_start, group_name, scatter
     sd = scatter_dim % ids.dim()
     shape = _dim_first_shape(ids, sd) + [dim]
     shape[0] = shape[0] // _world(group_name)
-    return weight.new_empty(shape).movedim(0, sd)
+    return weight.new_empty(shape).movedim(0, sd).contiguous()
 
 
 @torch.library.register_fake("tpx::vocab_parallel_embedding_backward")

@@ -1,0 +1,224 @@
+"""Parallel styles: how one module of a plan is sharded, with PyTorch's names and placements.
+
+Placements of plain tensors at a module boundary: ``Replicate()`` (R, the full tensor on
+every rank) and ``Shard(dim)`` (S(dim), this rank's block of ``dim``). A replicated tensor
+carries the same full gradient on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import autograd as tpx_autograd
+from ..group import shard_sizes, _range
+from ..nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """R: every rank holds the full tensor."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """S(dim): every rank holds its block of dimension ``dim`` (``tpx.shard_range``)."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+def _check_placement(style: str, name: str, value, allowed: tuple) -> None:
+    if value is not None and not isinstance(value, allowed):
+        raise TypeError(f"tpx.{style}: `{name}` must be one of "
+                        f"{[a.__name__ + '()' for a in allowed]}; got {value!r}")
+
+
+def redistribute(x, src, dst, pg: dist.ProcessGroup):
+    """Changes the placement of a plain tensor from ``src`` to ``dst`` (R <-> S(d))."""
+    if src is None or dst is None or src == dst or not isinstance(x, Tensor):
+        return x
+    world = pg.size()
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        d = dst.dim % x.dim()
+        sizes = shard_sizes(x.shape[d], world)
+        start, _ = _range(x.shape[d], dist.get_rank(pg), world)
+        return tpx_autograd.split_dim(x, d, sizes, start, pg)
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        d = src.dim % x.dim()
+        # Shards of a plain tensor are equal-sized: the full size is local * world.
+        sizes = [x.shape[d]] * world
+        return tpx_autograd.gather_dim(x, d, sizes, dist.get_rank(pg) * x.shape[d], pg)
+    raise ValueError(f"tpx: cannot redistribute a tensor from {src} to {dst}")
+
+
+class ParallelStyle:
+    """Base of the styles: ``apply(module, group)`` returns the sharded module (the same
+    object, with hooks, or a tpx replacement)."""
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:  # pragma: no cover
+        raise NotImplementedError
+
+
+class ColwiseParallel(ParallelStyle):
+    """``nn.Linear`` -> :class:`tpx.ColumnParallelLinear` (weight rows sharded).
+
+    ``input_layouts``: ``Replicate()`` (default) or ``Shard(d)`` (sequence parallel input,
+    gathered inside the GEMM); ``output_layouts``: ``Shard(-1)`` (default) or ``Replicate()``
+    (gathered). ``chunks`` is the pipeline depth of the overlapped collectives.
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
+                 chunks: Optional[int] = None) -> None:
+        _check_placement("ColwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
+        _check_placement("ColwiseParallel", "output_layouts", output_layouts, (Replicate, Shard))
+        if isinstance(output_layouts, Shard) and output_layouts.dim != -1:
+            raise ValueError("tpx.ColwiseParallel: output_layouts must be Shard(-1) or Replicate()")
+        self.input_layouts = input_layouts or Replicate()
+        self.output_layouts = output_layouts or Shard(-1)
+        self.chunks = chunks
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        sp = isinstance(self.input_layouts, Shard)
+        if isinstance(module, nn.Linear):
+            return ColumnParallelLinear.from_linear(
+                module, group=pg, gather_output=isinstance(self.output_layouts, Replicate),
+                sequence_parallel=sp, sequence_dim=self.input_layouts.dim if sp else 1,
+                chunks=self.chunks)
+        raise ValueError(f"tpx.ColwiseParallel applies to nn.Linear; got {type(module).__name__}")
+
+    def __repr__(self) -> str:
+        return f"ColwiseParallel(input_layouts={self.input_layouts}, output_layouts={self.output_layouts})"
+
+
+class RowwiseParallel(ParallelStyle):
+    """``nn.Linear`` -> :class:`tpx.RowParallelLinear` (weight columns sharded);
+    ``nn.Embedding`` -> :class:`tpx.VocabParallelEmbedding` (table rows sharded).
+
+    Linear: ``input_layouts`` ``Shard(-1)`` (default) or ``Replicate()``; ``output_layouts``
+    ``Replicate()`` (default, all-reduced) or ``Shard(d)`` (reduce-scattered along the
+    sequence). Embedding: input ``Replicate()``; output ``Replicate()`` or ``Shard(d)``.
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
+                 chunks: Optional[int] = None) -> None:
+        _check_placement("RowwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
+        _check_placement("RowwiseParallel", "output_layouts", output_layouts, (Replicate, Shard))
+        self.input_layouts, self.output_layouts = input_layouts, output_layouts or Replicate()
+        self.chunks = chunks
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        sp = isinstance(self.output_layouts, Shard)
+        seq_dim = self.output_layouts.dim if sp else 1
+        if isinstance(module, nn.Linear):
+            layout = self.input_layouts or Shard(-1)
+            if isinstance(layout, Shard) and layout.dim != -1:
+                raise ValueError("tpx.RowwiseParallel: input_layouts must be Shard(-1) or "
+                                 "Replicate() for nn.Linear")
+            return RowParallelLinear.from_linear(
+                module, group=pg, input_is_parallel=isinstance(layout, Shard),
+                sequence_parallel=sp, sequence_dim=seq_dim, chunks=self.chunks)
+        if isinstance(module, nn.Embedding):
+            if self.input_layouts is not None and not isinstance(self.input_layouts, Replicate):
+                raise ValueError("tpx.RowwiseParallel: an nn.Embedding takes Replicate() ids")
+            return VocabParallelEmbedding.from_embedding(module, group=pg, sequence_parallel=sp,
+                                                         sequence_dim=seq_dim)
+        raise ValueError("tpx.RowwiseParallel applies to nn.Linear and nn.Embedding; got "
+                         f"{type(module).__name__}")
+
+    def __repr__(self) -> str:
+        return f"RowwiseParallel(input_layouts={self.input_layouts}, output_layouts={self.output_layouts})"
+
+
+class SequenceParallel(ParallelStyle):
+    """A module that works row by row (LayerNorm, RMSNorm, dropout) run on this rank's block
+    of the sequence: input and output ``Shard(sequence_dim)``, parameters replicated. Each
+    rank sees only part of the sequence, so the gradients of the parameters are summed over
+    the group as they are produced: every rank ends with the full, identical gradient."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        self.sequence_dim = sequence_dim
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        if pg.size() > 1:
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_hook(lambda g, pg=pg: tpx_autograd.all_reduce_grad_value(g, pg))
+        return module
+
+    def __repr__(self) -> str:
+        return f"SequenceParallel(sequence_dim={self.sequence_dim})"
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Redistributes the positional (and keyword) inputs of a module before it runs:
+    ``input_layouts[i] -> desired_input_layouts[i]`` (``None`` leaves an input alone)."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
+                 use_local_output: bool = False) -> None:
+        self.input_layouts = _as_tuple(input_layouts)
+        self.desired_input_layouts = _as_tuple(desired_input_layouts)
+        if len(self.input_layouts) != len(self.desired_input_layouts):
+            raise ValueError("tpx.PrepareModuleInput: input_layouts and desired_input_layouts "
+                             "must have the same length")
+        self.kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        def hook(mod, args, kwargs):
+            args = list(args)
+            for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
+                if i < len(args):
+                    args[i] = redistribute(args[i], src, dst, pg)
+            for key, src in self.kwarg_layouts.items():
+                if key in kwargs:
+                    kwargs[key] = redistribute(kwargs[key], src,
+                                               self.desired_kwarg_layouts.get(key), pg)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Redistributes a module's output(s): ``output_layouts[i] -> desired_output_layouts[i]``."""
+
+    def __init__(self, *, output_layouts, desired_output_layouts,
+                 use_local_output: bool = True) -> None:
+        self.output_layouts = _as_tuple(output_layouts)
+        self.desired_output_layouts = _as_tuple(desired_output_layouts)
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError("tpx.PrepareModuleOutput: output_layouts and desired_output_layouts "
+                             "must have the same length")
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        def hook(mod, args, output):
+            single = not isinstance(output, tuple)
+            outs = (output,) if single else list(output)
+            outs = [redistribute(o, src, dst, pg) if i < len(self.output_layouts) else o
+                    for i, (o, src, dst) in enumerate(zip(
+                        outs, self.output_layouts + (None,) * len(outs),
+                        self.desired_output_layouts + (None,) * len(outs)))]
+            return outs[0] if single else tuple(outs)
+
+        module.register_forward_hook(hook)
+        return module
