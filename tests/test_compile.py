@@ -1,6 +1,9 @@
 """torch.compile(fullgraph=True) traces the tpx layers (through the ops' fake
 implementations) and gives eager's numbers, forward and backward."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +13,8 @@ from harness import run_ranks
 
 
 def _check_compile(rank, world):
+    # A private compile cache: a cache left by an older build of the ops would be stale.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 4 * world + 2), nn.ReLU(), nn.Linear(4 * world + 2, 16))
     for sp in (False, True):
