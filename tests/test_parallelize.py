@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import tpx
 import tpx.checkpoint
 from harness import run_ranks
-from models import Decoder, tp_plan
+from tiny_llama import Decoder, tp_plan
 
 V = 1003
 

@@ -1,6 +1,6 @@
-"""A small Llama-style decoder written in plain PyTorch (nn.Linear, nn.Embedding,
-F.cross_entropy), as users write them; attention reshapes with -1 heads so that it runs
-unchanged on column-sharded projections."""
+"""A small Llama-style decoder written in plain PyTorch (nn.Linear, nn.Embedding, RMSNorm,
+rotary embeddings, GQA attention, SwiGLU), as users write them, and its TP plan. Attention
+reshapes with -1 heads, so it runs unchanged on column-sharded projections."""
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,17 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def rotary(x, base=10000.0):
+    """Rotary position embedding of x [batch, seq, heads, head_dim] (pairs of channels)."""
+    seq, dim = x.shape[1], x.shape[-1]
+    inv = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, dim, n_heads, n_kv_heads):
         super().__init__()
@@ -27,8 +38,8 @@ class Attention(nn.Module):
 
     def forward(self, x):
         bs, seq, _ = x.shape
-        q = self.wq(x).view(bs, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bs, seq, -1, self.head_dim).transpose(1, 2)
+        q = rotary(self.wq(x).view(bs, seq, -1, self.head_dim)).transpose(1, 2)
+        k = rotary(self.wk(x).view(bs, seq, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(bs, seq, -1, self.head_dim).transpose(1, 2)
         k, v = k.repeat_interleave(self.n_rep, 1), v.repeat_interleave(self.n_rep, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
