@@ -8,7 +8,7 @@ VENV := .venv
 TORCH_SPEC ?= torch==2.13.0
 ifeq ($(strip $(PYTHON)),)
 PY := $(VENV)/bin/python
-DEPS := $(VENV)/.deps-installed
+DEPS := $(VENV)/.deps-installed-2
 else
 PY := $(PYTHON)
 DEPS :=
@@ -23,8 +23,10 @@ PYTEST_ARGS ?= -q
 
 .PHONY: demo test build cuda-check bench clean
 
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --nproc-per-node 2 --master-port 29517 examples/tp_mlp_demo.py
+	$(PY) -m torch.distributed.run --nproc-per-node 2 --master-port 29517 \
+	    examples/train_tp_demo.py $(DEMO_ARGS)
 
 test: $(STAMP) cuda-check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -34,9 +36,10 @@ build: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_linear.py
 
-$(VENV)/.deps-installed:
+$(VENV)/.deps-installed-2:
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools wheel pybind11 ninja pytest numpy
+	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools wheel pybind11 ninja pytest \
+	    numpy tqdm matplotlib safetensors
 	touch $@
 
 $(STAMP): $(DEPS) $(EXT_INPUTS)
