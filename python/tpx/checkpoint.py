@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .autograd import gather_dim
+from .group import shard_sizes
 from .nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -32,15 +33,8 @@ def _sharded_params(model: nn.Module) -> Iterator[Tuple[str, nn.Module, str, int
         elif isinstance(mod, RowParallelLinear):
             yield pre + "weight", mod, "weight", 1, mod.in_sizes, mod.in_start
         elif isinstance(mod, VocabParallelEmbedding):
-            sizes = [e - s for s, e in (_span(mod.num_embeddings, r, mod.world_size)
-                                        for r in range(mod.world_size))]
+            sizes = shard_sizes(mod.num_embeddings, mod.world_size)
             yield pre + "weight", mod, "weight", 0, sizes, mod.vocab_start
-
-
-def _span(size, rank, world):
-    from .group import _range
-
-    return _range(size, rank, world)
 
 
 @torch.no_grad()
