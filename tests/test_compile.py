@@ -37,3 +37,30 @@ def _check_compile(rank, world):
 @pytest.mark.parametrize("world", [2])
 def test_compile_fullgraph_matches_eager(world):
     run_ranks(_check_compile, world, timeout=600)
+
+
+def _check_compile_decoder(rank, world):
+    import copy
+
+    from tiny_llama import Decoder, tp_plan
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
+    torch.manual_seed(0)
+    for sp, lp in [(False, False), (True, True)]:
+        ref = Decoder(vocab=1003)
+        eager = tpx.parallelize_module(copy.deepcopy(ref), None, tp_plan(sp, lp))
+        compiled = torch.compile(tpx.parallelize_module(copy.deepcopy(ref), None, tp_plan(sp, lp)),
+                                 fullgraph=True)
+        ids = torch.randint(0, 1003, (2, 8))
+        y, y_ref = compiled(ids), eager(ids)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        y.square().mean().backward()
+        y_ref.square().mean().backward()
+        for (name, p), p_ref in zip(compiled.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} sp={sp} lp={lp}: {m}")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_compile_parallelized_decoder_fullgraph(world):
+    run_ranks(_check_compile_decoder, world, timeout=600)

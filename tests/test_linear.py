@@ -141,6 +141,14 @@ def _check_seeded_init(rank, world):
     assert m.weight.dtype == torch.float64 and m.bias.dtype == torch.float64
     m = tpx.RowParallelLinear(8, 4, device="meta")
     assert m.weight.is_meta
+    # A deep copy shares the process group and computes the same thing.
+    import copy
+
+    col = tpx.ColumnParallelLinear(6, 5, gather_output=True)
+    twin = copy.deepcopy(col)
+    assert twin.group is col.group and twin.weight.data_ptr() != col.weight.data_ptr()
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(twin(x), col(x))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

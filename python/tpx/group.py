@@ -144,3 +144,17 @@ def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[in
     dist.all_gather(sizes, mine, group=pg)
     sizes = [int(s) for s in sizes]
     return sum(sizes[:rank]), sum(sizes)
+
+
+class SharesGroupOnCopy:
+    """Mixin for modules that hold a ``group``: ``copy.deepcopy`` shares the process group
+    (which cannot be copied) instead of failing."""
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new

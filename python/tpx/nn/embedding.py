@@ -9,12 +9,13 @@ from torch import Tensor, nn
 
 from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
 from .. import ops
-from ..group import GroupLike, _range, check_same_on_ranks, resolve_group, tensor_checksum
+from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, resolve_group,
+                     tensor_checksum)
 
 __all__ = ["VocabParallelEmbedding"]
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
     """``nn.Embedding`` with the rows of its table sharded over ``group``.
 
     Placement: ``ids R -> y R``; with ``sequence_parallel=True``: ``ids R -> y
@@ -107,7 +108,7 @@ class VocabParallelEmbedding(nn.Module):
         if ids.device != self.weight.device:
             raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
                              f"is on {self.weight.device}")
-        if ids.numel():
+        if ids.numel() and not torch.compiler.is_compiling():  # a host check: eager only
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.num_embeddings:
                 bad = lo if lo < 0 else hi

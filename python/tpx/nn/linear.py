@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from .. import ops
-from ..group import (GroupLike, _range, check_same_on_ranks, resolve_group, shard_sizes,
-                     tensor_checksum)
+from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, resolve_group,
+                     shard_sizes, tensor_checksum)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -67,7 +67,7 @@ def _full_linear_init(in_features: int, out_features: int, bias: bool, device, d
     return w, b
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(SharesGroupOnCopy, nn.Module):
     """Shared bookkeeping of the two layers: the group, the configuration check across ranks,
     input validation."""
 

@@ -6,13 +6,13 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ..group import GroupLike, resolve_group
+from ..group import GroupLike, SharesGroupOnCopy, resolve_group
 from .functional import vocab_parallel_cross_entropy
 
 __all__ = ["VocabParallelCrossEntropyLoss"]
 
 
-class VocabParallelCrossEntropyLoss(nn.Module):
+class VocabParallelCrossEntropyLoss(SharesGroupOnCopy, nn.Module):
     """Module form of :func:`tpx.vocab_parallel_cross_entropy`: ``loss(logits, target)``.
 
     Placement: ``logits S(-1)`` (this rank's vocabulary columns), ``target R`` -> ``loss R``.

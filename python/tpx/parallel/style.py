@@ -146,7 +146,9 @@ class SequenceParallel(ParallelStyle):
     """A module that works row by row (LayerNorm, RMSNorm, dropout) run on this rank's block
     of the sequence: input and output ``Shard(sequence_dim)``, parameters replicated. Each
     rank sees only part of the sequence, so the gradients of the parameters are summed over
-    the group as they are produced: every rank ends with the full, identical gradient."""
+    the group as they are produced: every rank ends with the full, identical gradient.
+    (The sums are tensor hooks on the parameters, which a ``copy.deepcopy`` of the model does
+    not carry over: parallelize the copy instead of copying a parallelized model.)"""
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_dim = sequence_dim
