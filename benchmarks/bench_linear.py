@@ -34,17 +34,15 @@ import argparse
 import copy
 import json
 import os
-import platform
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from common import environment, format_table, print_env, spawn_ranks
 
 SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
 REPEATS = {"small": 60, "large": 10}
@@ -209,32 +207,8 @@ def add_ratios(results: list, world: int) -> None:
             r["vs_tpx_chunks1"] = r["median_ms"] / serial
 
 
-def format_table(headers: list, rows: list) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-
-    def line(cells: list) -> str:  # the first two columns are text, the others numbers
-        return "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def environment(device: torch.device, world: int, backend: str) -> dict:
-    env = dict(torch=torch.__version__, python=platform.python_version(),
-               platform=platform.platform(), cpu_count=os.cpu_count(),
-               cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else os.cpu_count(),
-               cpu_capability=torch.backends.cpu.get_cpu_capability(),
-               threads_per_rank=torch.get_num_threads(),
-               interop_threads=torch.get_num_interop_threads(),
-               world_size=world, backend=backend, device=device.type)
-    try:
-        import tpx
-        env.update(tpx=tpx.__version__, tpx_build=tpx.build_info())
-    except ImportError:
-        pass
-    if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
-    return env
 
 
 def write_json(path: Path, payload: dict) -> Path:
@@ -243,10 +217,6 @@ def write_json(path: Path, payload: dict) -> Path:
     return path
 
 
-def print_env(env: dict) -> None:
-    print("environment: " + ", ".join(f"{k}={env[k]}" for k in (
-        "torch", "tpx", "device", "backend", "world_size", "threads_per_rank", "cpu_count",
-        "cpus_usable", "cpu_capability", "gpu") if k in env))
 
 
 def run_tp(rank: int, world: int, args, init_method: str, local_rank: int) -> None:
@@ -289,7 +259,7 @@ def report_tp(results: list, env: dict, args, world: int) -> None:
     print(f"\nMLP fwd+bwd, fp32, TP={world} ({env['backend']}), ratios are median / median "
           "(lower is better); ideal = single process / world size")
     print(format_table(["shape", "variant", "median ms", "min ms", "vs DTensor", "vs ideal",
-                        "vs tpx chunks=1"], rows))
+                        "vs tpx chunks=1"], rows, text_columns=2))
     path = Path(args.out or RESULTS_DIR / f"bench_linear_{args.device}_tp{world}.json")
     payload = dict(benchmark="bench_linear: MLP column->ReLU->row, fwd+bwd",
                    shapes={n: SHAPES[n] for n in args.shapes},
@@ -349,7 +319,7 @@ def gemm_bench(args, device: str = "cuda", shapes=GEMM_SHAPES, dtype=torch.bfloa
         ["M x K x N", "chunks", "median ms", "min ms", "TFLOP/s", "vs monolithic"],
         [[f"{r['m']}x{r['k']}x{r['n']}", r["chunks"], f"{r['median_ms']:.3f}",
           f"{r['min_ms']:.3f}", f"{r['tflops']:.1f}", f"{r['vs_monolithic']:.3f}"]
-         for r in records]))
+         for r in records], text_columns=2))
     path = Path(args.out or RESULTS_DIR / f"bench_linear_{device}_tp1.json")
     payload = dict(benchmark="bench_linear: single-GPU GEMM decomposition",
                    shapes=[dict(m=m, k=k, n=n) for m, k, n in shapes],
@@ -401,14 +371,7 @@ def main(argv=None) -> None:
         if torch.cuda.device_count() < 2:
             return gemm_bench(args)
         args.world_size = min(args.world_size, torch.cuda.device_count())
-    tmpdir = tempfile.mkdtemp(prefix="bench_linear_")
-    try:
-        init_method = f"file://{os.path.join(tmpdir, 'store')}"
-        mp.spawn(_spawned, args=(args.world_size, args, init_method), nprocs=args.world_size)
-    except mp.ProcessRaisedException as e:
-        raise SystemExit(f"bench_linear aborted: {e}") from None
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    spawn_ranks(_spawned, args.world_size, args, "bench_linear")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -63,8 +62,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from common import environment, format_table, print_env, spawn_ranks
 
 FULL = dict(tokens=8192, vocab=32000, d=256, chunk=512, gpu_tokens=16384, gpu_vocab=32064)
 QUICK = dict(tokens=512, vocab=2000, d=64, chunk=128, gpu_tokens=1024, gpu_vocab=2000)
@@ -384,13 +384,6 @@ def bench_gpu(cfg: dict, args) -> list:
 
 # --- reporting --------------------------------------------------------------------------------
 
-def format_table(headers: list, rows: list) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-
-    def line(cells: list) -> str:  # the first column is text, the others numbers
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def print_section(title: str, results: list, key: str, name: str, extra=()) -> None:
@@ -403,25 +396,6 @@ def print_section(title: str, results: list, key: str, name: str, extra=()) -> N
                         f"peak vs {name}"] + [h for _, h, _ in extra], rows))
 
 
-def environment(device: torch.device, world: int, backend: str) -> dict:
-    env = dict(torch=torch.__version__, python=platform.python_version(),
-               platform=platform.platform(), cpu_count=os.cpu_count(),
-               cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else os.cpu_count(),
-               cpu_capability=torch.backends.cpu.get_cpu_capability(),
-               threads_per_rank=torch.get_num_threads(), world_size=world, backend=backend,
-               device=device.type)
-    try:
-        import tpx
-        env.update(tpx=tpx.__version__, tpx_build=tpx.build_info())
-    except ImportError:
-        pass
-    if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
-    print("environment: " + ", ".join(f"{k}={env[k]}" for k in (
-        "torch", "tpx", "device", "backend", "world_size", "threads_per_rank", "cpu_count",
-        "cpus_usable", "cpu_capability", "gpu") if k in env))
-    return env
 
 
 def write_json(args, world: int, cfg: dict, env: dict, sections: dict) -> None:
@@ -448,6 +422,7 @@ def run_cpu(rank: int, world: int, args, init_method: str, local_rank: int) -> N
         cfg = QUICK if args.quick else FULL
         env = environment(torch.device("cpu"), world, "gloo") if rank == 0 else None
         if rank == 0:
+            print_env(env)
             env["malloc_mmap_threshold_fixed_1MiB"] = exact
         say = print if rank == 0 else (lambda *a, **k: None)
         say(f"running cross-entropy N={cfg['tokens']} V={cfg['vocab']} ...", flush=True)
@@ -484,6 +459,7 @@ def run_gpu(args) -> None:
     try:
         cfg = QUICK if args.quick else FULL
         env = environment(torch.device("cuda", torch.cuda.current_device()), 1, "nccl")
+        print_env(env)
         results = bench_gpu(cfg, args)
         print_section(f"cross-entropy fwd+bwd, one GPU, one shard N={cfg['gpu_tokens']} "
                       f"V_local={cfg['gpu_vocab']} bf16; CUDA events", results, "torch",
@@ -528,14 +504,7 @@ def main(argv=None) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         return run_cpu(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://",
                        local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-    tmpdir = tempfile.mkdtemp(prefix="bench_loss_")
-    try:
-        init_method = f"file://{os.path.join(tmpdir, 'store')}"
-        mp.spawn(_spawned, args=(args.world_size, args, init_method), nprocs=args.world_size)
-    except mp.ProcessRaisedException as e:
-        raise SystemExit(f"bench_loss aborted: {e}") from None
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    spawn_ranks(_spawned, args.world_size, args, "bench_loss")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+"""Helpers shared by the benchmark scripts: the environment record, plain-text tables, and
+spawning one process per rank."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def environment(device: torch.device, world: int, backend: str) -> dict:
+    """What the numbers were measured on (stored in every JSON result)."""
+    env = dict(torch=torch.__version__, python=platform.python_version(),
+               platform=platform.platform(), cpu_count=os.cpu_count(),
+               cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(),
+               cpu_capability=torch.backends.cpu.get_cpu_capability(),
+               threads_per_rank=torch.get_num_threads(),
+               interop_threads=torch.get_num_interop_threads(),
+               world_size=world, backend=backend, device=device.type)
+    try:
+        import tpx
+        env.update(tpx=tpx.__version__, tpx_build=tpx.build_info())
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return env
+
+
+def print_env(env: dict) -> None:
+    print("environment: " + ", ".join(f"{k}={env[k]}" for k in (
+        "torch", "tpx", "device", "backend", "world_size", "threads_per_rank", "cpu_count",
+        "cpus_usable", "cpu_capability", "gpu") if k in env))
+
+
+def format_table(headers: list, rows: list, text_columns: int = 1) -> str:
+    """An aligned table: the first ``text_columns`` columns left-aligned, numbers right."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+
+    def line(cells: list) -> str:
+        return "  ".join(str(c).ljust(w) if i < text_columns else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def spawn_ranks(fn, world: int, args, name: str) -> None:
+    """Runs ``fn(rank, world, args, init_method)`` in ``world`` spawned processes that meet
+    through a file store; a rank's exception ends the benchmark with its message."""
+    tmpdir = tempfile.mkdtemp(prefix=f"{name}_")
+    try:
+        init_method = f"file://{os.path.join(tmpdir, 'store')}"
+        mp.spawn(fn, args=(world, args, init_method), nprocs=world)
+    except mp.ProcessRaisedException as e:
+        raise SystemExit(f"{name} aborted: {e}") from None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
