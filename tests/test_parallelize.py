@@ -38,13 +38,11 @@ def _check_decoder(rank, world):
         loss.backward()
 
         ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-        sharded = {key: (mod, pname, dim, sizes, start)
-                   for key, mod, pname, dim, sizes, start in tpx.checkpoint._sharded_params(model)}
+        sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
         for key, p in model.named_parameters():
             expected = ref_grads[key]
             if key in sharded:
-                mod, _, dim, sizes, start = sharded[key]
-                expected = expected.narrow(dim, start, sizes[mod.rank])
+                expected = sharded[key].slice_of(expected)
             torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"grad {key} {case}: {m}")
 

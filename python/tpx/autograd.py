@@ -21,7 +21,7 @@ layers need at their edges (gather / split of the last dimension, sizes may be u
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -283,3 +283,35 @@ def all_reduce_grad_value(grad: Tensor, pg: dist.ProcessGroup) -> Tensor:
     grad = grad.contiguous().clone()
     dist.all_reduce(grad, group=pg)
     return grad
+
+
+class _SumGradOverHolders(torch.autograd.Function):
+    """Identity forward on a row-sharded parameter whose rows may be held by several ranks;
+    backward sums each row's gradient over the ranks that hold it (one all-reduce of a
+    full-size buffer, used for the small replicated KV projections)."""
+
+    @staticmethod
+    def forward(ctx, x, index, full_rows, pg):
+        ctx.index, ctx.full_rows, ctx.pg = index, full_rows, pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = grad.new_zeros((ctx.full_rows,) + tuple(grad.shape[1:]))
+        index = ctx.index.to(grad.device)
+        full.index_copy_(0, index, grad)
+        dist.all_reduce(full, group=ctx.pg)
+        return full.index_select(0, index), None, None, None
+
+
+def sum_grad_over_holders(x: Tensor, rows: List[List[Tuple[int, int]]],
+                          pg: dist.ProcessGroup) -> Tensor:
+    """Identity whose backward sums the gradient of every row over the ranks holding it;
+    ``rows[r]`` lists the ``(start, end)`` ranges of the full tensor held by rank ``r`` (this
+    rank's are the rows of ``x``, in order)."""
+    if pg.size() == 1:
+        return x
+    mine = rows[dist.get_rank(pg)]
+    index = torch.cat([torch.arange(s, e) for s, e in mine]) if mine else torch.zeros(0, dtype=torch.long)
+    full_rows = max(e for r in rows for _, e in r)
+    return _SumGradOverHolders.apply(x, index, full_rows, pg)

@@ -7,12 +7,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
+from .. import autograd as tpx_autograd  # also registers the backward of every op
 from .. import ops
 from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, resolve_group,
-                     tensor_checksum)
+                     shard_sizes, tensor_checksum)
 
-__all__ = ["VocabParallelEmbedding"]
+__all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 
 
 class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
@@ -129,7 +129,97 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
         return ops.vocab_parallel_embedding(self.weight, ids.long(), self.vocab_start, self.group,
                                             scatter_dim, self._local_padding_idx)
 
+    def _shards(self):
+        """(parameter name, sharded dim, rows of the full table held by each rank)."""
+        yield "weight", 0, [[_range(self.num_embeddings, r, self.world_size)]
+                            for r in range(self.world_size)]
+
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.vocab_start}:"
                 f"{self.vocab_end}), padding_idx={self.padding_idx}, world_size={self.world_size}, "
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
+    """``nn.Embedding`` with the columns of its table (the embedding dimension) sharded over
+    ``group``: every rank looks up all ids in its ``[num_embeddings, embedding_dim / P]``
+    block, so the forward needs no communication before the optional gather.
+
+    Placement: ``ids R -> y S(-1)``; with ``gather_output=True`` (default, as PyTorch's
+    ``ColwiseParallel`` with ``output_layouts=Replicate()``): ``ids R -> y R`` (all-gathered
+    along the last dimension; its backward keeps this rank's columns, no communication).
+
+    This rank holds columns ``tpx.shard_range(embedding_dim)`` (uneven splits allowed).
+    ``padding_idx`` behaves as in ``nn.Embedding``. Initialised with ``nn.Embedding``'s
+    distribution over the FULL table, then sliced.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: Optional[int] = None, *, group: GroupLike = None,
+                 gather_output: bool = True, device=None, dtype=None,
+                 _full_weight: Optional[Tensor] = None) -> None:
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"tpx.ColumnParallelEmbedding: `{name}` must be a positive int; "
+                                 f"got {value!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"tpx.ColumnParallelEmbedding: padding_idx={padding_idx} must "
+                                 f"lie in [-{num_embeddings}, {num_embeddings})")
+            padding_idx %= num_embeddings
+        self.group = resolve_group(group)
+        self.world_size, self.rank = self.group.size(), torch.distributed.get_rank(self.group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.gather_output = padding_idx, bool(gather_output)
+        self.dim_start, self.dim_end = _range(embedding_dim, self.rank, self.world_size)
+        self.dim_sizes = shard_sizes(embedding_dim, self.world_size)
+        self.weight = nn.Parameter(torch.empty(num_embeddings, self.dim_end - self.dim_start,
+                                               device=device, dtype=dtype))
+        if _full_weight is None and self.weight.device.type != "meta":
+            _full_weight = torch.empty(num_embeddings, embedding_dim, device=self.weight.device,
+                                       dtype=self.weight.dtype)
+            nn.init.normal_(_full_weight)
+            if padding_idx is not None:
+                with torch.no_grad():
+                    _full_weight[padding_idx].fill_(0)
+        checksum = None
+        if _full_weight is not None:
+            with torch.no_grad():
+                self.weight.copy_(_full_weight[:, self.dim_start:self.dim_end])
+            checksum = tensor_checksum(_full_weight)
+        check_same_on_ranks(self.group, "ColumnParallelEmbedding", dict(
+            num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
+            gather_output=self.gather_output, dtype=str(self.weight.dtype),
+            initial_weights=checksum))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, **kwargs
+                       ) -> "ColumnParallelEmbedding":
+        """Shards an ``nn.Embedding`` that every rank holds whole (keeps this rank's columns)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError("tpx.ColumnParallelEmbedding.from_embedding expects an nn.Embedding; "
+                            f"got {type(embedding).__name__}")
+        for unsupported in ("max_norm", "sparse"):
+            if getattr(embedding, unsupported, None):
+                raise ValueError(f"tpx.ColumnParallelEmbedding: nn.Embedding({unsupported}=...) "
+                                 "is not supported")
+        w = embedding.weight
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                   group=group, device=w.device, dtype=w.dtype, _full_weight=w, **kwargs)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        y = torch.nn.functional.embedding(ids, self.weight, self.padding_idx)
+        if self.gather_output:
+            y = tpx_autograd.gather_last_dim(y, self.dim_sizes, self.dim_start, self.group)
+        return y
+
+    def _shards(self):
+        """(parameter name, sharded dim, columns of the full table held by each rank)."""
+        yield "weight", 1, [[_range(self.embedding_dim, r, self.world_size)]
+                            for r in range(self.world_size)]
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (local columns {self.dim_start}:"
+                f"{self.dim_end}), padding_idx={self.padding_idx}, world_size={self.world_size}, "
+                f"gather_output={self.gather_output}")

@@ -22,7 +22,7 @@ RowParallelLinear                  x S(-1) -> y R
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,28 @@ def _full_linear_init(in_features: int, out_features: int, bias: bool, device, d
         b = torch.empty(out_features, device=device, dtype=dtype)
         nn.init.uniform_(b, -bound, bound)
     return w, b
+
+
+def _check_out_rows(out_rows, out_features: int, world: int
+                    ) -> Tuple[List[List[Tuple[int, int]]], bool]:
+    """Validates ``out_rows`` (per rank, the row ranges of the full weight it holds) and says
+    whether some row is held by several ranks."""
+    if len(out_rows) != world:
+        raise ValueError(f"tpx.ColumnParallelLinear: `out_rows` must list the rows of each of "
+                         f"the {world} ranks; got {len(out_rows)} entries")
+    rows = [[(int(s), int(e)) for s, e in r] for r in out_rows]
+    held = [0] * out_features
+    for r, ranges in enumerate(rows):
+        for s, e in ranges:
+            if not 0 <= s <= e <= out_features:
+                raise ValueError(f"tpx.ColumnParallelLinear: out_rows[{r}] has the range "
+                                 f"({s}, {e}) outside [0, {out_features})")
+            for i in range(s, e):
+                held[i] += 1
+    if min(held, default=1) == 0:
+        raise ValueError("tpx.ColumnParallelLinear: `out_rows` leaves output feature "
+                         f"{held.index(0)} on no rank")
+    return rows, max(held, default=1) > 1
 
 
 class _ParallelLinear(SharesGroupOnCopy, nn.Module):
@@ -168,12 +190,19 @@ class ColumnParallelLinear(_ParallelLinear):
             0 for ``[seq, batch, hidden]`` or ``[tokens, hidden]``).
         chunks: pipeline depth of the overlapped collectives (``1``: no overlap).
         device, dtype: as in ``nn.Linear``.
+        out_rows: for each rank, the ``(start, end)`` row ranges of the full weight it holds,
+            concatenated in that order (default: ``shard_range(out_features)``). Used for
+            fused projections whose segments are split separately (a fused QKV: each rank
+            holds its block of q, of k and of v) and for rows held by several ranks (KV heads
+            replicated when there are fewer than ranks: their weight gradients are summed over
+            the ranks that hold them). Not combinable with ``gather_output``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: GroupLike = None, gather_output: bool = False,
                  sequence_parallel: bool = False, sequence_dim: int = 1,
                  chunks: Optional[int] = None, device=None, dtype=None,
+                 out_rows: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
                  _full_weights=None) -> None:
         super().__init__()
         _check_features("ColumnParallelLinear", in_features=in_features,
@@ -183,20 +212,46 @@ class ColumnParallelLinear(_ParallelLinear):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = bool(gather_output), bool(sequence_parallel)
         self.sequence_dim, self.chunks = sequence_dim, chunks
-        self.out_start, self.out_end = _range(out_features, self.rank, self.world_size)
-        self.out_sizes = shard_sizes(out_features, self.world_size)
-        local = self.out_end - self.out_start
+        if out_rows is None:
+            self.out_start, self.out_end = _range(out_features, self.rank, self.world_size)
+            self.out_sizes = shard_sizes(out_features, self.world_size)
+            self.out_rows = [[_range(out_features, r, self.world_size)]
+                             for r in range(self.world_size)]
+            self.replicated_rows = False
+        else:
+            self.out_rows, self.replicated_rows = _check_out_rows(
+                out_rows, out_features, self.world_size)
+            if gather_output:
+                raise ValueError("tpx.ColumnParallelLinear: gather_output=True needs the default "
+                                 "contiguous split of the output features, not `out_rows`")
+            self.out_sizes = [sum(e - s for s, e in rows) for rows in self.out_rows]
+            self.out_start = None
+            self.out_end = None
+        local = self.out_sizes[self.rank]
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(local, **factory)) if bias else None
         checksum = self._init_weights(_full_weights)
         check_same_on_ranks(self.group, "ColumnParallelLinear", self._config(
-            gather_output=self.gather_output, initial_weights=checksum))
+            gather_output=self.gather_output, initial_weights=checksum,
+            out_rows=[list(map(list, rows)) for rows in self.out_rows]))
+
+    def _local_rows(self, full: Tensor) -> Tensor:
+        rows = self.out_rows[self.rank]
+        if len(rows) == 1:
+            return full[rows[0][0]:rows[0][1]]
+        return torch.cat([full[s:e] for s, e in rows])
 
     def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
-        self.weight.copy_(weight[self.out_start:self.out_end])
+        self.weight.copy_(self._local_rows(weight))
         if self.bias is not None:
-            self.bias.copy_(bias[self.out_start:self.out_end])
+            self.bias.copy_(self._local_rows(bias))
+
+    def _shards(self):
+        """(parameter name, sharded dim, rows of the full tensor held by each rank)."""
+        yield "weight", 0, self.out_rows
+        if self.bias is not None:
+            yield "bias", 0, self.out_rows
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: GroupLike = None, **kwargs
@@ -208,19 +263,27 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x, self.in_features, "in_features")
-        w_t = self.weight.t()
+        weight, bias = self.weight, self.bias
+        if self.replicated_rows:
+            # Rows held by several ranks (replicated KV heads): each holder saw only its own
+            # query heads, so their weight gradients are summed over the holders.
+            weight = tpx_autograd.sum_grad_over_holders(weight, self.out_rows, self.group)
+            if bias is not None:
+                bias = tpx_autograd.sum_grad_over_holders(bias, self.out_rows, self.group)
+        w_t = weight.t()
         if self.sequence_parallel:
             _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
-                                         bias=self.bias)
+                                         bias=bias)
         else:
-            y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=self.bias)
+            y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
         if self.gather_output:
             y = tpx_autograd.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
         return y
 
     def extra_repr(self) -> str:
+        rows = ", ".join(f"{s}:{e}" for s, e in self.out_rows[self.rank])
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.out_start}:{self.out_end}), bias={self.bias is not None}, "
+                f"(local {rows}), bias={self.bias is not None}, "
                 f"world_size={self.world_size}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
 
@@ -276,6 +339,11 @@ class RowParallelLinear(_ParallelLinear):
         self.weight.copy_(weight[:, self.in_start:self.in_end])
         if self.bias is not None:
             self.bias.copy_(bias)
+
+    def _shards(self):
+        """(parameter name, sharded dim, columns of the full weight held by each rank)."""
+        yield "weight", 1, [[_range(self.in_features, r, self.world_size)]
+                            for r in range(self.world_size)]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: GroupLike = None, **kwargs

@@ -8,7 +8,7 @@ carries the same full gradient on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from ..group import shard_sizes, _range
-from ..nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
+                  VocabParallelEmbedding)
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
@@ -64,6 +65,59 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup):
     raise ValueError(f"tpx: cannot redistribute a tensor from {src} to {dst}")
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear layer whose weight is stored ``[in, out]``."""
+    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+            and getattr(module, "weight", None) is not None
+            and tuple(module.weight.shape) == (module.nx, module.nf))
+
+
+def _linear_parts(style: str, module: nn.Module):
+    """(in_features, out_features, weight [out, in], bias, transposed) of an ``nn.Linear`` or a
+    Hugging Face ``Conv1D``."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, module.weight, module.bias, False
+    if _is_conv1d(module):
+        return module.nx, module.nf, module.weight.t(), module.bias, True
+    raise ValueError(f"tpx.{style} applies to nn.Linear, Hugging Face Conv1D or nn.Embedding; "
+                     f"got {type(module).__name__}")
+
+
+def _head_rows(segments: Sequence[int], head_size: Optional[int], replicate_heads: bool,
+               world: int) -> List[List[Tuple[int, int]]]:
+    """Per rank, the row ranges it holds of a projection whose output is the concatenation of
+    ``segments``, each split over the ranks separately (in whole heads of ``head_size`` when
+    given; a segment with fewer heads than ranks is replicated when ``replicate_heads``)."""
+    rows: List[List[Tuple[int, int]]] = [[] for _ in range(world)]
+    offset = 0
+    for i, n in enumerate(segments):
+        if head_size is None:
+            for r in range(world):
+                s, e = _range(n, r, world)
+                rows[r].append((offset + s, offset + e))
+        else:
+            if n % head_size:
+                raise ValueError(f"tpx.ColwiseParallel: segment {i} has {n} features, not a whole "
+                                 f"number of heads of head_size={head_size}")
+            heads = n // head_size
+            if heads % world == 0:
+                per = heads // world
+                for r in range(world):
+                    rows[r].append((offset + r * per * head_size, offset + (r + 1) * per * head_size))
+            elif replicate_heads and world % heads == 0:
+                for r in range(world):
+                    h = r * heads // world
+                    rows[r].append((offset + h * head_size, offset + (h + 1) * head_size))
+            else:
+                extra = (" and the TP size is not a multiple of it either (KV heads can be "
+                         "replicated only when it is)") if replicate_heads else ""
+                raise ValueError(
+                    f"tpx.ColwiseParallel: {heads} heads (head_size={head_size}) do not divide by "
+                    f"the TP size {world}{extra}; choose a TP size that divides the head count")
+        offset += n
+    return rows
+
+
 class ParallelStyle:
     """Base of the styles: ``apply(module, group)`` returns the sharded module (the same
     object, with hooks, or a tpx replacement)."""
@@ -73,15 +127,28 @@ class ParallelStyle:
 
 
 class ColwiseParallel(ParallelStyle):
-    """``nn.Linear`` -> :class:`tpx.ColumnParallelLinear` (weight rows sharded).
+    """``nn.Linear`` (or Hugging Face ``Conv1D``) -> :class:`tpx.ColumnParallelLinear` (weight
+    rows = output features sharded); ``nn.Embedding`` -> :class:`tpx.ColumnParallelEmbedding`
+    (embedding dim sharded).
 
     ``input_layouts``: ``Replicate()`` (default) or ``Shard(d)`` (sequence parallel input,
     gathered inside the GEMM); ``output_layouts``: ``Shard(-1)`` (default) or ``Replicate()``
     (gathered). ``chunks`` is the pipeline depth of the overlapped collectives.
+
+    tpx extensions for attention projections:
+        segments: sizes of the concatenated parts of a fused projection (GPT-2's ``c_attn``
+            is ``[q | k | v]``: ``segments=(d, d, d)``); each part is split separately, so
+            every rank holds its block of q, of k and of v.
+        head_size: split in whole heads of this size; heads that do not divide by the TP
+            size are an error.
+        replicate_heads: a part with fewer heads than ranks (GQA's KV heads) is replicated so
+            that rank ``r`` holds head ``r * heads // P``, the one its query heads use
+            (needs P to be a multiple of the head count).
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
-                 chunks: Optional[int] = None) -> None:
+                 chunks: Optional[int] = None, segments: Optional[Sequence[int]] = None,
+                 head_size: Optional[int] = None, replicate_heads: bool = False) -> None:
         _check_placement("ColwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
         _check_placement("ColwiseParallel", "output_layouts", output_layouts, (Replicate, Shard))
         if isinstance(output_layouts, Shard) and output_layouts.dim != -1:
@@ -89,15 +156,33 @@ class ColwiseParallel(ParallelStyle):
         self.input_layouts = input_layouts or Replicate()
         self.output_layouts = output_layouts or Shard(-1)
         self.chunks = chunks
+        self.segments = tuple(segments) if segments is not None else None
+        self.head_size, self.replicate_heads = head_size, bool(replicate_heads)
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
         sp = isinstance(self.input_layouts, Shard)
-        if isinstance(module, nn.Linear):
-            return ColumnParallelLinear.from_linear(
-                module, group=pg, gather_output=isinstance(self.output_layouts, Replicate),
-                sequence_parallel=sp, sequence_dim=self.input_layouts.dim if sp else 1,
-                chunks=self.chunks)
-        raise ValueError(f"tpx.ColwiseParallel applies to nn.Linear; got {type(module).__name__}")
+        gather = isinstance(self.output_layouts, Replicate)
+        if isinstance(module, nn.Embedding):
+            if sp:
+                raise ValueError("tpx.ColwiseParallel: an nn.Embedding takes Replicate() ids")
+            return ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather)
+        in_f, out_f, weight, bias, transposed = _linear_parts("ColwiseParallel", module)
+        out_rows = None
+        if self.segments is not None or self.head_size is not None:
+            segments = self.segments or (out_f,)
+            if sum(segments) != out_f:
+                raise ValueError(f"tpx.ColwiseParallel: segments={segments} add up to "
+                                 f"{sum(segments)}, but the layer has {out_f} output features")
+            rows = _head_rows(segments, self.head_size, self.replicate_heads, pg.size())
+            default = [[_range(out_f, r, pg.size())] for r in range(pg.size())]
+            out_rows = None if rows == default else rows
+        new = ColumnParallelLinear(
+            in_f, out_f, bias=bias is not None, group=pg, gather_output=gather,
+            sequence_parallel=sp, sequence_dim=self.input_layouts.dim if sp else 1,
+            chunks=self.chunks, device=weight.device, dtype=weight.dtype, out_rows=out_rows,
+            _full_weights=(weight, bias))
+        new._transposed_weight = transposed
+        return new
 
     def __repr__(self) -> str:
         return f"ColwiseParallel(input_layouts={self.input_layouts}, output_layouts={self.output_layouts})"
@@ -122,21 +207,23 @@ class RowwiseParallel(ParallelStyle):
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
         sp = isinstance(self.output_layouts, Shard)
         seq_dim = self.output_layouts.dim if sp else 1
-        if isinstance(module, nn.Linear):
-            layout = self.input_layouts or Shard(-1)
-            if isinstance(layout, Shard) and layout.dim != -1:
-                raise ValueError("tpx.RowwiseParallel: input_layouts must be Shard(-1) or "
-                                 "Replicate() for nn.Linear")
-            return RowParallelLinear.from_linear(
-                module, group=pg, input_is_parallel=isinstance(layout, Shard),
-                sequence_parallel=sp, sequence_dim=seq_dim, chunks=self.chunks)
         if isinstance(module, nn.Embedding):
             if self.input_layouts is not None and not isinstance(self.input_layouts, Replicate):
                 raise ValueError("tpx.RowwiseParallel: an nn.Embedding takes Replicate() ids")
             return VocabParallelEmbedding.from_embedding(module, group=pg, sequence_parallel=sp,
                                                          sequence_dim=seq_dim)
-        raise ValueError("tpx.RowwiseParallel applies to nn.Linear and nn.Embedding; got "
-                         f"{type(module).__name__}")
+        in_f, out_f, weight, bias, transposed = _linear_parts("RowwiseParallel", module)
+        layout = self.input_layouts or Shard(-1)
+        if isinstance(layout, Shard) and layout.dim != -1:
+            raise ValueError("tpx.RowwiseParallel: input_layouts must be Shard(-1) or "
+                             "Replicate() for a linear layer")
+        new = RowParallelLinear(
+            in_f, out_f, bias=bias is not None, group=pg,
+            input_is_parallel=isinstance(layout, Shard), sequence_parallel=sp,
+            sequence_dim=seq_dim, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
+            _full_weights=(weight, bias))
+        new._transposed_weight = transposed
+        return new
 
     def __repr__(self) -> str:
         return f"RowwiseParallel(input_layouts={self.input_layouts}, output_layouts={self.output_layouts})"
