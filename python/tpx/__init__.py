@@ -5,13 +5,15 @@ column/row-parallel linear layers built on them. Placements are written R (repli
 S(d) (sharded on dim d) and P (partial sums).
 """
 
-from . import autograd, ops
+from . import autograd, ops, random
 from .group import resolve_group, shard_range
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                       Replicate, RowwiseParallel, SequenceParallel, Shard, parallelize_module)
-from .nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropyLoss,
-                 VocabParallelEmbedding, linear_cross_entropy,
+                       Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention,
+                       loss_parallel, parallelize_module, plans)
+from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
+                 VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
+from . import checkpoint
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,12 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "Shard",
+    "ShardedAttention",
+    "checkpoint",
+    "loss_parallel",
+    "plans",
+    "random",
+    "ColumnParallelEmbedding",
     "parallelize_module",
     "ColumnParallelLinear",
     "RowParallelLinear",

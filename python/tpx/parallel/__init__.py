@@ -1,8 +1,12 @@
-"""Sharding whole models: ``parallelize_module`` and the parallel styles."""
+"""Sharding whole models: ``parallelize_module``, the parallel styles, ready-made plans and
+the loss-parallel context."""
 
+from . import plans
 from .api import parallelize_module
+from .loss_parallel import loss_parallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                    Replicate, RowwiseParallel, SequenceParallel, Shard)
+                    Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-           "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard"]
+           "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
+           "ShardedAttention", "loss_parallel", "plans"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Union
+from typing import Dict, List, Tuple, Union
 
 from torch import nn
 
@@ -31,6 +31,13 @@ def parallelize_module(module: nn.Module, group_or_mesh: GroupLike,
         raise TypeError("tpx.parallelize_module: `plan` must be a ParallelStyle or a dict from "
                         f"module-name patterns to styles; got {type(plan).__name__}")
     names = [name for name, _ in module.named_modules() if name]
+    # Parameters shared by several modules (tied embeddings: GPT-2's wte and lm_head) are tied
+    # again after sharding, when the sharded modules hold the same block.
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), []).append((mod_name, p_name))
+    ties = [o for o in owners.values() if len({m for m, _ in o}) > 1]
     work = []
     for pattern, style in plan.items():
         if not isinstance(style, ParallelStyle):
@@ -46,7 +53,30 @@ def parallelize_module(module: nn.Module, group_or_mesh: GroupLike,
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
-        new = style.apply(old, pg)
+        try:
+            new = style.apply(old, pg)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
+                          f"({type(old).__name__}) with {style!r}: {msg}") from e
         if new is not old:
             setattr(parent, child, new)
+    for tie in ties:
+        _retie(module, tie)
     return module
+
+
+def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
+    params = [getattr(module.get_submodule(m), p) for m, p in owners]
+    if all(p is params[0] for p in params):
+        return  # no owner was replaced
+    keep = next((p for (m, _), p in zip(owners, params)
+                 if hasattr(module.get_submodule(m), "_shards")), params[0])
+    for (m, p_name), p in zip(owners, params):
+        if p.shape != keep.shape:
+            names = ", ".join(f"{m}.{n}" for m, n in owners)
+            raise ValueError(
+                f"tpx.parallelize_module: the tied parameters {names} are sharded differently "
+                f"({tuple(keep.shape)} vs {tuple(p.shape)} on this rank); shard the embedding "
+                "rowwise and the LM head colwise (both split the vocabulary), or untie them")
+        setattr(module.get_submodule(m), p_name, keep)

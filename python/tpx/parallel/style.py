@@ -20,7 +20,7 @@ from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLine
                   VocabParallelEmbedding)
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention"]
 
 
 @dataclass(frozen=True)
@@ -311,3 +311,89 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class ShardedAttention(ParallelStyle):
+    """The attention module around head-sharded projections (colwise q/k/v, rowwise output):
+    checks that the head counts fit the TP size, tells the module its LOCAL head counts, and
+    runs its sharded part on ``tpx.random``'s tensor-parallel stream.
+
+    Args:
+        num_heads: the model's query heads; must divide by the TP size (else ``ValueError``
+            naming the numbers).
+        num_kv_heads: key/value heads (GQA); ``None`` = ``num_heads``. Either they divide by
+            the TP size, or the TP size is a multiple of them: the KV heads are then
+            replicated (the k/v projections use ``ColwiseParallel(replicate_heads=True)``)
+            and each rank holds the one KV head its query heads read.
+        update: ``update(module, local_heads, local_kv_heads)`` sets the module's own
+            head-count attributes (``num_key_value_groups``, ``split_size``, ...).
+        out_proj: name of the output projection inside the module. When ``tpx.random`` is
+            seeded and the module is training, the module's forward runs on the
+            tensor-parallel stream from its start up to the call of ``out_proj`` (attention
+            dropout differs across ranks: each holds other heads), and on the replicated
+            stream after it (dropout after the output projection is the same on every rank).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: Optional[int] = None, *,
+                 update=None, out_proj: Optional[str] = None) -> None:
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(num_kv_heads) if num_kv_heads is not None else self.num_heads
+        self.update, self.out_proj = update, out_proj
+
+    def local_heads(self, world: int) -> Tuple[int, int]:
+        """(query heads, KV heads) held by each rank at TP size ``world``."""
+        h, kv = self.num_heads, self.num_kv_heads
+        if h % world:
+            divisors = [d for d in range(1, h + 1) if h % d == 0]
+            raise ValueError(
+                f"the model has {h} attention heads, which do not divide by the TP size {world}; "
+                f"use a TP size that divides {h} (one of {divisors})")
+        if h % kv:
+            raise ValueError(f"the model has {h} query heads and {kv} KV heads: not a GQA layout")
+        if kv % world == 0:
+            return h // world, kv // world
+        if world % kv == 0:
+            return h // world, 1
+        raise ValueError(
+            f"the model has {kv} KV heads: they neither divide by the TP size {world} nor does "
+            f"{world} divide by them (then each KV head would be replicated); use a TP size "
+            f"that divides {kv} or a multiple of it")
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        heads, kv_heads = self.local_heads(pg.size())
+        if self.update is not None:
+            self.update(module, heads, kv_heads)
+        if self.out_proj is not None and pg.size() > 1:
+            self._fork_until_out_proj(module)
+        return module
+
+    def _fork_until_out_proj(self, module: nn.Module) -> None:
+        from .. import random as tpx_random
+
+        state = {}
+
+        def device_of(mod):
+            p = next(mod.parameters(), None)
+            return p.device if p is not None else torch.device("cpu")
+
+        def leave(*_):
+            swap = state.pop("swap", None)
+            if swap is not None:
+                swap.exit()
+
+        def enter(mod, args):
+            if not (mod.training and tpx_random.is_seeded()):
+                return
+            proj = mod.get_submodule(self.out_proj)
+            if not getattr(proj, "_tpx_leaves_fork", False):
+                # The output projection is looked up here, after the plan replaced it.
+                proj.register_forward_pre_hook(lambda m, a: leave())
+                proj._tpx_leaves_fork = True
+            state["swap"] = tpx_random._Swap(device_of(mod))
+            state["swap"].enter()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(lambda m, a, o: leave(), always_call=True)
+
+    def __repr__(self) -> str:
+        return f"ShardedAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})"

@@ -1,0 +1,269 @@
+"""Ready-made TP plans: ``tpx.plans.auto(model)`` recognises the model family and returns the
+plan (a dict from module-name patterns to styles) for ``tpx.parallelize_module``.
+
+Families:
+
+* Hugging Face Llama, Mistral, Qwen2 (``model_type`` llama / mistral / qwen2): q/k/v
+  colwise in whole heads (KV heads replicated when there are fewer than ranks), o_proj
+  rowwise, gate/up colwise, down rowwise, embedding rowwise (vocab-parallel), LM head
+  colwise. Sequence parallelism supported.
+* Hugging Face GPT-2: the fused ``c_attn`` (``Conv1D``, ``[q | k | v]``) split per q, k and v;
+  ``c_proj`` rowwise; ``wte`` rowwise and the LM head colwise, still tied.
+* Hugging Face GPT-NeoX: the fused ``query_key_value`` (per head ``[q k v]``) split in whole
+  heads; ``dense`` rowwise; MLP; ``embed_in`` and the LM head (``embed_out`` or ``lm_head``).
+* A plain PyTorch decoder in torchtitan's naming (``tok_embeddings``,
+  ``layers.*.attention.wq/wk/wv/wo``, ``layers.*.feed_forward.w1/w2/w3``, ``norm``,
+  ``output``), or gpt-fast's fused ``attention.wqkv``. Sequence parallelism supported.
+
+With ``loss_parallel=True`` the LM head's output stays sharded over the vocabulary
+(``Shard(-1)``): compute the loss inside ``with tpx.loss_parallel():``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from torch import nn
+
+from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
+                    RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
+
+__all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder"]
+
+Plan = Dict[str, ParallelStyle]
+
+
+def _find(model: nn.Module, suffix: str) -> Optional[str]:
+    """The name of the first module whose name ends with ``suffix`` ('' for the root)."""
+    for name, _ in model.named_modules():
+        if name == suffix or name.endswith("." + suffix):
+            return name
+    return None
+
+
+def _prefix(name: Optional[str], suffix: str) -> str:
+    return name[: len(name) - len(suffix)] if name else ""
+
+
+def _head_output(loss_parallel: bool, seq) -> ColwiseParallel:
+    return ColwiseParallel(input_layouts=seq,
+                           output_layouts=Shard(-1) if loss_parallel else Replicate())
+
+
+def _set_attrs(**names):
+    """An ``update`` for ShardedAttention: attribute -> function(local heads, local KV heads,
+    module) giving its local value (only attributes the module has are set)."""
+    def update(module, heads, kv_heads):
+        for attr, fn in names.items():
+            if hasattr(module, attr):
+                setattr(module, attr, fn(heads, kv_heads, module))
+    return update
+
+
+def llama(model: nn.Module, *, sequence_parallel: bool = False,
+          loss_parallel: bool = False) -> Plan:
+    """Plan for Hugging Face Llama / Mistral / Qwen2 (``...ForCausalLM`` or the bare model)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = _find(model, "layers")
+    pre = f"{layers}.*." if layers else "layers.*."
+    base = _prefix(layers, "layers")
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: Plan = {
+        pre + "self_attn": ShardedAttention(
+            heads, kv, out_proj="o_proj",
+            update=_set_attrs(num_key_value_groups=lambda h, k, m: h // k,
+                              num_heads=lambda h, k, m: h,
+                              num_key_value_heads=lambda h, k, m: k)),
+        # The embedding output stays replicated even under sequence parallelism: the model
+        # derives positions and the causal mask from its sequence length. The first layer
+        # splits it instead (below).
+        base + "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        pre + "self_attn.q_proj": ColwiseParallel(head_size=head_dim),
+        pre + "self_attn.k_proj": ColwiseParallel(head_size=head_dim, replicate_heads=True),
+        pre + "self_attn.v_proj": ColwiseParallel(head_size=head_dim, replicate_heads=True),
+        pre + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        pre + "mlp.gate_proj": ColwiseParallel(),
+        pre + "mlp.up_proj": ColwiseParallel(),
+        pre + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+    }
+    if _find(model, "lm_head") == "lm_head":
+        plan["lm_head"] = _head_output(loss_parallel, seq)
+    elif loss_parallel:
+        raise ValueError("tpx.plans.llama: loss_parallel=True needs a model with an `lm_head`")
+    if sequence_parallel:
+        # Norms run on this rank's block of the sequence; each block gathers the sequence
+        # once, before its q/k/v (and gate/up) projections.
+        plan[pre + "self_attn"] = _Chain(
+            plan[pre + "self_attn"],
+            PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                               desired_input_kwarg_layouts={"hidden_states": Replicate()}))
+        plan[pre + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),))
+        plan[pre.replace("*", "0").rstrip(".")] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Shard(1)})
+        plan[pre + "input_layernorm"] = SequenceParallel()
+        plan[pre + "post_attention_layernorm"] = SequenceParallel()
+        plan[base + "norm"] = SequenceParallel()
+    return plan
+
+
+class _Chain(ParallelStyle):
+    """Several styles applied to one module, in order."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        self.styles = styles
+
+    def apply(self, module, pg):
+        for style in self.styles:
+            module = style.apply(module, pg)
+        return module
+
+    def __repr__(self) -> str:
+        return " + ".join(map(repr, self.styles))
+
+
+def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
+         loss_parallel: bool = False) -> Plan:
+    """Plan for Hugging Face GPT-2 (``GPT2LMHeadModel`` or ``GPT2Model``)."""
+    if sequence_parallel:
+        raise NotImplementedError("tpx.plans.gpt2: sequence_parallel=True is not supported for "
+                                  "GPT-2 yet; use sequence_parallel=False")
+    cfg = model.config
+    if getattr(cfg, "add_cross_attention", False):
+        raise NotImplementedError("tpx.plans.gpt2: cross-attention GPT-2 is not supported")
+    d, heads = cfg.hidden_size, cfg.num_attention_heads
+    h = _find(model, "h")
+    pre = f"{h}.*." if h else "h.*."
+    base = _prefix(h, "h")
+    plan: Plan = {
+        pre + "attn": ShardedAttention(
+            heads, out_proj="c_proj",
+            update=_set_attrs(split_size=lambda h, k, m: h * m.head_dim,
+                              embed_dim=lambda h, k, m: h * m.head_dim,
+                              num_heads=lambda h, k, m: h)),
+        base + "wte": RowwiseParallel(input_layouts=Replicate()),
+        pre + "attn.c_attn": ColwiseParallel(segments=(d, d, d), head_size=d // heads),
+        pre + "attn.c_proj": RowwiseParallel(),
+        pre + "mlp.c_fc": ColwiseParallel(),
+        pre + "mlp.c_proj": RowwiseParallel(),
+    }
+    if _find(model, "lm_head") == "lm_head":
+        plan["lm_head"] = _head_output(loss_parallel, Replicate())
+    elif loss_parallel:
+        raise ValueError("tpx.plans.gpt2: loss_parallel=True needs a model with an `lm_head`")
+    return plan
+
+
+def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> Plan:
+    """Plan for Hugging Face GPT-NeoX (``GPTNeoXForCausalLM`` or ``GPTNeoXModel``)."""
+    if sequence_parallel:
+        raise NotImplementedError("tpx.plans.gpt_neox: sequence_parallel=True is not supported "
+                                  "for GPT-NeoX yet; use sequence_parallel=False")
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_size = cfg.hidden_size // heads
+    layers = _find(model, "layers")
+    pre = f"{layers}.*." if layers else "layers.*."
+    base = _prefix(layers, "layers")
+    plan: Plan = {
+        pre + "attention": ShardedAttention(heads, out_proj="dense"),
+        base + "embed_in": RowwiseParallel(input_layouts=Replicate()),
+        # query_key_value's rows are [q k v] per head: whole heads are contiguous blocks.
+        pre + "attention.query_key_value": ColwiseParallel(head_size=3 * head_size),
+        pre + "attention.dense": RowwiseParallel(),
+        pre + "mlp.dense_h_to_4h": ColwiseParallel(),
+        pre + "mlp.dense_4h_to_h": RowwiseParallel(),
+    }
+    head = next((n for n in ("embed_out", "lm_head") if _find(model, n) == n), None)
+    if head is not None:  # embed_out in older transformers, lm_head in newer
+        plan[head] = _head_output(loss_parallel, Replicate())
+    elif loss_parallel:
+        raise ValueError("tpx.plans.gpt_neox: loss_parallel=True needs a model with an LM head")
+    return plan
+
+
+def decoder(model: nn.Module, *, sequence_parallel: bool = False,
+            loss_parallel: bool = False) -> Plan:
+    """Plan for a plain PyTorch decoder in torchtitan's names (separate ``wq/wk/wv``) or
+    gpt-fast's (fused ``wqkv``). Head counts are read from the attention modules
+    (``n_heads``/``n_head``, ``n_kv_heads``/``n_local_heads``, ``head_dim``) or from the
+    projections' widths."""
+    attn_name = _find(model, "attention")
+    if attn_name is None:
+        raise ValueError("tpx.plans.decoder: no `layers.*.attention` module found")
+    attn = model.get_submodule(attn_name)
+    head_dim = getattr(attn, "head_dim", None)
+    fused = hasattr(attn, "wqkv")
+    q_out = attn.wq.out_features if not fused else None
+    heads = getattr(attn, "n_heads", None) or getattr(attn, "n_head", None)
+    if heads is None and head_dim and q_out:
+        heads = q_out // head_dim
+    kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "n_local_heads", None)
+    if kv is None and head_dim and not fused:
+        kv = attn.wk.out_features // head_dim
+    if not heads or not head_dim:
+        raise ValueError("tpx.plans.decoder: cannot read the head counts of "
+                         f"{type(attn).__name__}; give it `n_heads` and `head_dim` attributes "
+                         "or write the plan by hand")
+    kv = kv or heads
+    seq = Shard(1) if sequence_parallel else Replicate()
+    pre = "layers.*."
+    update = _set_attrs(
+        n_rep=lambda h, k, m: h // k, n_heads=lambda h, k, m: h, n_head=lambda h, k, m: h,
+        n_kv_heads=lambda h, k, m: k, n_local_heads=lambda h, k, m: k,
+        dim=lambda h, k, m: h * m.head_dim if hasattr(m, "wqkv") else m.dim)
+    plan: Plan = {
+        pre + "attention": ShardedAttention(heads, kv, out_proj="wo", update=update),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        pre + "attention.wo": RowwiseParallel(output_layouts=seq),
+        pre + "feed_forward.w1": ColwiseParallel(),
+        pre + "feed_forward.w3": ColwiseParallel(),
+        pre + "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if fused:
+        plan[pre + "attention.wqkv"] = ColwiseParallel(
+            segments=(heads * head_dim, kv * head_dim, kv * head_dim), head_size=head_dim,
+            replicate_heads=True)
+    else:
+        plan[pre + "attention.wq"] = ColwiseParallel(head_size=head_dim)
+        plan[pre + "attention.wk"] = ColwiseParallel(head_size=head_dim, replicate_heads=True)
+        plan[pre + "attention.wv"] = ColwiseParallel(head_size=head_dim, replicate_heads=True)
+    if _find(model, "output") == "output":
+        plan["output"] = _head_output(loss_parallel, seq)
+    if sequence_parallel:
+        plan[pre + "attention"] = _Chain(
+            plan[pre + "attention"],
+            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
+        plan[pre + "feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),))
+        plan[pre + "attention_norm"] = SequenceParallel()
+        plan[pre + "ffn_norm"] = SequenceParallel()
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+_HF_FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "gpt2": gpt2,
+                "gpt_neox": gpt_neox}
+
+
+def auto(model: nn.Module, *, sequence_parallel: bool = False,
+         loss_parallel: bool = False) -> Plan:
+    """The TP plan for ``model``: a Hugging Face model by its ``config.model_type`` (llama,
+    mistral, qwen2, gpt2, gpt_neox), otherwise a plain decoder in torchtitan's or gpt-fast's
+    names. Head counts are checked against the TP size when the plan is applied: heads that
+    do not divide raise a ``ValueError`` naming the numbers."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is not None:
+        if model_type not in _HF_FAMILIES:
+            raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
+                             f"{model_type!r}; known: {sorted(_HF_FAMILIES)}. Write the plan "
+                             "by hand (a dict of module-name patterns to styles)")
+        return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
+                                        loss_parallel=loss_parallel)
+    return decoder(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

@@ -1,0 +1,162 @@
+"""Hugging Face models (tiny configs, random weights, nothing downloaded) sharded with
+``tpx.plans.auto`` + ``tpx.parallelize_module``: logits, loss and every gradient equal the
+unsharded model; one SGD step, then ``full_state_dict`` equals the unsharded state."""
+
+import copy
+
+import pytest
+import torch
+
+import tpx
+import tpx.checkpoint
+from harness import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+V = 1003  # does not divide by 2, 3 or 4
+
+
+def tiny(family: str, **overrides):
+    """A tiny randomly initialised causal LM of ``family`` (fp32, no dropout)."""
+    if family in ("llama", "mistral", "qwen2"):
+        cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "qwen2": transformers.Qwen2Config}[family]
+        kw = dict(vocab_size=V, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+        kw.update(overrides)
+        config = cls(**kw)
+    elif family == "gpt2":
+        kw = dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        kw.update(overrides)
+        config = transformers.GPT2Config(**kw)
+    elif family == "gpt_neox":
+        kw = dict(vocab_size=V, hidden_size=64, intermediate_size=120, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+                  hidden_dropout=0.0, attention_dropout=0.0)
+        kw.update(overrides)
+        config = transformers.GPTNeoXConfig(**kw)
+    else:
+        raise ValueError(family)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _grad_check(model, ref, what):
+    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
+    ref_grads = dict(ref.named_parameters())
+    names = [k for k, _ in model.named_parameters()]
+    assert set(names) == set(ref_grads), what
+    for key, p in model.named_parameters():
+        expected = ref_grads[key].grad
+        if key in sharded:
+            expected = sharded[key].slice_of(expected)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"grad {key} ({what}): {m}")
+
+
+def _check_family(rank, world, family, sp, lp):
+    what = f"{family} TP={world} sp={sp} lp={lp}"
+    torch.manual_seed(0)
+    ref = tiny(family)
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp,
+                                                       loss_parallel=lp))
+    torch.manual_seed(1 + rank * 0)  # the same batch on every rank
+    ids = torch.randint(0, V, (2, 16))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out_ref = ref(input_ids=ids, labels=labels)
+    if lp:
+        with tpx.loss_parallel():
+            out = model(input_ids=ids, labels=labels)
+        start, end = tpx.shard_range(V)
+        torch.testing.assert_close(out.logits, out_ref.logits[..., start:end], rtol=1e-4,
+                                   atol=1e-5, msg=lambda m: f"logits ({what}): {m}")
+    else:
+        out = model(input_ids=ids, labels=labels)
+        torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"logits ({what}): {m}")
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"loss ({what}): {m}")
+    out_ref.loss.backward()
+    out.loss.backward()
+    _grad_check(model, ref, what)
+
+    for m in (ref, model):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    full = tpx.checkpoint.full_state_dict(model)
+    ref_state = ref.state_dict()
+    assert set(full) == set(ref_state), what
+    for key, value in ref_state.items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"state {key} ({what}): {m}")
+    # The full state loads into a differently initialised sharded copy and reproduces it.
+    torch.manual_seed(7)
+    other = tiny(family)
+    tpx.parallelize_module(other, None, tpx.plans.auto(other, sequence_parallel=sp,
+                                                       loss_parallel=lp))
+    tpx.checkpoint.load_full_state_dict(other, ref_state)
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_llama_gqa(world):
+    # 8 query heads, 2 KV heads: at TP 4 every KV head is replicated on two ranks.
+    run_ranks(_check_family, world, "llama", False, world == 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_family_sequence_and_loss_parallel(family):
+    run_ranks(_check_family, 4 if family == "llama" else 2, family, True, True)
+
+
+def test_mistral():
+    run_ranks(_check_family, 2, "mistral", False, False)
+
+
+@pytest.mark.parametrize("lp", [False, True])
+def test_gpt2_tied_conv1d(lp):
+    run_ranks(_check_family, 2, "gpt2", False, lp)
+
+
+def _check_gpt2_tied(rank, world):
+    torch.manual_seed(0)
+    model = tiny("gpt2")
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model.transformer.h[0].attn.c_attn, tpx.ColumnParallelLinear)
+    assert model.transformer.h[0].attn.split_size == 64 // world
+
+
+def test_gpt2_stays_tied():
+    run_ranks(_check_gpt2_tied, 2)
+
+
+@pytest.mark.parametrize("lp", [False, True])
+def test_gpt_neox(lp):
+    run_ranks(_check_family, 2, "gpt_neox", False, lp)
+
+
+def _check_bad(rank, world):
+    torch.manual_seed(0)
+    model = tiny("llama", num_attention_heads=6, num_key_value_heads=6, hidden_size=48)
+    with pytest.raises(ValueError, match=r"6 attention heads, which do not divide by the TP "
+                                         r"size 4"):
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    model = tiny("llama", num_attention_heads=12, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match="3 KV heads"):
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    model = tiny("gpt2")
+    with pytest.raises(ValueError, match="matches no module"):
+        tpx.parallelize_module(model, None, {"transformer.h.*.attn.q_proj":
+                                             tpx.ColwiseParallel()})
+    with pytest.raises(ValueError, match="model_type='bert'"):
+        tpx.plans.auto(transformers.AutoModel.from_config(transformers.BertConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32)))
+
+
+def test_bad_hf_plans():
+    run_ranks(_check_bad, 4)
