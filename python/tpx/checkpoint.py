@@ -14,7 +14,10 @@ layer made from a Hugging Face ``Conv1D`` (weight stored as ``[in, out]``) carri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Tuple
+import glob
+import json
+import os
+from typing import Dict, Iterator, List, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,8 @@ from torch import Tensor, nn
 
 from .autograd import gather_dim
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "save", "load",
+           "sharded_state_dict"]
 
 
 @dataclass
@@ -120,3 +124,162 @@ def load_full_state_dict(model: nn.Module, state_dict: Dict[str, Tensor],
         _check_full_shape("load_full_state_dict", sh, local[sh.key])
         local[sh.key] = sh.slice_of(local[sh.key])
     model.load_state_dict(local, strict=strict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face safetensors checkpoints, read slice by slice.
+
+def _safetensors_files(path: Union[str, os.PathLike]) -> List[str]:
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"tpx.checkpoint.load_hf_checkpoint: no .safetensors file in "
+                                f"{path!r}")
+    return files
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
+                       strict: bool = True) -> List[str]:
+    """Loads a Hugging Face checkpoint (a ``.safetensors`` file, or a directory of them with or
+    without ``model.safetensors.index.json``, as ``save_pretrained`` writes it) into a model
+    sharded by tpx. The files are memory-mapped and each rank reads only its own slices of
+    the sharded tensors (``safe_open(...).get_slice``): no rank ever holds a full copy of a
+    sharded weight. Keys are the model's ``state_dict()`` keys. Tied parameters absent from
+    the files (GPT-2's ``lm_head.weight``) are filled through their tie.
+
+    With ``strict=True`` a parameter or buffer of the model that the files do not hold (and
+    that is not tied to one they hold) raises ``KeyError``; returns the keys of the files that
+    the model has no use for. No communication: each rank reads on its own.
+    """
+    from safetensors import safe_open
+
+    sharded = {sh.key: sh for sh in _sharded_params(model)}
+    targets = dict(model.state_dict(keep_vars=True))
+    loaded, unused = set(), []
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in targets:
+                    unused.append(key)
+                    continue
+                dst = targets[key]
+                if key in sharded:
+                    sh = sharded[key]
+                    sl, d = f.get_slice(key), sh.orig_dim()
+                    full_shape = sl.get_shape()
+                    if len(full_shape) <= d or full_shape[d] != sh.full_size():
+                        raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {key} in {file} "
+                                         f"has shape {tuple(full_shape)}; the model expects "
+                                         f"{sh.full_size()} entries along dim {d}")
+                    pieces = [sl[s:e] if d == 0 else sl[:, s:e]
+                              for s, e in sh.rows[sh.rank]]
+                    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
+                    if sh.transposed:
+                        value = value.t()
+                else:
+                    value = f.get_tensor(key)
+                if tuple(value.shape) != tuple(dst.shape):
+                    raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {key} has shape "
+                                     f"{tuple(value.shape)} in {file}; the model expects "
+                                     f"{tuple(dst.shape)} on this rank")
+                dst.copy_(value)
+                loaded.add(id(dst))
+    missing = [k for k, t in targets.items() if id(t) not in loaded]
+    if strict and missing:
+        raise KeyError(f"tpx.checkpoint.load_hf_checkpoint: {path!r} does not hold {missing[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''}; pass strict=False to keep their "
+                       "current values")
+    return unused
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints through torch.distributed.checkpoint, resharded on load.
+
+def _is_chunked(sh: _Sharded) -> bool:
+    """Whether each rank holds ``shard_range`` of the full tensor: a DTensor ``Shard`` layout."""
+    world, full = len(sh.rows), sh.full_size()
+    per = -(-full // world)
+    for r, ranges in enumerate(sh.rows):
+        start = min(r * per, full)
+        if ranges != [(start, min(start + per, full))]:
+            return False
+    return True
+
+
+def _mesh(pg: dist.ProcessGroup, device: torch.device):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(pg, device.type)
+
+
+@torch.no_grad()
+def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
+    """The model's state as ``torch.distributed.checkpoint`` saves it, in the ORIGINAL model's
+    keys and global shapes: a tensor sharded with ``shard_range`` becomes a ``DTensor`` with
+    placement ``Shard(dim)`` over its layer's group (each rank writes only its block); a
+    tensor with another layout (per-part fused projections, replicated KV heads) is gathered
+    to its full value; everything else is the replicated tensor itself. Collective."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for sh in _sharded_params(model):
+        if sh.key not in state:
+            continue
+        if _is_chunked(sh):
+            local = sh.local().detach()
+            if sh.transposed:
+                local = local.t()
+            shape = list(local.shape)
+            d = sh.orig_dim()
+            shape[d] = sh.full_size()
+            stride = torch.empty(shape, device="meta").stride()
+            state[sh.key] = DTensor.from_local(local.contiguous(),
+                                               _mesh(sh.module.group, local.device), [Shard(d)],
+                                               run_check=False, shape=torch.Size(shape),
+                                               stride=stride)
+        else:
+            state[sh.key] = _gather_full(sh)
+    return state
+
+
+def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
+    """Saves ``model`` (sharded by tpx) with ``torch.distributed.checkpoint``: every rank writes
+    its own blocks into the directory ``checkpoint_id``. The checkpoint holds the original
+    model's keys and global shapes, so :func:`load` reads it back at ANY TP degree (TP 2 ->
+    TP 4, TP 2 -> TP 1, ...). Collective over the default group."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state_dict(model), checkpoint_id=os.fspath(checkpoint_id))
+
+
+@torch.no_grad()
+def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
+    """Loads a checkpoint written by :func:`save` (at any TP degree, or from an unsharded model
+    saved with ``torch.distributed.checkpoint``) into ``model``, sharded by tpx at this run's
+    TP degree: each rank reads only the blocks it holds where the layout is ``shard_range``.
+    Collective over the default group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    state = sharded_state_dict(model)
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    sharded = {sh.key: sh for sh in _sharded_params(model)}
+    own = model.state_dict(keep_vars=True)
+    for key, value in state.items():
+        if key in sharded:
+            sh = sharded[key]
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                sh.local().copy_(local.t() if sh.transposed else local)
+            else:
+                sh.local().copy_(sh.slice_of(value))
+        elif key in own:
+            own[key].copy_(value)
