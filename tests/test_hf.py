@@ -116,9 +116,9 @@ def test_mistral():
     run_ranks(_check_family, 2, "mistral", False, False)
 
 
-@pytest.mark.parametrize("lp", [False, True])
-def test_gpt2_tied_conv1d(lp):
-    run_ranks(_check_family, 2, "gpt2", False, lp)
+@pytest.mark.parametrize("world,lp", [(2, False), (2, True), (4, False)])
+def test_gpt2_tied_conv1d(world, lp):
+    run_ranks(_check_family, world, "gpt2", False, lp)
 
 
 def _check_gpt2_tied(rank, world):
@@ -134,9 +134,9 @@ def test_gpt2_stays_tied():
     run_ranks(_check_gpt2_tied, 2)
 
 
-@pytest.mark.parametrize("lp", [False, True])
-def test_gpt_neox(lp):
-    run_ranks(_check_family, 2, "gpt_neox", False, lp)
+@pytest.mark.parametrize("world,lp", [(2, False), (4, True)])
+def test_gpt_neox(world, lp):
+    run_ranks(_check_family, world, "gpt_neox", False, lp)
 
 
 def _check_bad(rank, world):
