@@ -57,7 +57,8 @@ else
 	@mkdir -p build/cuda-check
 	@set -e; for f in $(CUDA_SRCS); do \
 	  echo "nvcc -c $$f (sm_80, sm_90a)"; \
-	  $(NVCC) -std=c++17 -O2 -Icsrc -gencode arch=compute_80,code=sm_80 \
+	  $(NVCC) -std=c++17 -O2 -Icsrc -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
+	    -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ -gencode arch=compute_80,code=sm_80 \
 	    -gencode arch=compute_90a,code=sm_90a -c $$f -o build/cuda-check/$$(basename $$f).o; \
 	done
 endif

@@ -1,8 +1,9 @@
 // The tpx operator library: every schema in one place, and the CPU and CUDA kernels.
 //
 // The ops are device-generic (ATen kernels plus c10d collectives), so the same function
-// serves both dispatch keys until a dedicated CUDA kernel replaces it. Fake (meta) implementations for torch.compile
-// are registered from Python (tpx/ops.py).
+// serves both dispatch keys; in CUDA builds the vocab-parallel loss and embedding branch
+// inside to their own kernels (csrc/cuda) for CUDA tensors. Fake (meta) implementations for
+// torch.compile are registered from Python (tpx/ops.py).
 #include <torch/library.h>
 
 #include "overlap/collective_matmul.h"

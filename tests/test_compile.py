@@ -46,10 +46,14 @@ def _check_compile_decoder(rank, world):
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
     torch.manual_seed(0)
-    for sp, lp in [(False, False), (True, True)]:
+    # The hand-written plan, and tpx.plans.auto's (with its ShardedAttention hooks).
+    plans = [lambda sp, lp: tp_plan(sp, lp),
+             lambda sp, lp: tpx.plans.auto(Decoder(vocab=1003), sequence_parallel=sp,
+                                           loss_parallel=lp)]
+    for (sp, lp), plan in zip([(False, False), (True, True)], plans):
         ref = Decoder(vocab=1003)
-        eager = tpx.parallelize_module(copy.deepcopy(ref), None, tp_plan(sp, lp))
-        compiled = torch.compile(tpx.parallelize_module(copy.deepcopy(ref), None, tp_plan(sp, lp)),
+        eager = tpx.parallelize_module(copy.deepcopy(ref), None, plan(sp, lp))
+        compiled = torch.compile(tpx.parallelize_module(copy.deepcopy(ref), None, plan(sp, lp)),
                                  fullgraph=True)
         ids = torch.randint(0, 1003, (2, 8))
         y, y_ref = compiled(ids), eager(ids)

@@ -179,3 +179,26 @@ def _check_linear_cross_entropy(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_linear_cross_entropy_matches_linear_plus_ce(world):
     run_ranks(_check_linear_cross_entropy, world)
+
+
+def _check_masked_logits(rank, world):
+    # -inf logits (masked vocabulary entries) on a shard that does not hold the target.
+    V = 11
+    torch.manual_seed(3)
+    full = torch.randn(5, V)
+    full[:, 0] = float("-inf")
+    full[:, 6] = float("-inf")
+    target = torch.tensor([3, 9, 10, 2, 7])
+    full.requires_grad_(True)
+    ref = F.cross_entropy(full, target, label_smoothing=0.0)
+    ref.backward()
+    start, end = tpx.shard_range(V)
+    local = full.detach()[:, start:end].clone().requires_grad_(True)
+    loss = tpx.vocab_parallel_cross_entropy(local, target, vocab_size=V)
+    torch.testing.assert_close(loss, ref.detach())
+    loss.backward()
+    torch.testing.assert_close(local.grad, full.grad[:, start:end])
+
+
+def test_cross_entropy_masked_logits():
+    run_ranks(_check_masked_logits, 2)

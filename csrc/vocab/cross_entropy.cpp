@@ -11,10 +11,16 @@
 //
 // The shard is processed in row blocks whose fp32 working copy stays in cache, with ATen's
 // vectorised kernels (runtime-dispatched SIMD), so any device and dtype works; the
-// arithmetic is fp32 whatever the logits' dtype.
+// arithmetic is fp32 whatever the logits' dtype. In CUDA builds, fp32 / fp16 / bf16 logits
+// on a GPU take dedicated kernels instead (csrc/cuda): one online-softmax pass per row for
+// the statistics and one fused pass for the gradient; the collective and the combine step
+// below are the same for both paths.
 #include "vocab/cross_entropy.h"
 
 #include "common/process_group.h"
+#ifdef TPX_WITH_CUDA
+#include "cuda/vocab_cuda.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -73,7 +79,16 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
 
   // Per-row statistics of this shard: [max, sum exp(x - max), target logit, sum x].
   at::Tensor stats = at::zeros({rows, 4}, f32);
-  if (width == 0) {
+#ifdef TPX_WITH_CUDA
+  const bool kernel = logits.is_cuda() && cuda::vocab_kernels_support(logits.scalar_type());
+#else
+  const bool kernel = false;
+#endif
+  if (kernel) {
+#ifdef TPX_WITH_CUDA
+    cuda::ce_local_stats(stats, logits, target, vocab_start, ignore_index, label_smoothing > 0);
+#endif
+  } else if (width == 0) {
     stats.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
   } else {
     const int64_t step = block_rows(width);
@@ -88,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
     }
     auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);
     at::Tensor xt = logits.gather(1, idx.unsqueeze(1)).squeeze(1).to(at::kFloat);
-    stats.select(1, 2).copy_(xt * held);
+    stats.select(1, 2).copy_(at::where(held, xt, at::zeros_like(xt)));  // not xt * held: -inf * 0 is NaN
   }
 
   // ONE collective: every rank's statistics, combined identically on every rank.
@@ -127,6 +142,13 @@ void backward_into(const at::Tensor& out, const at::Tensor& grad_loss, const at:
                    int64_t vocab_size, int64_t ignore_index, double label_smoothing) {
   const int64_t rows = logits.size(0), width = logits.size(1);
   if (width == 0 || rows == 0) return;
+#ifdef TPX_WITH_CUDA
+  if (logits.is_cuda() && cuda::vocab_kernels_support(logits.scalar_type())) {
+    cuda::ce_backward(out, grad_loss, logits, target, lse, vocab_start, vocab_size, ignore_index,
+                      label_smoothing);
+    return;
+  }
+#endif
   auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);
   at::Tensor g = grad_loss.to(at::kFloat).masked_fill(target == ignore_index, 0);
   at::Tensor lse32 = lse.to(at::kFloat);

@@ -2,9 +2,17 @@
 // results reduced over the group (all-reduce, or reduce-scatter under sequence parallelism).
 // The ids are processed dim-first (the scattered dimension moved to the front) so that each
 // rank's block of the output is a contiguous range of rows.
+//
+// In CUDA builds, fp32 / fp16 / bf16 tables on a GPU use dedicated kernels (csrc/cuda) for
+// the masked gather and for the scatter-add: fp32 atomics by default, a sorted, bitwise
+// reproducible segmented sum under torch.use_deterministic_algorithms(True). The
+// collectives are the same for both paths.
 #include "vocab/embedding.h"
 
 #include "common/process_group.h"
+#ifdef TPX_WITH_CUDA
+#include "cuda/vocab_cuda.h"
+#endif
 
 #if defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
@@ -55,9 +63,16 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
                       " to be scattered; pad the sequence to a multiple of ", world);
     idm = ids.movedim(sd, 0).contiguous();
   }
-  auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, weight.size(0));
-  at::Tensor partial = weight.index_select(0, idx);            // [numel(ids), D]
-  partial.masked_fill_(held.logical_not().unsqueeze(1), 0);
+  at::Tensor partial;  // [numel(ids), D]
+#ifdef TPX_WITH_CUDA
+  if (weight.is_cuda() && cuda::vocab_kernels_support(weight.scalar_type()))
+    partial = cuda::embedding_gather(weight, idm, vocab_start);
+#endif
+  if (!partial.defined()) {
+    auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, weight.size(0));
+    partial = weight.index_select(0, idx);
+    partial.masked_fill_(held.logical_not().unsqueeze(1), 0);
+  }
   auto shape = idm.sizes().vec();
   shape.push_back(dim);
   if (!scatter_dim.has_value()) {
@@ -97,6 +112,10 @@ at::Tensor vocab_parallel_embedding_backward(const at::Tensor& grad_out, const a
   } else {
     g = grad_out.reshape({-1, dim});
   }
+#ifdef TPX_WITH_CUDA
+  if (g.is_cuda() && cuda::vocab_kernels_support(g.scalar_type()))
+    return cuda::embedding_scatter(g, idm, vocab_start, num_local, padding_idx);
+#endif
   auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, num_local);
   if (padding_idx >= 0) held = held & (idx != padding_idx);
   at::Tensor rows = held.nonzero().squeeze(1);

@@ -49,7 +49,9 @@ __all__ = [
 
 def build_info() -> dict:
     """How the installed extension was built: ``cuda`` (whether the CUDA kernels were
-    compiled in), ``torch_version`` (the torch it was compiled against),
+    compiled in), ``cuda_kernels`` (the ops whose CUDA path runs tpx's own kernels: the
+    vocab-parallel loss and embedding, and the fused head + loss that uses them; empty in a
+    CPU-only build), ``torch_version`` (the torch it was compiled against),
     ``default_chunks`` (the pipeline depth used when ``chunks=None``), and ``version``."""
     from . import _C
 
