@@ -20,6 +20,11 @@ median (and min) over samples is reported. Results go to ``benchmarks/results/be
 
 Run:
     python benchmarks/bench_linear.py                  # CPU: 2 gloo ranks spawned, 1 thread each
+    torchrun --nproc-per-node 8 benchmarks/bench_linear.py --device cuda --overlap flux
+        # all-gather+GEMM and GEMM+reduce-scatter at Flux's shapes (M=4096, K=12288,
+        # N=49152/TP, and the reverse) on >= 2 GPUs: tpx chunks 2/4 vs chunks=1 vs DTensor,
+        # the GEMM and the collective alone, and the fraction of communication hidden
+    python benchmarks/bench_linear.py --overlap tiny   # the same code on CPU, small shape
     python benchmarks/bench_linear.py --shapes small --quick
     torchrun --nproc-per-node 2 benchmarks/bench_linear.py --device cuda   # NCCL, >= 2 GPUs
 
@@ -52,6 +57,10 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 SEED = 1234
 GEMM_SHAPES = [(8192, 8192, 3584), (8192, 3584, 8192)]  # (M, K, N)
 GEMM_CHUNKS = (1, 2, 4, 8)
+# Op-level overlap at Flux's shapes (Chang et al., 2024, "FLUX: Fast Software-based
+# Communication Overlap on GPUs Through Kernel Fusion"): M=4096, K=12288, N=49152 split over
+# TP; "tiny" is a CPU smoke test of the same code.
+OVERLAP_SHAPES = {"flux": dict(M=4096, K=12288, N=49152), "tiny": dict(M=256, K=384, N=512)}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -219,6 +228,115 @@ def write_json(path: Path, payload: dict) -> Path:
 
 
 
+def _timed(fn, device, repeats: int, warmup: int) -> list:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        t = torch.tensor([(time.perf_counter() - t0) * 1e3])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        times.append(float(t))
+    return times
+
+
+def overlap_bench(name: str, args, device, world: int) -> list:
+    """All-gather + GEMM and GEMM + reduce-scatter at one shape: tpx overlapped (chunks 2, 4)
+    vs chunks=1 vs DTensor, plus the GEMM alone and the collective alone, and the fraction of
+    the communication hidden: (t_serial - t_overlap) / min(t_gemm, t_comm)."""
+    import tpx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dims = OVERLAP_SHAPES[name]
+    M, K, N = dims["M"], dims["K"], dims["N"]
+    if M % world or N % world:
+        raise ValueError(f"{name}: M={M} and N={N} must divide by the world size {world}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    repeats = args.repeats or (20 if device.type == "cuda" else 5)
+    warmup = 3 if args.warmup is None else args.warmup
+    mesh = init_device_mesh(device.type, (world,))
+    pg = mesh.get_group()
+    torch.manual_seed(SEED + dist.get_rank())
+    results = []
+
+    # AG + GEMM (column layer, sequence-parallel input): a S(0) [M/W, K], b [K, N/W].
+    a = torch.randn(M // world, K, device=device, dtype=dtype)
+    b = torch.randn(K, N // world, device=device, dtype=dtype) / K ** 0.5
+    a_full = torch.empty(M, K, device=device, dtype=dtype)
+    ag = {
+        "tpx chunks=1": lambda: tpx.ops.all_gather_matmul(a, b, 0, pg, 1),
+        "tpx chunks=2": lambda: tpx.ops.all_gather_matmul(a, b, 0, pg, 2),
+        "tpx chunks=4": lambda: tpx.ops.all_gather_matmul(a, b, 0, pg, 4),
+        "DTensor": lambda: torch.matmul(
+            DTensor.from_local(a, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]),
+            DTensor.from_local(b, mesh, [Shard(1)])).to_local(),
+        "GEMM alone": lambda: torch.matmul(a_full, b),
+        "collective alone": lambda: dist.all_gather_into_tensor(a_full, a, group=pg),
+    }
+    ref = ag["tpx chunks=1"]()[1]
+    for label in ("tpx chunks=2", "tpx chunks=4", "DTensor"):
+        out = ag[label]()
+        out = out[1] if isinstance(out, tuple) else out
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+    # GEMM + RS (row layer, sequence-parallel output): a S(-1) [M, N/W], b [N/W, K].
+    c = torch.randn(M, N // world, device=device, dtype=dtype)
+    d = torch.randn(N // world, K, device=device, dtype=dtype) / N ** 0.5
+    partial = torch.empty(M, K, device=device, dtype=dtype)
+    out_rs = torch.empty(M // world, K, device=device, dtype=dtype)
+    rs = {
+        "tpx chunks=1": lambda: tpx.ops.matmul_reduce_scatter(c, d, 0, pg, 1),
+        "tpx chunks=2": lambda: tpx.ops.matmul_reduce_scatter(c, d, 0, pg, 2),
+        "tpx chunks=4": lambda: tpx.ops.matmul_reduce_scatter(c, d, 0, pg, 4),
+        "DTensor": lambda: torch.matmul(
+            DTensor.from_local(c, mesh, [Shard(1)]),
+            DTensor.from_local(d, mesh, [Shard(0)])).redistribute(mesh, [Shard(0)]).to_local(),
+        "GEMM alone": lambda: torch.matmul(c, d, out=partial),
+        "collective alone": lambda: dist.reduce_scatter_tensor(out_rs, partial, group=pg),
+    }
+    ref = rs["tpx chunks=1"]()
+    for label in ("tpx chunks=2", "tpx chunks=4", "DTensor"):
+        torch.testing.assert_close(rs[label](), ref, rtol=2e-2, atol=2e-2)
+
+    for op, variants in (("AG+GEMM", ag), ("GEMM+RS", rs)):
+        samples = {label: [] for label in variants}
+        for label, fn in variants.items():
+            _timed(fn, device, 0, warmup)
+        for _ in range(repeats):  # round robin over the variants
+            for label, fn in variants.items():
+                samples[label] += _timed(fn, device, 1, 0)
+        med = {label: statistics.median(t) for label, t in samples.items()}
+        hidden_base = min(med["GEMM alone"], med["collective alone"])
+        for label, t in samples.items():
+            r = dict(shape=name, op=op, variant=label, M=M, K=K, N=N, times_ms=t,
+                     median_ms=med[label], min_ms=min(t), repeats=repeats, dtype=str(dtype),
+                     vs_chunks1=med[label] / med["tpx chunks=1"])
+            if label.startswith("tpx chunks=") and label != "tpx chunks=1":
+                r["comm_hidden"] = (med["tpx chunks=1"] - med[label]) / hidden_base
+            results.append(r)
+    return results
+
+
+def report_overlap(results: list, env: dict, args, world: int) -> None:
+    fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = [[r["shape"], r["op"], r["variant"], f"{r['median_ms']:.3f}", f"{r['min_ms']:.3f}",
+             fmt(r["vs_chunks1"]), fmt(r.get("comm_hidden"))] for r in results]
+    print(f"\nCollective matmuls at TP={world} ({env['backend']}); comm hidden = (t_chunks1 - "
+          "t) / min(t_GEMM alone, t_collective alone)")
+    print(format_table(["shape", "op", "variant", "median ms", "min ms", "vs chunks=1",
+                        "comm hidden"], rows, text_columns=3))
+    path = Path(args.out or RESULTS_DIR / f"bench_overlap_{args.device}_tp{world}.json")
+    payload = dict(benchmark="bench_linear --overlap: all_gather_matmul / matmul_reduce_scatter",
+                   shapes={n: OVERLAP_SHAPES[n] for n in args.overlap},
+                   config=dict(vars(args), seed=SEED), environment=env, results=results)
+    print(f"\nwrote {write_json(path, payload)}")
+
+
 def run_tp(rank: int, world: int, args, init_method: str, local_rank: int) -> None:
     """The TP benchmark on one rank (spawned, or started by torchrun)."""
     if args.device == "cuda":
@@ -237,6 +355,15 @@ def run_tp(rank: int, world: int, args, init_method: str, local_rank: int) -> No
         env = environment(device, world, backend)
         if rank == 0:
             print_env(env)
+        if args.overlap:
+            results = []
+            for name in args.overlap:
+                if rank == 0:
+                    print(f"running overlap {name} {OVERLAP_SHAPES[name]} ...", flush=True)
+                results += overlap_bench(name, args, device, world)
+            if rank == 0:
+                report_overlap(results, env, args, world)
+            return
         results = []
         for name in args.shapes:
             if rank == 0:
@@ -341,9 +468,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="warm-up iterations (default: small 5, large 2; GEMM 5)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     p.add_argument("--quick", action="store_true", help="smoke test: 2 repeats, 1 warm-up")
+    p.add_argument("--overlap", default="",
+                   help="comma-separated op-level overlap shapes instead of the MLP block: "
+                        f"{','.join(OVERLAP_SHAPES)} (flux: GPUs; tiny: a CPU smoke test)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin each CPU rank to its own core (pinned by default)")
     args = p.parse_args(argv)
+    args.overlap = [s.strip() for s in args.overlap.split(",") if s.strip()]
+    if [s for s in args.overlap if s not in OVERLAP_SHAPES]:
+        p.error(f"--overlap: choose from {list(OVERLAP_SHAPES)}; got {args.overlap}")
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
@@ -369,6 +502,8 @@ def main(argv=None) -> None:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is available")
         if torch.cuda.device_count() < 2:
+            if args.overlap:
+                raise SystemExit("--overlap needs 2+ GPUs (NCCL refuses two ranks on one GPU)")
             return gemm_bench(args)
         args.world_size = min(args.world_size, torch.cuda.device_count())
     spawn_ranks(_spawned, args.world_size, args, "bench_linear")
