@@ -83,3 +83,40 @@ def _opcheck_embedding(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_embedding_opcheck(world):
     run_ranks(_opcheck_embedding, world)
+
+
+def _check_column_embedding(rank, world):
+    import tpx.checkpoint
+
+    V, D = 37, 13  # D does not divide by 2, 3 or 4
+    for gather, padding_idx in [(True, None), (False, 5)]:
+        torch.manual_seed(0)
+        ref = nn.Embedding(V, D, padding_idx=padding_idx)
+        model = nn.Sequential(nn.Embedding(V, D, padding_idx=padding_idx))
+        model[0].load_state_dict(ref.state_dict())
+        layout = tpx.Replicate() if gather else tpx.Shard(-1)
+        tpx.parallelize_module(model, None, {"0": tpx.ColwiseParallel(output_layouts=layout)})
+        emb = model[0]
+        assert isinstance(emb, tpx.ColumnParallelEmbedding)
+        start, end = tpx.shard_range(D)
+        ids = torch.randint(0, V, (3, 9))
+        ids[0, 0] = 5
+        g = torch.randn(3, 9, D)
+        y_ref = ref(ids)
+        (y_ref * g).sum().backward()
+        y = emb(ids)
+        torch.testing.assert_close(y, y_ref if gather else y_ref[..., start:end].contiguous())
+        (y * (g if gather else g[..., start:end])).sum().backward()
+        torch.testing.assert_close(emb.weight.grad, ref.weight.grad[:, start:end])
+        full = tpx.checkpoint.full_state_dict(model)
+        torch.testing.assert_close(full["0.weight"], ref.weight.detach())
+    # Seeded construction equals nn.Embedding's initialisation.
+    torch.manual_seed(4)
+    built = tpx.ColumnParallelEmbedding(V, D, padding_idx=2)
+    torch.manual_seed(4)
+    torch.testing.assert_close(built.weight, nn.Embedding(V, D, padding_idx=2).weight[:, start:end])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_column_parallel_embedding_matches_torch(world):
+    run_ranks(_check_column_embedding, world)

@@ -200,5 +200,6 @@ def _check_masked_logits(rank, world):
     torch.testing.assert_close(local.grad, full.grad[:, start:end])
 
 
-def test_cross_entropy_masked_logits():
-    run_ranks(_check_masked_logits, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_cross_entropy_masked_logits(world):
+    run_ranks(_check_masked_logits, world)

@@ -43,8 +43,9 @@ def _check_streams(rank, world):
     assert not torch.equal(b, c)
 
 
-def test_streams():
-    run_ranks(_check_streams, 3)
+@pytest.mark.parametrize("world", [2, 3])
+def test_streams(world):
+    run_ranks(_check_streams, world)
 
 
 def _check_gpt2_dropout(rank, world):

@@ -15,6 +15,51 @@ from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 
 
+def _check_embedding_args(cls: str, num_embeddings: int, embedding_dim: int,
+                          padding_idx: Optional[int]) -> Optional[int]:
+    """Validates the sizes; returns ``padding_idx`` made non-negative."""
+    for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"tpx.{cls}: `{name}` must be a positive int; got {value!r}")
+    if padding_idx is not None:
+        if not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"tpx.{cls}: padding_idx={padding_idx} must lie in "
+                             f"[-{num_embeddings}, {num_embeddings})")
+        padding_idx %= num_embeddings
+    return padding_idx
+
+
+def _full_embedding_init(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int],
+                         device, dtype) -> Tensor:
+    """The full table drawn as ``nn.Embedding`` draws it: normal(0, 1), padding row zero."""
+    full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+    nn.init.normal_(full)
+    if padding_idx is not None:
+        with torch.no_grad():
+            full[padding_idx].fill_(0)
+    return full
+
+
+def _embedding_kwargs(cls, embedding: nn.Embedding, kwargs: dict) -> dict:
+    """Checks an ``nn.Embedding`` passed to ``from_embedding`` and returns the constructor's
+    arguments taken from it."""
+    if not isinstance(embedding, nn.Embedding):
+        raise TypeError(f"tpx.{cls.__name__}.from_embedding expects an nn.Embedding; got "
+                        f"{type(embedding).__name__}")
+    for key in ("device", "dtype", "padding_idx"):
+        if key in kwargs:
+            raise ValueError(f"tpx.{cls.__name__}.from_embedding: `{key}` is taken from the "
+                             "embedding; do not pass it")
+    for unsupported in ("max_norm", "sparse"):
+        if getattr(embedding, unsupported, None):
+            raise ValueError(f"tpx.{cls.__name__}: nn.Embedding({unsupported}=...) is not "
+                             "supported")
+    w = embedding.weight
+    return dict(num_embeddings=embedding.num_embeddings, embedding_dim=embedding.embedding_dim,
+                padding_idx=embedding.padding_idx, device=w.device, dtype=w.dtype,
+                _full_weight=w)
+
+
 class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
     """``nn.Embedding`` with the rows of its table sharded over ``group``.
 
@@ -35,15 +80,8 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
                  sequence_parallel: bool = False, sequence_dim: int = 1, device=None,
                  dtype=None, _full_weight: Optional[Tensor] = None) -> None:
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"tpx.VocabParallelEmbedding: `{name}` must be a positive int; "
-                                 f"got {value!r}")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"tpx.VocabParallelEmbedding: padding_idx={padding_idx} must lie "
-                                 f"in [-{num_embeddings}, {num_embeddings})")
-            padding_idx %= num_embeddings
+        padding_idx = _check_embedding_args("VocabParallelEmbedding", num_embeddings,
+                                            embedding_dim, padding_idx)
         self.group = resolve_group(group)
         self.world_size, self.rank = self.group.size(), torch.distributed.get_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -73,12 +111,8 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
         keeps this rank's rows; returns a checksum of the full table."""
         if self.weight.device.type == "meta":
             return None
-        full = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device,
-                           dtype=self.weight.dtype)
-        nn.init.normal_(full)
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                full[self.padding_idx].fill_(0)
+        full = _full_embedding_init(self.num_embeddings, self.embedding_dim, self.padding_idx,
+                                    self.weight.device, self.weight.dtype)
         with torch.no_grad():
             self.weight.copy_(full[self.vocab_start:self.vocab_end])
         return tensor_checksum(full)
@@ -87,20 +121,7 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
     def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, **kwargs
                        ) -> "VocabParallelEmbedding":
         """Shards an ``nn.Embedding`` that every rank holds whole (keeps this rank's rows)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError("tpx.VocabParallelEmbedding.from_embedding expects an nn.Embedding; "
-                            f"got {type(embedding).__name__}")
-        for key in ("device", "dtype", "padding_idx"):
-            if key in kwargs:
-                raise ValueError(f"tpx.VocabParallelEmbedding.from_embedding: `{key}` is taken "
-                                 "from the embedding; do not pass it")
-        for unsupported in ("max_norm", "sparse"):
-            if getattr(embedding, unsupported, None):
-                raise ValueError(f"tpx.VocabParallelEmbedding: nn.Embedding({unsupported}=...) is "
-                                 "not supported")
-        w = embedding.weight
-        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-                   group=group, device=w.device, dtype=w.dtype, _full_weight=w, **kwargs)
+        return cls(group=group, **_embedding_kwargs(cls, embedding, kwargs), **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -159,15 +180,8 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
                  gather_output: bool = True, device=None, dtype=None,
                  _full_weight: Optional[Tensor] = None) -> None:
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"tpx.ColumnParallelEmbedding: `{name}` must be a positive int; "
-                                 f"got {value!r}")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"tpx.ColumnParallelEmbedding: padding_idx={padding_idx} must "
-                                 f"lie in [-{num_embeddings}, {num_embeddings})")
-            padding_idx %= num_embeddings
+        padding_idx = _check_embedding_args("ColumnParallelEmbedding", num_embeddings,
+                                            embedding_dim, padding_idx)
         self.group = resolve_group(group)
         self.world_size, self.rank = self.group.size(), torch.distributed.get_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -177,12 +191,8 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, self.dim_end - self.dim_start,
                                                device=device, dtype=dtype))
         if _full_weight is None and self.weight.device.type != "meta":
-            _full_weight = torch.empty(num_embeddings, embedding_dim, device=self.weight.device,
-                                       dtype=self.weight.dtype)
-            nn.init.normal_(_full_weight)
-            if padding_idx is not None:
-                with torch.no_grad():
-                    _full_weight[padding_idx].fill_(0)
+            _full_weight = _full_embedding_init(num_embeddings, embedding_dim, padding_idx,
+                                                self.weight.device, self.weight.dtype)
         checksum = None
         if _full_weight is not None:
             with torch.no_grad():
@@ -197,16 +207,7 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
     def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, **kwargs
                        ) -> "ColumnParallelEmbedding":
         """Shards an ``nn.Embedding`` that every rank holds whole (keeps this rank's columns)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError("tpx.ColumnParallelEmbedding.from_embedding expects an nn.Embedding; "
-                            f"got {type(embedding).__name__}")
-        for unsupported in ("max_norm", "sparse"):
-            if getattr(embedding, unsupported, None):
-                raise ValueError(f"tpx.ColumnParallelEmbedding: nn.Embedding({unsupported}=...) "
-                                 "is not supported")
-        w = embedding.weight
-        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-                   group=group, device=w.device, dtype=w.dtype, _full_weight=w, **kwargs)
+        return cls(group=group, **_embedding_kwargs(cls, embedding, kwargs), **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
         y = torch.nn.functional.embedding(ids, self.weight, self.padding_idx)
