@@ -6,6 +6,7 @@ S(d) (sharded on dim d) and P (partial sums).
 """
 
 from . import autograd, ops, random
+from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                        Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention,
@@ -13,7 +14,7 @@ from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Prepa
 from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
-from . import checkpoint
+from . import checkpoint, memory
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,8 @@ __all__ = [
     "Shard",
     "ShardedAttention",
     "checkpoint",
+    "comm_stats",
+    "CommStats",
     "loss_parallel",
     "plans",
     "random",

@@ -273,7 +273,7 @@ class ColumnParallelLinear(_ParallelLinear):
         w_t = weight.t()
         if self.sequence_parallel:
             _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
-                                         bias=bias)
+                                         bias=bias, return_gathered=False)
         else:
             y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
         if self.gather_output:
