@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd  # also registers the backward of every op
 from .. import ops
+from ..checks import check_values
 from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, resolve_group,
                      shard_sizes, tensor_checksum)
 
@@ -129,12 +130,19 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
         if ids.device != self.weight.device:
             raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
                              f"is on {self.weight.device}")
-        if ids.numel() and not torch.compiler.is_compiling():  # a host check: eager only
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_embeddings:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"tpx.VocabParallelEmbedding: id {bad} is outside the table "
-                                 f"[0, {self.num_embeddings})")
+        if ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
+            n = self.num_embeddings
+
+            def in_range():
+                lo, hi = torch.aminmax(ids)
+                return (lo >= 0) & (hi < n)
+
+            def message():
+                lo, hi = (int(v) for v in torch.aminmax(ids))
+                return (f"tpx.VocabParallelEmbedding: id {lo if lo < 0 else hi} is outside the "
+                        f"table [0, {n})")
+
+            check_values(in_range, message)
         scatter_dim = None
         if self.sequence_parallel:
             d = self.sequence_dim
