@@ -7,12 +7,14 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 
 namespace tpx {
 namespace cuda {
 namespace {
 
 using detail::from_f32;
+using detail::launch_kernel;
 using detail::to_f32;
 
 constexpr int kThreads = 256;
@@ -58,7 +60,8 @@ cudaError_t launch_forward(const void* weight, int64_t weight_row_bytes, int64_t
                            int64_t vocab_start, void* out, cudaStream_t stream) {
   const int64_t row_units = row_bytes / static_cast<int64_t>(sizeof(U));
   const dim3 block = row_block(row_units);
-  embedding_forward_kernel<U><<<row_grid(count, block.y), block, 0, stream>>>(
+  launch_kernel(
+      embedding_forward_kernel<U>, dim3(row_grid(count, block.y)), block, 0, stream,
       static_cast<const U*>(weight), weight_row_bytes / static_cast<int64_t>(sizeof(U)),
       num_local, row_units, ids, count, vocab_start, static_cast<U*>(out));
   return cudaGetLastError();
@@ -163,7 +166,8 @@ cudaError_t embedding_backward_atomic(const void* grad, int64_t grad_row_stride,
   const unsigned grid = row_grid(count, block.y);
   cudaError_t err = dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    embedding_backward_atomic_kernel<T><<<grid, block, 0, stream>>>(
+    launch_kernel(
+        embedding_backward_atomic_kernel<T>, dim3(grid), block, 0, stream,
         static_cast<const T*>(grad), grad_row_stride, count, dim, ids, vocab_start, num_local,
         padding_idx, grad_weight);
   });
@@ -183,7 +187,8 @@ cudaError_t embedding_backward_sorted(const void* grad, int64_t grad_row_stride,
   const dim3 block(32, kSortedWarps);
   cudaError_t err = dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    embedding_backward_sorted_kernel<T><<<grid, block, 0, stream>>>(
+    launch_kernel(
+        embedding_backward_sorted_kernel<T>, grid, block, 0, stream,
         static_cast<const T*>(grad), grad_row_stride, count, dim, sorted_rows, perm, num_local,
         static_cast<T*>(grad_weight));
   });
