@@ -86,10 +86,11 @@ def _check_module_errors(rank, world):
         _raises(ValueError, "ranks of the group were given different arguments",
                 tpx.ColumnParallelLinear, 8 + rank, 6)
         _raises(ValueError, "chunks", tpx.RowParallelLinear, 8, 6, chunks=1 + rank)
-        torch.manual_seed(rank)  # different seeds draw different initial weights
-        _raises(ValueError, "initial_weights", tpx.RowParallelLinear, 8, 6)
+        torch.manual_seed(rank)  # different seeds draw different initial weights, which
+        # src_rank=None (no weight communication) detects; the default takes rank 0's.
+        _raises(ValueError, "initial_weights", tpx.RowParallelLinear, 8, 6, src_rank=None)
         _raises(ValueError, "initial_weights", tpx.ColumnParallelLinear.from_linear,
-                nn.Linear(8, 6))
+                nn.Linear(8, 6), src_rank=None)
     _still_in_step(world)
 
 
