@@ -186,6 +186,20 @@ def _check_parallelize(rank, world):
     (out_ref * g).sum().backward()
     _grads_match(model, ref, "parallelize")
 
+    # The sharded layers keep the Parameter objects they replace (an optimizer built before
+    # still steps them) and their requires_grad (a frozen weight stays frozen).
+    torch.manual_seed(800 + rank)
+    small = _Small()
+    small.fc1.weight.requires_grad_(False)
+    params = dict(small.named_parameters())
+    tpx.parallelize_module(small, None, {"fc1": tpx.ColwiseParallel(),
+                                         "fc2": tpx.RowwiseParallel()})
+    assert isinstance(small.fc1, tpx.ColumnParallelLinear)
+    for key, p in small.named_parameters():
+        assert p is params[key], key
+    assert not small.fc1.weight.requires_grad and small.fc1.bias.requires_grad
+    assert small.fc1.weight.shape == (small.fc1.out_end - small.fc1.out_start, 6)
+
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_parallelize_module_takes_rank0_model(world):

@@ -421,7 +421,8 @@ def load_initial(pg: dist.ProcessGroup, what: str, config: dict, specs: Sequence
     a draw, the source rank's state after it is copied to the others, so that they go on
     drawing the same numbers as if each had drawn the full tensor. With ``src_rank=None``
     every rank calls ``full_fn`` and keeps its part, with no communication of weights; a
-    checksum of the first full tensor is compared across ranks instead.
+    checksum of the first full tensor is compared across ranks instead. (With
+    ``TPX_RANK_CHECKS=0`` nothing is compared, and the generators are left as they are.)
     """
     world, rank = pg.size(), dist.get_rank(pg)
     meta = any(s.out.device.type == "meta" for s in specs)

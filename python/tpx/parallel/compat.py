@@ -206,7 +206,7 @@ def _layout(fn, kind: str, style: str):
     if args:
         raise ValueError(f"tpx.{style}: give the arguments of {base.__name__} by keyword "
                          "(functools.partial(make_output_shard_1d, dim=1))")
-    _deprecated(base.__name__, modern, stacklevel=5)
+    _deprecated(base.__name__, modern, stacklevel=4)
     try:
         return placement(**{k: v for k, v in kwargs.items() if k == "dim"})
     except TypeError:
