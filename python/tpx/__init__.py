@@ -8,7 +8,7 @@ S(d) (sharded on dim d) and P (partial sums).
 from . import autograd, ops, random
 from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
-from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                        Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention,
                        loss_parallel, parallelize_module, plans)
 from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColwiseParallel",
+    "PairwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleOutput",
