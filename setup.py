@@ -5,6 +5,9 @@ Environment switches:
                           default CUDA is built when torch has CUDA and nvcc is found.
   TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0a").
   MAX_JOBS                parallel compile jobs (torch's cpp_extension honours it).
+  TPX_BUILD_DIR           setuptools' build directory (default "build"); a second build of the
+                          same checkout (e.g. the CUDA one of `make cuda-build`, in build/cuda)
+                          keeps its objects apart from the default build's.
 
 Build without build isolation so the installed torch is used:
   pip install --no-build-isolation -e .
@@ -75,7 +78,13 @@ def _extension():
     )
 
 
+def _options():
+    build_dir = os.environ.get("TPX_BUILD_DIR", "").strip()
+    return {"build": {"build_base": build_dir}} if build_dir else {}
+
+
 setup(
+    options=_options(),
     packages=find_packages("python"),
     package_dir={"": "python"},
     ext_modules=[_extension()],
