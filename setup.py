@@ -58,6 +58,13 @@ def _sources(with_cuda):
     return srcs
 
 
+def _headers():
+    # Listed so that a changed header rebuilds the extension (setuptools compares only the
+    # listed files with the built module; ninja then recompiles what includes them).
+    return sorted(glob.glob("csrc/**/*.h", recursive=True) +
+                  glob.glob("csrc/**/*.cuh", recursive=True))
+
+
 def _extension():
     with_cuda = _want_cuda()
     cxx = ["-O3"]
@@ -68,12 +75,14 @@ def _extension():
             _sources(True),
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TPX_WITH_CUDA", "1")],
+            depends=_headers(),
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
         )
     return CppExtension(
         "tpx._C",
         _sources(False),
         include_dirs=[os.path.join(ROOT, "csrc")],
+        depends=_headers(),
         extra_compile_args={"cxx": cxx},
     )
 
