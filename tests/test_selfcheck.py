@@ -109,3 +109,38 @@ def test_selfcheck_fails_on_mismatch(tmp_path):
         assert status[name] == "pass", (name, status)
     assert "MISMATCH" in proc.stdout
     assert "FAIL op (world 1) / vocab_parallel_cross_entropy_rows" in proc.stdout
+
+
+def _kernel_checks_on_cpu(rank, world):
+    import torch.distributed as dist
+
+    import tpx.selfcheck as sc
+
+    # The bandwidth timings need a GPU; the numerics run through the ATen path.
+    sc._kernel_ce_bandwidth = lambda *args: ""
+    sc._kernel_embedding_bandwidth = lambda *args: ""
+    rep = sc.Report()
+    sc.kernel_checks(rep, sc.Inputs(17, torch.device("cpu")), dist.group.WORLD, "cpu",
+                     KERNEL_OPS)
+    failed = [r for r in rep.rows if r["status"] != "pass"]
+    assert not failed, sc.format_table(failed)
+    checked = {r["check"].split()[0] for r in rep.rows}
+    assert checked == set(KERNEL_OPS), checked
+    assert all(r["max_err"] is not None for r in rep.rows)
+
+
+KERNEL_OPS = ["vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_backward",
+              "vocab_parallel_cross_entropy_backward_", "vocab_parallel_embedding",
+              "vocab_parallel_embedding_backward", "linear_cross_entropy",
+              "linear_cross_entropy_backward"]
+
+
+def test_kernel_checks_run_on_cpu_tensors():
+    """The GPU branch's kernel checks, run on CPU tensors (the ATen path): their inputs and
+    references are right, so on a GPU a FAIL means the kernel differs from ATen. The list of
+    kernels is the one a CUDA build reports."""
+    from harness import run_ranks
+
+    if tpx.build_info()["cuda"]:
+        assert set(tpx.build_info()["cuda_kernels"]) == set(KERNEL_OPS)
+    run_ranks(_kernel_checks_on_cpu, 1)

@@ -491,8 +491,10 @@ def _kernel_ce(c: Comparison, inp: Inputs, pg, dtype, which: str, V: int) -> Opt
 
 def _kernel_ce_bandwidth(inp: Inputs, pg, dtype, which: str) -> str:
     N, V = 4096, 32000
-    x = inp.randn(N, V, dtype=dtype).requires_grad_(which != "vocab_parallel_cross_entropy")
-    target, g = inp.randint(V, N), inp.randn(N)
+    dev = inp.device  # drawn on the GPU: only the timing matters here
+    x = torch.randn(N, V, device=dev, dtype=dtype)
+    x.requires_grad_(which != "vocab_parallel_cross_entropy")
+    target, g = torch.randint(0, V, (N,), device=dev), torch.randn(N, device=dev)
     nbytes = N * V * x.element_size()
     if which == "vocab_parallel_cross_entropy":
         with torch.no_grad():
@@ -530,8 +532,10 @@ def _kernel_embedding(c: Comparison, inp: Inputs, pg, dtype, which: str, D: int,
 
 def _kernel_embedding_bandwidth(inp: Inputs, pg, dtype, which: str) -> str:
     V, D, T = 32000, 4096, 8192
-    table = inp.randn(V, D, dtype=dtype).requires_grad_(which != "vocab_parallel_embedding")
-    ids = inp.randint(V, T)
+    dev = inp.device  # drawn on the GPU: only the timing matters here
+    table = torch.randn(V, D, device=dev, dtype=dtype)
+    table.requires_grad_(which != "vocab_parallel_embedding")
+    ids = torch.randint(0, V, (T,), device=dev)
     esize = table.element_size()
     if which == "vocab_parallel_embedding":
         with torch.no_grad():  # rows read and written
