@@ -108,7 +108,8 @@ endif
 	$(CUDA_PY) -m pip install --quiet --no-deps --force-reinstall $(CUDA_BUILD)/dist/tpx-*.whl
 	touch $@
 
-$(CUDA_BUILD)/.checked: $(CUDA_BUILD)/.installed $(CUDA_TESTS) .ci/cuda_build_check.py
+$(CUDA_BUILD)/.checked: $(CUDA_BUILD)/.installed $(CUDA_TESTS) tests/harness.py tests/conftest.py \
+                         .ci/cuda_build_check.py
 	env -u PYTHONPATH nice -n 10 $(CUDA_PY) .ci/cuda_build_check.py $(CUDA_TESTS) $(PYTEST_ARGS)
 	touch $@
 
