@@ -5,6 +5,9 @@ Environment switches:
                           default CUDA is built when torch has CUDA and nvcc is found.
   TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0a").
   MAX_JOBS                parallel compile jobs (torch's cpp_extension honours it).
+  TPX_BUILD_DIR           setuptools' build directory (default "build"); a second build of the
+                          same checkout (e.g. the CUDA one of `make cuda-build`, in build/cuda)
+                          keeps its objects apart from the default build's.
 
 Build without build isolation so the installed torch is used:
   pip install --no-build-isolation -e .
@@ -55,6 +58,13 @@ def _sources(with_cuda):
     return srcs
 
 
+def _headers():
+    # Listed so that a changed header rebuilds the extension (setuptools compares only the
+    # listed files with the built module; ninja then recompiles what includes them).
+    return sorted(glob.glob("csrc/**/*.h", recursive=True) +
+                  glob.glob("csrc/**/*.cuh", recursive=True))
+
+
 def _extension():
     with_cuda = _want_cuda()
     cxx = ["-O3"]
@@ -65,17 +75,25 @@ def _extension():
             _sources(True),
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("TPX_WITH_CUDA", "1")],
+            depends=_headers(),
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
         )
     return CppExtension(
         "tpx._C",
         _sources(False),
         include_dirs=[os.path.join(ROOT, "csrc")],
+        depends=_headers(),
         extra_compile_args={"cxx": cxx},
     )
 
 
+def _options():
+    build_dir = os.environ.get("TPX_BUILD_DIR", "").strip()
+    return {"build": {"build_base": build_dir}} if build_dir else {}
+
+
 setup(
+    options=_options(),
     packages=find_packages("python"),
     package_dir={"": "python"},
     ext_modules=[_extension()],
