@@ -3,7 +3,9 @@
 Every collective of a tpx op (the C++ engine's and the few issued from Python) is counted
 with the size of this rank's message: its input for an all-gather, its output for a
 reduce-scatter, the whole buffer for an all-reduce or a broadcast. Counting is always on; it
-costs one map update per collective.
+costs one map update per collective. The C++ ops count in compiled graphs too; the few
+layout changes issued from Python (edge gathers of the layers, gradient all-reduces of
+replicated parameters) are counted in eager mode only.
 
 >>> with tpx.comm_stats() as stats:
 ...     loss = model(x).sum(); loss.backward()
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Union
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -34,6 +37,8 @@ def _counters() -> Dict[Key, Tuple[int, int]]:
 def count_collective(pg: dist.ProcessGroup, kind: str, message: Union[Tensor, int]) -> None:
     """Records one collective issued from Python on ``pg`` (``kind`` one of :data:`KINDS`;
     ``message`` this rank's message as a tensor or a byte count)."""
+    if torch.compiler.is_compiling():  # a host-side counter has no place in a traced graph
+        return
     nbytes = message if isinstance(message, int) else message.numel() * message.element_size()
     _C.count_collective(pg.group_name, kind, int(nbytes))
 
