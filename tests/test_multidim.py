@@ -184,18 +184,28 @@ def _check_linear(rank, world, layout):
     del wrong
 
 
-@pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
-def test_linear_matches_nn_linear(layout, world):
-    run_ranks(_check_linear, world, layout)
-
-
 def _check_world_one(rank, world):
     for layout, kw in (("2d", {}), ("2.5d", dict(depth=1)), ("3d", {})):
         mesh = tpx.init_mesh(layout, **kw)
         gen = torch.Generator().manual_seed(3)
         torch.manual_seed(5)
         _linear_case(mesh, layout, 1, 1, 4, 6, (3, 2), gen)
+        _mlp_block_case(mesh, layout, 1, 1, "layernorm", gen)
     assert tpx.init_mesh("1d").mesh_dim_names == ("tp",)
+    # Schemas, fakes and autograd registrations of the multi-dimensional ops.
+    name = dist.group.WORLD.group_name
+    x, w, b = torch.randn(3, 2, 4), torch.randn(6, 4), torch.randn(6)
+    g = torch.randn(3, 2, 6)
+    xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+    torch.library.opcheck(torch.ops.tpx.linear_2d.default, (xg, wg, bg, name, name, name))
+    torch.library.opcheck(torch.ops.tpx.linear_3d.default, (xg, wg, bg, name, name, name, 1))
+    torch.library.opcheck(torch.ops.tpx.linear_2d_backward.default,
+                          (g, x, w, name, name, None, True, False, True))
+    torch.library.opcheck(torch.ops.tpx.linear_3d.default, (x, w, b, name, name, name, 2))
+    torch.library.opcheck(torch.ops.tpx.linear_3d_backward.default,
+                          (g, x, w, name, name, name, None, True, True, False))
+    torch.library.opcheck(torch.ops.tpx.mesh_all_reduce.default, (x, name))
+    torch.library.opcheck(torch.ops.tpx.mesh_all_gather.default, (x, name))
 
 
 def test_world_one():
@@ -334,11 +344,6 @@ def _check_mlp_block(rank, world, layout):
         _shard_norm("layernorm", layout, nn.LayerNorm(q + 1), mesh, "output")
 
 
-@pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
-def test_mlp_block_matches_unsharded(layout, world):
-    run_ranks(_check_mlp_block, world, layout)
-
-
 def _check_embedding_head(rank, world, layout):
     """Embedding -> Linear head (vocab split over the hidden mesh dim of the logits) ->
     tpx.vocab_parallel_cross_entropy over that mesh dim's group, against nn.Embedding ->
@@ -391,6 +396,16 @@ def _norm_slice(n, layout, c, q):
     return slice(j * n // q, (j + 1) * n // q)
 
 
-@pytest.mark.parametrize("layout,world", [("2d", 4), ("2.5d", 8), ("3d", 8)])
-def test_embedding_and_vocab_parallel_head(layout, world):
-    run_ranks(_check_embedding_head, world, layout)
+def _check_layout(rank, world, layout):
+    _check_linear(rank, world, layout)
+    _check_mlp_block(rank, world, layout)
+    _check_embedding_head(rank, world, layout)
+
+
+# One group of processes per layout and world size (spawning 8-9 ranks costs more than the
+# checks): Linear (all requires_grad combinations, 3-D chunkings, constructor, split/gather,
+# errors), the pre-norm MLP block with LayerNorm / nn.RMSNorm / a LlamaRMSNorm-shaped norm,
+# and embedding -> vocab-parallel head -> loss.
+@pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
+def test_layout_matches_unsharded(layout, world):
+    run_ranks(_check_layout, world, layout)
