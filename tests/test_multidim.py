@@ -1,7 +1,8 @@
 """2-D (SUMMA), 2.5-D and 3-D tensor parallelism against the unsharded computation: outputs,
 input gradients, every parameter gradient and one SGD step, on fresh random inputs, at 2-D
 with 4 and 9 ranks, 2.5-D with 8 ranks (depth 2), 3-D with 8 ranks; requires_grad
-combinations; mesh and size errors.
+combinations; a pre-norm MLP block, embedding + vocab-parallel head + loss and the tiny Llama
+decoder of examples/tiny_llama.py (modules swapped by hand); mesh and size errors.
 
 The expected blocks are cut from the full tensors here, by hand, from the placements the
 layers document (not with tpx.split_input, which is tested against them)."""
@@ -396,16 +397,83 @@ def _norm_slice(n, layout, c, q):
     return slice(j * n // q, (j + 1) * n // q)
 
 
+def _shard_decoder(model, mesh, layout):
+    """examples/tiny_llama.py's Decoder with every Linear, norm and the embedding swapped for
+    the layout's layers, by hand (3-D: projections into attention / the MLP take the input
+    split by "output", the projections out of them the input split by "weight")."""
+    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
+    lin, norm = getattr(tpx, "Linear" + suffix), getattr(tpx, "RMSNorm" + suffix)
+    emb = getattr(tpx, "Embedding" + suffix)
+    kw_in = dict(hidden_mesh_dim="output") if layout == "3d" else {}
+    kw_mid = dict(hidden_mesh_dim="weight") if layout == "3d" else {}
+    model.tok_embeddings = emb.from_embedding(model.tok_embeddings, mesh, **kw_in)
+    for block in model.layers:
+        block.attention_norm = norm.from_rmsnorm(block.attention_norm, mesh, **kw_in)
+        block.ffn_norm = norm.from_rmsnorm(block.ffn_norm, mesh, **kw_in)
+        att, ffn = block.attention, block.feed_forward
+        att.wq, att.wk, att.wv = (lin.from_linear(m, mesh, **kw_in)
+                                  for m in (att.wq, att.wk, att.wv))
+        att.wo = lin.from_linear(att.wo, mesh, **kw_mid)
+        ffn.w1, ffn.w3 = (lin.from_linear(m, mesh, **kw_in) for m in (ffn.w1, ffn.w3))
+        ffn.w2 = lin.from_linear(ffn.w2, mesh, **kw_mid)
+    model.norm = norm.from_rmsnorm(model.norm, mesh, **kw_in)
+    model.output = lin.from_linear(model.output, mesh, **kw_in)
+    return model
+
+
+def _check_decoder(rank, world, layout):
+    import copy
+
+    from tiny_llama import Decoder
+
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
+    torch.manual_seed(31)
+    ref = Decoder(vocab=12 * q * q, dim=8 * q, n_layers=2, n_heads=2 * q, n_kv_heads=q,
+                  hidden=4 * q * q)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model = _shard_decoder(copy.deepcopy(ref), mesh, layout)
+    gen = torch.Generator().manual_seed(400 + world)
+    ids = torch.randint(0, ref.output.out_features, (nb, 5), generator=gen)
+    g = torch.randn(nb, 5, ref.output.out_features, generator=gen)
+    logits_ref = ref(ids)
+    (logits_ref * g).sum().backward()
+    out_kw = dict(hidden_mesh_dim=model.output.output_mesh_dim) if layout == "3d" else {}
+    logits = tpx.gather_output(model(tpx.split_input(ids, mesh)), mesh, **out_kw)
+    close(logits, logits_ref.detach(), f"decoder logits {layout}")
+    (logits * g).sum().backward()
+    # Every sharded parameter's gradient is its block of the reference gradient: gather it
+    # back with the same block maps the layers use.
+    c = _coord(mesh)
+    inner = "weight" if layout == "3d" else "output"
+    for name, p in model.named_parameters():
+        rp = dict(ref.named_parameters())[name]
+        if name.endswith("norm.weight"):
+            want = _norm_block(rp.grad, layout, c, q, "output")
+        elif name == "tok_embeddings.weight":
+            want = rp.grad[:, _norm_slice(rp.shape[1], layout, c, q)]
+        else:
+            hidden = inner if name.split(".")[-2] in ("wo", "w2") else "output"
+            want = _weight_block(rp.grad, layout, c, q, hidden)
+        close(p.grad, want, f"decoder grad {name} {layout}")
+
+
 def _check_layout(rank, world, layout):
     _check_linear(rank, world, layout)
     _check_mlp_block(rank, world, layout)
     _check_embedding_head(rank, world, layout)
+    if world != 9:
+        _check_decoder(rank, world, layout)
 
 
 # One group of processes per layout and world size (spawning 8-9 ranks costs more than the
 # checks): Linear (all requires_grad combinations, 3-D chunkings, constructor, split/gather,
 # errors), the pre-norm MLP block with LayerNorm / nn.RMSNorm / a LlamaRMSNorm-shaped norm,
-# and embedding -> vocab-parallel head -> loss.
+# embedding -> vocab-parallel head -> loss, and (but at 9 ranks) the tiny Llama decoder.
 @pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
 def test_layout_matches_unsharded(layout, world):
     run_ranks(_check_layout, world, layout)

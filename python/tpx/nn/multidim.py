@@ -601,17 +601,21 @@ class RMSNorm2D(_MultiDimNorm):
     @classmethod
     def from_rmsnorm(cls, module: nn.Module, mesh, *, hidden_mesh_dim: Optional[str] = None):
         """This rank's block of ``nn.RMSNorm`` or of a module shaped like Hugging Face's
-        ``LlamaRMSNorm`` (a 1-D ``weight`` and ``variance_epsilon``)."""
+        ``LlamaRMSNorm`` (a 1-D ``weight`` and ``variance_epsilon``; a float ``eps`` is
+        accepted in its place). The module must compute ``x * rsqrt(mean(x^2) + eps) *
+        weight`` over the last dimension."""
         if isinstance(module, getattr(nn, "RMSNorm", ())):
             features = _normalized_size(cls.__name__, module.normalized_shape)
             eps, weight = module.eps, module.weight
-        elif isinstance(getattr(module, "weight", None), Tensor) and \
-                hasattr(module, "variance_epsilon") and module.weight.dim() == 1:
-            features, eps, weight = module.weight.shape[0], module.variance_epsilon, module.weight
+        elif isinstance(getattr(module, "weight", None), Tensor) and module.weight.dim() == 1 \
+                and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)),
+                               float):
+            features, weight = module.weight.shape[0], module.weight
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         else:
             raise TypeError(f"tpx.{cls.__name__}.from_rmsnorm: expected nn.RMSNorm or a module "
-                            f"with a 1-D `weight` and `variance_epsilon`; got "
-                            f"{type(module).__name__}")
+                            f"with a 1-D `weight` and a float `variance_epsilon` (Hugging Face) "
+                            f"or `eps`; got {type(module).__name__}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(features, mesh, hidden_mesh_dim)
