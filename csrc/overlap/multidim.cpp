@@ -308,10 +308,13 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
     if (need_x) at::mm_out(gx2, g2, w);
     if (need_weight) at::mm_out(gw, g2.t(), x2);
   } else if (need_x || need_weight) {
-    DoubleBuffer wb{{at::empty_like(w), at::empty_like(w)}, {}};
-    DoubleBuffer xb{{at::empty_like(x2), at::empty_like(x2)}, {}};
-    DoubleBuffer px{{at::empty_like(x2), at::empty_like(x2)}, {}};
-    DoubleBuffer pw{{at::empty_like(w), at::empty_like(w)}, {}};
+    // Staging only for the products that are computed.
+    auto pair = [](bool need, const at::Tensor& like) {
+      return need ? DoubleBuffer{{at::empty_like(like), at::empty_like(like)}, {}}
+                  : DoubleBuffer{};
+    };
+    DoubleBuffer wb = pair(need_x, w), px = pair(need_x, x2);
+    DoubleBuffer xb = pair(need_weight, x2), pw = pair(need_weight, w);
     struct Step {
       at::Tensor wl, xl;
       std::vector<WorkPtr> works;
