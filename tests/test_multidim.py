@@ -193,6 +193,12 @@ def _check_world_one(rank, world):
         _linear_case(mesh, layout, 1, 1, 4, 6, (3, 2), gen)
         _mlp_block_case(mesh, layout, 1, 1, "layernorm", gen)
     assert tpx.init_mesh("1d").mesh_dim_names == ("tp",)
+    # A copied layer shares the mesh and computes the same thing.
+    import copy
+
+    layer = tpx.Linear3D(4, 4, mesh)
+    x = torch.randn(2, 4)
+    close(copy.deepcopy(layer)(x), layer(x), "deepcopy of a layer")
     # Schemas, fakes and autograd registrations of the multi-dimensional ops.
     name = dist.group.WORLD.group_name
     x, w, b = torch.randn(3, 2, 4), torch.randn(6, 4), torch.randn(6)

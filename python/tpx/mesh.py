@@ -145,6 +145,10 @@ class MeshInfo:
     def group_name(self, dim: str) -> str:
         return self.groups[dim].group_name
 
+    def __deepcopy__(self, memo) -> "MeshInfo":
+        # Immutable, and process groups cannot be copied: a copied layer shares its mesh.
+        return self
+
 
 def check_mesh(mesh: object, layout: str, who: str) -> MeshInfo:
     """Validates that ``mesh`` is a DeviceMesh of ``layout`` (names and shape) containing this
