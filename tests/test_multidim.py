@@ -169,6 +169,11 @@ def _check_linear(rank, world, layout):
     # Bad sizes and meshes raise before any collective.
     with pytest.raises(ValueError, match=r"in_features = %d must divide by %d" % (q + 1, q)):
         cls(q + 1, n, mesh)
+    with pytest.raises(ValueError, match=r"out_features = %d must divide by %d" % (q + 1, nf)):
+        cls(k, q + 1, mesh)
+    emb_cls = {"2d": tpx.Embedding2D, "2.5d": tpx.Embedding2p5D, "3d": tpx.Embedding3D}[layout]
+    with pytest.raises(ValueError, match=r"embedding_dim = %d must divide by %d" % (q + 1, q)):
+        emb_cls.from_embedding(nn.Embedding(5, q + 1), mesh)
     with pytest.raises(ValueError, match=r"x.shape\[0\] \(batch\) = %d" % (nb + 1)):
         tpx.split_input(torch.randn(nb + 1, k), mesh)
     with pytest.raises(ValueError, match="input must be this rank's block"):
