@@ -21,7 +21,7 @@ EXT_INPUTS := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/cuda/*.cu csrc/
 STAMP := build/.installed-$(subst /,_,$(PY))
 PYTEST_ARGS ?= -q
 
-.PHONY: demo test build cuda-check bench clean
+.PHONY: demo test test-emulated build cuda-check bench clean
 
 DEMO_ARGS ?=
 demo: $(STAMP)
@@ -32,6 +32,10 @@ test: $(STAMP) cuda-check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 build: $(STAMP)
+
+# The CUDA kernels run on the CPU through tests/cuda_emulation (also part of `make test`).
+test-emulated: $(STAMP)
+	$(PY) -m pytest tests/test_kernels_emulated.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_linear.py

@@ -28,6 +28,20 @@ Run:
     python benchmarks/bench_linear.py --shapes small --quick
     torchrun --nproc-per-node 2 benchmarks/bench_linear.py --device cuda   # NCCL, >= 2 GPUs
 
+``--situations train,frozen,no-xgrad`` times tpx (default chunks) against DTensor TP in three
+training situations, one shape at a time, round robin (each round: one sample of tpx and one of
+DTensor per situation; the reported ratio is the median over rounds of tpx / DTensor):
+
+* ``train``     input, weights and biases all need gradients;
+* ``frozen``    weights and biases frozen (``requires_grad_(False)``, as in adapter
+                fine-tuning); only the input gradient is computed;
+* ``no-xgrad``  the input needs no gradient (the first layer over raw features); weights train.
+
+Each situation is checked first: outputs, the gradients that exist equal the unsharded
+reference, and the ones nobody asked for are ``None``.
+
+    python benchmarks/bench_linear.py --situations train,frozen,no-xgrad
+
 With ``--device cuda`` and a single GPU the TP block is not run; instead one monolithic bf16 GEMM
 is compared with the row-chunked decomposition tpx uses (M split into 2/4/8 chunks, each written
 into a slice of a preallocated output), timed with CUDA events.
@@ -202,6 +216,140 @@ def bench_shape(name: str, args, device, world: int) -> list:
     return results
 
 
+SITUATIONS = ("train", "frozen", "no-xgrad")
+
+
+def _configure(model: nn.Module, situation: str) -> None:
+    for p in model.parameters():
+        p.requires_grad_(situation != "frozen")
+
+
+def _situation_step(model, x, g):
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    y = model(x)
+    (y * g).sum().backward()
+    return y
+
+
+def _check_situation(label: str, situation: str, model, x, g, expect: dict, rows: tuple,
+                     device) -> None:
+    """Output and gradients against the unsharded reference; gradients nobody asked for
+    must be None. Every rank raises when any rank disagrees."""
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    y = _situation_step(model, x, g)
+    error = ""
+    try:
+        y_full = y.full_tensor() if isinstance(y, DTensor) else y
+        torch.testing.assert_close(y_full.detach(), expect["y"], **TOL)
+        if situation == "no-xgrad":
+            assert x.grad is None, "the input got a gradient although it needs none"
+        else:
+            torch.testing.assert_close(x.grad, expect["x_grad"], **TOL)
+        w_grad = model.fc1.weight.grad
+        if situation == "frozen":
+            assert w_grad is None, "a frozen weight got a gradient"
+        else:
+            torch.testing.assert_close(local(w_grad), expect["w1_grad"][rows[0]:rows[1]], **TOL)
+    except AssertionError as e:
+        error = f"{label} ({situation}) on rank {dist.get_rank()}: {e}"
+    flag = torch.tensor([1.0 if error else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise RuntimeError(error or f"{label} ({situation}): another rank disagrees")
+
+
+def bench_situations(name: str, args, device, world: int) -> list:
+    """tpx (default chunks) / DTensor per situation, round robin, per-round ratios."""
+    import tpx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    shape = SHAPES[name]
+    repeats = args.repeats or REPEATS[name]
+    warmup = WARMUP[name] if args.warmup is None else args.warmup
+    block = BLOCK[name]
+    torch.manual_seed(SEED)
+    ref = MLP(nn.Linear(shape["d"], shape["h"]), nn.Linear(shape["h"], shape["d"])).to(device)
+    x_data = torch.randn(shape["tokens"], shape["d"], device=device)
+    g = torch.randn(shape["tokens"], shape["d"], device=device)
+    x_ref = x_data.clone().requires_grad_(True)
+    y = _situation_step(ref, x_ref, g)
+    expect = {"y": y.detach().clone(), "x_grad": x_ref.grad.clone(),
+              "w1_grad": ref.fc1.weight.grad.clone()}
+    rows = tpx.shard_range(shape["h"])
+    mesh = init_device_mesh(device.type, (world,))
+    runs = {}
+    for situation in args.situations:
+        x = x_data.clone().requires_grad_(situation != "no-xgrad")
+        models = {
+            "tpx": MLP(tpx.ColumnParallelLinear.from_linear(ref.fc1),
+                       tpx.RowParallelLinear.from_linear(ref.fc2)),
+            "DTensor": parallelize_module(copy.deepcopy(ref), mesh,
+                                          {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}),
+        }
+        for label, model in models.items():
+            _configure(model, situation)
+            _check_situation(label, situation, model, x, g, expect, rows, device)
+            for _ in range(warmup):
+                _situation_step(model, x, g)
+        runs[situation] = (models, x)
+
+    def sample(model, x) -> float:
+        synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            _situation_step(model, x, g)
+        synchronize(device)
+        t = torch.tensor([(time.perf_counter() - t0) * 1e3 / block], dtype=torch.float64,
+                         device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    samples = {s: {"tpx": [], "DTensor": []} for s in args.situations}
+    for _ in range(repeats):
+        for situation, (models, x) in runs.items():
+            for label, model in models.items():
+                samples[situation][label].append(sample(model, x))
+    results = []
+    for situation, by in samples.items():
+        ratios = [a / b for a, b in zip(by["tpx"], by["DTensor"])]
+        results.append(dict(shape=name, situation=situation, repeats=repeats,
+                            steps_per_sample=block,
+                            tpx_median_ms=statistics.median(by["tpx"]),
+                            dtensor_median_ms=statistics.median(by["DTensor"]),
+                            ratio_median=statistics.median(ratios),
+                            ratio_q1=statistics.quantiles(ratios, n=4)[0] if len(ratios) > 1
+                            else ratios[0],
+                            ratio_q3=statistics.quantiles(ratios, n=4)[2] if len(ratios) > 1
+                            else ratios[0],
+                            tpx_times_ms=by["tpx"], dtensor_times_ms=by["DTensor"],
+                            ratios=ratios))
+    return results
+
+
+def report_situations(results: list, env: dict, args, world: int) -> None:
+    rows = [[r["shape"], r["situation"], f"{r['tpx_median_ms']:.2f}",
+             f"{r['dtensor_median_ms']:.2f}", f"{r['ratio_median']:.2f}",
+             f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"] for r in results]
+    print(f"
+MLP fwd+bwd, fp32, TP={world} ({env['backend']}), tpx default chunks vs DTensor TP; "
+          "ratio = median over rounds of tpx / DTensor (lower is better)")
+    print(format_table(["shape", "situation", "tpx ms", "DTensor ms", "tpx/DTensor",
+                        "ratio IQR"], rows, text_columns=2))
+    path = Path(args.out or RESULTS_DIR / f"bench_linear_situations_{args.device}_tp{world}.json")
+    payload = dict(benchmark="bench_linear --situations: MLP column->ReLU->row, fwd+bwd",
+                   shapes={n: SHAPES[n] for n in args.shapes},
+                   config=dict(vars(args), seed=SEED, tolerance=TOL, dtype="float32"),
+                   environment=env, results=results)
+    print(f"
+wrote {write_json(path, payload)}")
+
+
 def add_ratios(results: list, world: int) -> None:
     by = {r["variant"]: r for r in results}
     single = by["single process"]["median_ms"]
@@ -364,6 +512,16 @@ def run_tp(rank: int, world: int, args, init_method: str, local_rank: int) -> No
             if rank == 0:
                 report_overlap(results, env, args, world)
             return
+        if args.situations:
+            results = []
+            for name in args.shapes:
+                if rank == 0:
+                    print(f"running {name} {SHAPES[name]}: {', '.join(args.situations)} ...",
+                          flush=True)
+                results += bench_situations(name, args, device, world)
+            if rank == 0:
+                report_situations(results, env, args, world)
+            return
         results = []
         for name in args.shapes:
             if rank == 0:
@@ -471,12 +629,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", default="",
                    help="comma-separated op-level overlap shapes instead of the MLP block: "
                         f"{','.join(OVERLAP_SHAPES)} (flux: GPUs; tiny: a CPU smoke test)")
+    p.add_argument("--situations", default="",
+                   help="comma-separated subset of train,frozen,no-xgrad: tpx vs DTensor with "
+                        "everything trained, frozen weights, or an input without gradient")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin each CPU rank to its own core (pinned by default)")
     args = p.parse_args(argv)
     args.overlap = [s.strip() for s in args.overlap.split(",") if s.strip()]
     if [s for s in args.overlap if s not in OVERLAP_SHAPES]:
         p.error(f"--overlap: choose from {list(OVERLAP_SHAPES)}; got {args.overlap}")
+    args.situations = [s.strip() for s in args.situations.split(",") if s.strip()]
+    if [s for s in args.situations if s not in SITUATIONS]:
+        p.error(f"--situations: choose from {list(SITUATIONS)}; got {args.situations}")
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "common/comm_stats.h"
+#include "common/memory_stats.h"
 #include "overlap/collective_matmul.h"
 
 namespace {
@@ -32,9 +34,41 @@ pybind11::dict build_info() {
   return info;
 }
 
+// {(group name, kind): (calls, bytes)} since start or the last reset.
+pybind11::dict comm_counters() {
+  pybind11::dict out;
+  for (const auto& [key, counter] : tpx::comm_counters()) {
+    out[pybind11::make_tuple(key.first, key.second)] =
+        pybind11::make_tuple(counter.calls, counter.bytes);
+  }
+  return out;
+}
+
+void count_collective(const std::string& group_name, const std::string& kind, int64_t bytes) {
+  using tpx::Collective;
+  Collective c;
+  if (kind == "all_gather") c = Collective::kAllGather;
+  else if (kind == "reduce_scatter") c = Collective::kReduceScatter;
+  else if (kind == "all_reduce") c = Collective::kAllReduce;
+  else if (kind == "broadcast") c = Collective::kBroadcast;
+  else TORCH_CHECK_VALUE(false, "tpx: unknown collective kind '", kind, "'");
+  tpx::count_collective(group_name, c, bytes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tpx C++/CUDA extension: overlapped collective matmuls (torch.ops.tpx.*)";
   m.def("build_info", &build_info, "How this tpx extension was built.");
+  m.def("pipeline_depth", &tpx::pipeline_depth, pybind11::arg("chunks"), pybind11::arg("extent"),
+        pybind11::arg("bytes"), "The pipeline depth the ops pick (see collective_matmul.h).");
+  m.def("comm_counters", &comm_counters,
+        "Collectives issued by tpx: {(group_name, kind): (calls, bytes)}.");
+  m.def("reset_comm_counters", &tpx::reset_comm_counters, "Zeroes the collective counters.");
+  m.def("enable_cpu_memory_stats", &tpx::enable_cpu_memory_stats,
+        "Counts CPU tensor allocations from now on (all threads).");
+  m.def("cpu_memory_stats", &tpx::cpu_memory_stats, "(bytes allocated now, peak since reset).");
+  m.def("reset_cpu_memory_peak", &tpx::reset_cpu_memory_peak, "Peak := current.");
+  m.def("count_collective", &count_collective,
+        "Records a collective issued from Python (group_name, kind, bytes).");
 }

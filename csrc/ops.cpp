@@ -18,14 +18,15 @@ TORCH_LIBRARY(tpx, m) {
       "Tensor? bias=None) -> (Tensor, Tensor)");
   m.def(
       "all_gather_matmul_backward(Tensor grad_out, Tensor? grad_a_gathered, Tensor a_gathered, "
-      "Tensor b, int gather_dim, str group_name, int? chunks, bool bias_grad) "
-      "-> (Tensor, Tensor, Tensor?)");
+      "Tensor b, int gather_dim, str group_name, int? chunks, bool need_a, bool need_b, "
+      "bool bias_grad) -> (Tensor?, Tensor?, Tensor?)");
   m.def(
       "matmul_reduce_scatter(Tensor a, Tensor b, int scatter_dim, str group_name, "
       "int? chunks=None, Tensor? bias=None) -> Tensor");
   m.def(
       "matmul_reduce_scatter_backward(Tensor grad_out, Tensor a, Tensor b, int scatter_dim, "
-      "str group_name, int? chunks, bool bias_grad) -> (Tensor, Tensor, Tensor?)");
+      "str group_name, int? chunks, bool need_a, bool need_b, bool bias_grad) "
+      "-> (Tensor?, Tensor?, Tensor?)");
   m.def(
       "matmul_all_reduce(Tensor a, Tensor b, str group_name, int? chunks=None, "
       "Tensor? bias=None) -> Tensor");
@@ -34,7 +35,7 @@ TORCH_LIBRARY(tpx, m) {
       "Tensor? bias=None) -> Tensor");
   m.def(
       "replicated_matmul_backward(Tensor grad_out, Tensor a, Tensor b, str group_name, "
-      "int? chunks, bool bias_grad) -> (Tensor, Tensor, Tensor?)");
+      "int? chunks, bool need_a, bool need_b, bool bias_grad) -> (Tensor?, Tensor?, Tensor?)");
   m.def(
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, "
       "int vocab_size, str group_name, int ignore_index, float label_smoothing, "
@@ -60,8 +61,8 @@ TORCH_LIBRARY(tpx, m) {
   m.def(
       "linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
       "Tensor? bias, Tensor target, Tensor lse, int vocab_start, int vocab_size, "
-      "str group_name, int chunk_size, int ignore_index, float label_smoothing) "
-      "-> (Tensor, Tensor, Tensor?)");
+      "str group_name, int chunk_size, int ignore_index, float label_smoothing, "
+      "bool need_hidden, bool need_weight, bool need_bias) -> (Tensor?, Tensor?, Tensor?)");
   // Multi-dimensional tensor parallelism (csrc/overlap/multidim.h).
   m.def(
       "linear_2d(Tensor x, Tensor weight, Tensor? bias, str row_group, str col_group, "

@@ -86,10 +86,11 @@ def _check_module_errors(rank, world):
         _raises(ValueError, "ranks of the group were given different arguments",
                 tpx.ColumnParallelLinear, 8 + rank, 6)
         _raises(ValueError, "chunks", tpx.RowParallelLinear, 8, 6, chunks=1 + rank)
-        torch.manual_seed(rank)  # different seeds draw different initial weights
-        _raises(ValueError, "initial_weights", tpx.RowParallelLinear, 8, 6)
+        torch.manual_seed(rank)  # different seeds draw different initial weights, which
+        # src_rank=None (no weight communication) detects; the default takes rank 0's.
+        _raises(ValueError, "initial_weights", tpx.RowParallelLinear, 8, 6, src_rank=None)
         _raises(ValueError, "initial_weights", tpx.ColumnParallelLinear.from_linear,
-                nn.Linear(8, 6))
+                nn.Linear(8, 6), src_rank=None)
     _still_in_step(world)
 
 
@@ -132,3 +133,19 @@ def _mismatched_shapes(rank, world):
 
 def test_debug_checks_catch_ranks_that_disagree():
     run_ranks(_mismatched_shapes, 2)
+
+
+def _check_same_device_reported(rank, world):
+    from tpx.checks import check_distinct_devices
+
+    pg = dist.new_group(list(range(world)))
+    # Every rank claims device 0, as when torch.cuda.set_device(local_rank) was forgotten.
+    with pytest.raises(ValueError, match=r"ranks 0 and 1 of the group both use cuda:0") as err:
+        check_distinct_devices(pg, current_device=lambda: 0)
+    assert "torch.cuda.set_device(local_rank)" in str(err.value)
+    pg2 = dist.new_group(list(range(world)))
+    check_distinct_devices(pg2, current_device=lambda: rank)  # distinct devices: no error
+
+
+def test_same_cuda_device_on_two_ranks_is_reported():
+    run_ranks(_check_same_device_reported, 2)

@@ -129,6 +129,12 @@ def _opcheck_ce(rank, world):
     bias = torch.randn(v1 - v0, generator=gen, requires_grad=True)
     torch.library.opcheck(torch.ops.tpx.linear_cross_entropy.default,
                           (hidden, weight, bias, target, v0, V, name, 4, -100, 0.1))
+    _, lse = torch.ops.tpx.linear_cross_entropy(hidden.detach(), weight.detach(), bias.detach(),
+                                                target, v0, V, name, 4, -100, 0.1)
+    for needs in ((True, True, True), (False, True, False), (True, False, True)):
+        torch.library.opcheck(torch.ops.tpx.linear_cross_entropy_backward.default,
+                              (torch.randn(6, generator=gen), hidden.detach(), weight.detach(),
+                               bias.detach(), target, lse, v0, V, name, 4, -100, 0.1, *needs))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -203,3 +209,79 @@ def _check_masked_logits(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_cross_entropy_masked_logits(world):
     run_ranks(_check_masked_logits, world)
+
+
+def _check_masked_shard_row(rank, world):
+    # One rank's whole part of a row is -inf (a masked block of the vocabulary): the row's
+    # loss and gradient stay finite and equal F.cross_entropy, in fp32 and fp64.
+    V = 13
+    start, end = tpx.shard_range(V)
+    for dtype, smoothing in itertools.product((torch.float32, torch.float64), (0.0, 0.1)):
+        gen = torch.Generator().manual_seed(17)
+        full = torch.randn(4, V, generator=gen, dtype=dtype)
+        s1, e1 = 0, (-(-V // world) if world > 1 else V // 2)  # rank 0's block
+        full[1, s1:e1] = float("-inf")       # row 1: rank 0's part all -inf
+        full[2, V - 2:] = float("-inf")      # row 2: the tail of the last rank
+        target = torch.tensor([0, V - 1, 3, 5])
+        ref_in = full.clone().requires_grad_(True)
+        if smoothing:  # smoothing sums every log-probability: keep masked entries out of it
+            full[1, s1:e1] = -1e4
+            full[2, V - 2:] = -1e4
+            ref_in = full.clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_in, target, label_smoothing=smoothing)
+        ref.backward()
+        local = full[:, start:end].clone().requires_grad_(True)
+        loss = tpx.vocab_parallel_cross_entropy(local, target, vocab_size=V,
+                                                label_smoothing=smoothing)
+        assert torch.isfinite(loss), (dtype, smoothing, loss)
+        torch.testing.assert_close(loss, ref.detach())
+        loss.backward()
+        assert torch.isfinite(local.grad).all(), (dtype, smoothing)
+        torch.testing.assert_close(local.grad, ref_in.grad[:, start:end])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_cross_entropy_shard_row_all_masked(world):
+    run_ranks(_check_masked_shard_row, world)
+
+
+def _check_default_chunks_uneven(rank, world, vocab, tokens):
+    # The default chunk_size of the fused head + loss must be the same on every rank, even
+    # when the vocabulary's shards differ in width (they shape the per-chunk collectives).
+    from tpx.nn.functional import default_chunk_size
+
+    d = 4
+    v0, v1 = tpx.shard_range(vocab)
+    widths = [min(vocab, (r + 1) * -(-vocab // world)) - min(vocab, r * -(-vocab // world))
+              for r in range(world)]
+    assert len(set(widths)) > 1, "the case must have uneven shards"
+    chunk = default_chunk_size(vocab, world)
+    assert chunk < tokens, "the case must need more than one chunk"
+    gen = torch.Generator().manual_seed(vocab + world)
+    hidden = torch.randn(tokens, d, generator=gen)
+    weight = torch.randn(vocab, d, generator=gen) / 2
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+    target[::7] = -100
+
+    h = hidden.clone().requires_grad_(True)
+    w = weight[v0:v1].clone().requires_grad_(True)
+    loss = tpx.linear_cross_entropy(h, w, target, vocab_size=vocab, reduction="sum")
+    loss.backward()
+
+    # The reference, in token blocks so no rank holds all tokens' full logits at once.
+    h_ref = hidden.clone().requires_grad_(True)
+    w_ref = weight.clone().requires_grad_(True)
+    ref = 0.0
+    for lo in range(0, tokens, 512):
+        part = F.cross_entropy(h_ref[lo:lo + 512] @ w_ref.t(), target[lo:lo + 512],
+                               reduction="sum")
+        part.backward()
+        ref += part.item()
+    torch.testing.assert_close(loss.item(), ref, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, w_ref.grad[v0:v1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("world,vocab,tokens", [(8, 50257, 2700), (6, 32000, 3200)])
+def test_linear_cross_entropy_default_chunks_uneven_vocab(world, vocab, tokens):
+    run_ranks(_check_default_chunks_uneven, world, vocab, tokens)

@@ -151,6 +151,33 @@ def _check_linear(rank, world, layout):
     close(layer.weight, _weight_block(full.weight.detach(), layout, c, q), "constructor weight")
     close(layer.bias, _bias_block(full.bias.detach(), layout, c, q), "constructor bias")
 
+    # Communication of one forward, counted by tpx.comm_stats, against the derivation:
+    # 2-D: q broadcasts of X blocks over "col" and q of weight blocks over "row";
+    # 3-D (chunks=2): one all-gather of the weight over "input", two of X over the other
+    # activation dim, two reduce-scatters of Y over the hidden dim.
+    xs = torch.randn(nb, 3, k, generator=gen)[:, :, :k // q].contiguous()
+    if layout == "3d":
+        layer3 = tpx.Linear3D.from_linear(full, mesh, chunks=2)
+        with tpx.comm_stats() as stats:
+            y3 = layer3(torch.randn(nb // (q * q) * q, 3, k // q))
+        g = mesh.get_group
+        w_bytes = layer3.weight.numel() * 4
+        assert stats.calls(g("input"), "all_gather") == 1
+        assert stats.bytes(g("input"), "all_gather") == w_bytes
+        assert stats.calls(g("weight"), "all_gather") == 2
+        assert stats.calls(g("output"), "reduce_scatter") == 2
+        assert stats.bytes(g("output"), "reduce_scatter") == y3.numel() * 4
+        assert stats.calls() == 5
+    elif layout in ("2d", "2.5d"):
+        with tpx.comm_stats() as stats:
+            layer(xs)
+        g = mesh.get_group
+        assert stats.calls(g("col"), "broadcast") == q, stats
+        assert stats.bytes(g("col"), "broadcast") == q * xs.numel() * 4
+        assert stats.calls(g("row"), "broadcast") == q
+        assert stats.bytes(g("row"), "broadcast") == q * layer.weight.numel() * 4
+        assert stats.calls() == 2 * q
+
     # split_input / gather_output: the full gradient arrives on every rank.
     x_full = torch.randn(nb * 2, 3, k, generator=gen)
     gy = torch.randn(nb * 2, 3, n, generator=gen)

@@ -208,13 +208,25 @@ def _opcheck_all(rank, world, dev="cpu"):
     gathered = randn(2, 4 * world, 8, gen=gen, dev="cpu")
     cases += [
         (torch.ops.tpx.all_gather_matmul_backward.default,
-         (g_ag, None, gathered, w.detach().t(), 1, name, 2, True)),
+         (g_ag, None, gathered, w.detach().t(), 1, name, 2, True, True, True)),
         (torch.ops.tpx.all_gather_matmul_backward.default,
-         (g_ag, gathered.clone(), gathered, w.detach().t(), 1, name, 1, False)),
+         (g_ag, gathered.clone(), gathered, w.detach().t(), 1, name, 1, True, True, False)),
+        (torch.ops.tpx.all_gather_matmul_backward.default,
+         (g_ag, None, gathered, w.detach().t(), 1, name, 2, False, True, False)),
+        (torch.ops.tpx.all_gather_matmul_backward.default,
+         (g_ag, None, gathered, w.detach().t(), 1, name, 2, True, False, True)),
         (torch.ops.tpx.matmul_reduce_scatter_backward.default,
-         (randn(2, 4, 6, gen=gen, dev="cpu"), r.detach(), w.detach().t(), 1, name, 2, True)),
+         (randn(2, 4, 6, gen=gen, dev="cpu"), r.detach(), w.detach().t(), 1, name, 2,
+          True, True, True)),
+        (torch.ops.tpx.matmul_reduce_scatter_backward.default,
+         (randn(2, 4, 6, gen=gen, dev="cpu"), r.detach(), w.detach().t(), 1, name, 2,
+          False, False, True)),
         (torch.ops.tpx.replicated_matmul_backward.default,
-         (randn(2, 4, 6, gen=gen, dev="cpu"), a.detach(), w.detach().t(), name, 2, False)),
+         (randn(2, 4, 6, gen=gen, dev="cpu"), a.detach(), w.detach().t(), name, 2,
+          True, True, False)),
+        (torch.ops.tpx.replicated_matmul_backward.default,
+         (randn(2, 4, 6, gen=gen, dev="cpu"), a.detach(), w.detach().t(), name, 2,
+          False, True, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -223,3 +235,38 @@ def _opcheck_all(rank, world, dev="cpu"):
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck(world):
     run_ranks(_opcheck_all, world)
+
+
+def _check_gather_memory(rank, world):
+    """all_gather_matmul at chunks=4 needs no more memory than the non-overlapped reference
+    (chunks=1): one gathered input (the chunk-major staging buffer the GEMMs read) and the
+    output. Counted over every CPU allocation of the process, the process group's included:
+    gloo implements even a flat all-gather by flattening through one temporary of the
+    gathered size on its worker thread, so the bound is the staging buffer, gloo's temporary
+    and the output. A rank-ordered copy of the gathered input, or a temporary per chunk kept
+    alive, would exceed it."""
+    torch.manual_seed(0)
+    rows, k, n = 64, 256, 8
+    a = torch.randn(rows, k)
+    b = torch.randn(k, n)
+    gathered_bytes = world * a.numel() * a.element_size()
+    out_bytes = world * rows * n * a.element_size()
+    slack = 64 * 1024  # small bookkeeping allocations
+    peaks = {}
+    for chunks in (1, 4):
+        tpx.ops.all_gather_matmul(a, b, 0, chunks=chunks, return_gathered=False)  # warm-up
+        with tpx.memory.track_cpu() as mem:
+            _, out = tpx.ops.all_gather_matmul(a, b, 0, chunks=chunks, return_gathered=False)
+        ref_g, _ = tpx.ops.all_gather_matmul(a, b, 0, chunks=1)
+        close(out, ref_g @ b, f"chunks={chunks}")
+        peaks[chunks] = mem.peak_extra
+        assert mem.peak_extra >= gathered_bytes, "the accounting missed the staging buffer"
+        assert mem.peak_extra <= 2 * gathered_bytes + out_bytes + slack, (
+            f"chunks={chunks}: peak extra {mem.peak_extra} bytes > the staging buffer and gloo's "
+            f"temporary (2 x {gathered_bytes}) + the output ({out_bytes})")
+    assert peaks[4] <= peaks[1] + slack, f"the pipeline costs extra memory: {peaks}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_matmul_peak_memory(world):
+    run_ranks(_check_gather_memory, world)

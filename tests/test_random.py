@@ -82,3 +82,44 @@ def _check_gpt2_dropout(rank, world):
 def test_gpt2_dropout_under_tp():
     pytest.importorskip("transformers")
     run_ranks(_check_gpt2_dropout, 2)
+
+
+def _check_fork_default_device(rank, world):
+    """``fork()`` without a device swaps the CPU generator and, when CUDA is in use, the current
+    CUDA device's. CUDA is stubbed here (no GPU): its generator state lives in a dict."""
+    import tpx.random as tr
+
+    cuda = torch.device("cuda", 0)
+    fake = {"state": torch.tensor([1], dtype=torch.uint8)}  # the replicated CUDA stream
+    real_get, real_set, real_initial = tr._get, tr._set, tr._initial_state
+    tr._get = lambda d: fake["state"].clone() if d.type == "cuda" else real_get(d)
+    tr._set = lambda d, s: fake.__setitem__("state", s.clone()) if d.type == "cuda" else real_set(d, s)
+    tr._initial_state = (lambda d: torch.tensor([2], dtype=torch.uint8) if d.type == "cuda"
+                         else real_initial(d))
+    real_current = tr._cuda_current
+    try:
+        tr.manual_seed(5)
+        tr._cuda_current = lambda: None  # CUDA not in use: only the CPU generator
+        assert tr._default_devices() == [torch.device("cpu")]
+        tr._cuda_current = lambda: cuda  # CUDA in use
+        assert tr._default_devices() == [torch.device("cpu"), cuda]
+        cpu_before = torch.get_rng_state()
+        with tr.fork():
+            # both generators now draw the tensor-parallel stream
+            assert torch.equal(fake["state"], torch.tensor([2], dtype=torch.uint8))
+            inside = torch.rand(4)
+            fake["state"] = torch.tensor([3], dtype=torch.uint8)  # the CUDA stream advanced
+        assert torch.equal(fake["state"], torch.tensor([1], dtype=torch.uint8))  # restored
+        assert torch.equal(torch.get_rng_state(), cpu_before)
+        assert not torch.equal(inside, torch.rand(4))  # the CPU draw came from the TP stream
+        with tr.fork():  # the CUDA tensor-parallel stream continues where it left off
+            assert torch.equal(fake["state"], torch.tensor([3], dtype=torch.uint8))
+        with tr.fork("cpu"):  # an explicit device swaps only that one
+            assert torch.equal(fake["state"], torch.tensor([1], dtype=torch.uint8))
+    finally:
+        tr._get, tr._set, tr._initial_state = real_get, real_set, real_initial
+        tr._cuda_current = real_current
+
+
+def test_fork_default_swaps_cuda_when_in_use():
+    run_ranks(_check_fork_default_device, 1)

@@ -25,7 +25,19 @@ struct Pending {
 };
 
 // All-gathers `local` (contiguous) of every rank into `out`: [world * local.size(0), ...],
-// rank-major.
+// rank-major, and waits.
 void all_gather_into(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& local);
+
+// The collectives tpx issues, asynchronous, each counted once in the communication
+// statistics (common/comm_stats.h). Every collective of tpx goes through these.
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+// out = [world * in.size(0), ...] rank-major; both contiguous.
+WorkPtr all_gather_base(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in);
+// out = this rank's block of the sum over ranks of in ([world * out.size(0), ...]).
+WorkPtr reduce_scatter_base(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in);
+// In-place sum over ranks.
+WorkPtr all_reduce(c10d::ProcessGroup& pg, const at::Tensor& buf);
+// In-place copy of `root`'s buffer (root = rank within pg).
+WorkPtr broadcast(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 
 }  // namespace tpx

@@ -13,6 +13,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 
 namespace tpx {
 namespace cuda {
@@ -20,6 +21,7 @@ namespace {
 
 using detail::from_f32;
 using detail::head_elems;
+using detail::launch_kernel;
 using detail::load_vec;
 using detail::store_vec;
 using detail::to_f32;
@@ -258,14 +260,14 @@ cudaError_t ce_forward_stats(const void* logits, DType dtype, int64_t rows, int6
     if (width <= kNarrowMaxWidth) {
       const int64_t blocks = (rows + kNarrowRows - 1) / kNarrowRows;
       if (!grid_ok(blocks)) return;
-      ce_stats_kernel<T, 32, kNarrowRows>
-          <<<static_cast<unsigned>(blocks), 32 * kNarrowRows, 0, stream>>>(
-              x, rows, width, row_stride, target, vocab_start, ignore_index, with_sum_logits,
-              stats);
+      launch_kernel(ce_stats_kernel<T, 32, kNarrowRows>, static_cast<unsigned>(blocks),
+                    32 * kNarrowRows, 0, stream, x, rows, width, row_stride, target, vocab_start,
+                    ignore_index, with_sum_logits, stats);
     } else {
       if (!grid_ok(rows)) return;
-      ce_stats_kernel<T, kWideThreads, 1><<<static_cast<unsigned>(rows), kWideThreads, 0, stream>>>(
-          x, rows, width, row_stride, target, vocab_start, ignore_index, with_sum_logits, stats);
+      launch_kernel(ce_stats_kernel<T, kWideThreads, 1>, static_cast<unsigned>(rows), kWideThreads,
+                    0, stream, x, rows, width, row_stride, target, vocab_start, ignore_index,
+                    with_sum_logits, stats);
     }
     launched = true;
   });
@@ -293,16 +295,16 @@ cudaError_t ce_backward(const void* logits, int64_t logits_row_stride, void* gra
     if (width <= kNarrowMaxWidth) {
       const int64_t blocks = (rows + kNarrowRows - 1) / kNarrowRows;
       if (!grid_ok(blocks)) return;
-      ce_backward_kernel<T, 32, kNarrowRows>
-          <<<static_cast<unsigned>(blocks), 32 * kNarrowRows, 0, stream>>>(
-              x, logits_row_stride, y, grad_row_stride, rows, width, target, lse, grad_loss,
-              vocab_start, ignore_index, uniform, one_minus_eps);
+      launch_kernel(ce_backward_kernel<T, 32, kNarrowRows>, static_cast<unsigned>(blocks),
+                    32 * kNarrowRows, 0, stream, x, logits_row_stride, y, grad_row_stride, rows,
+                    width, target, lse, grad_loss, vocab_start, ignore_index, uniform,
+                    one_minus_eps);
     } else {
       if (!grid_ok(rows)) return;
-      ce_backward_kernel<T, kWideThreads, 1>
-          <<<static_cast<unsigned>(rows), kWideThreads, 0, stream>>>(
-              x, logits_row_stride, y, grad_row_stride, rows, width, target, lse, grad_loss,
-              vocab_start, ignore_index, uniform, one_minus_eps);
+      launch_kernel(ce_backward_kernel<T, kWideThreads, 1>, static_cast<unsigned>(rows),
+                    kWideThreads, 0, stream, x, logits_row_stride, y, grad_row_stride, rows,
+                    width, target, lse, grad_loss, vocab_start, ignore_index, uniform,
+                    one_minus_eps);
     }
     launched = true;
   });

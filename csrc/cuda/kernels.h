@@ -74,13 +74,18 @@ cudaError_t embedding_backward_atomic(const void* grad, int64_t grad_row_stride,
 // Deterministic form of the same sum. sorted_rows[k] (k < count) are local row indices sorted
 // ascending, with num_local (or any value >= num_local) standing for "no gradient" (ids not
 // held, padding); perm[k] is the row of `grad` that sorted_rows[k] came from. Each distinct
-// row is summed by one thread per column, in the order of perm, in fp32, and written once
-// in `dtype` into grad_weight [num_local, dim] (contiguous); rows that receive nothing are
-// left untouched, so the caller zeroes grad_weight. The result is bitwise reproducible.
+// row is summed in fp32 in a fixed order (the order of perm within fixed-size chunks of the
+// sorted positions, then the chunks' partial sums in order, so that a long run of one row is
+// spread over many warps) and written once in `dtype` into grad_weight [num_local, dim]
+// (contiguous); rows that receive nothing are left untouched, so the caller zeroes
+// grad_weight. The result is bitwise reproducible. `workspace` is fp32 scratch of
+// embedding_backward_sorted_workspace(count, dim) elements (may be null when that is 0).
+int64_t embedding_backward_sorted_workspace(int64_t count, int64_t dim);
 cudaError_t embedding_backward_sorted(const void* grad, int64_t grad_row_stride, DType dtype,
                                       int64_t count, int64_t dim, const int64_t* sorted_rows,
                                       const int64_t* perm, int64_t num_local,
-                                      void* grad_weight, cudaStream_t stream);
+                                      void* grad_weight, float* workspace,
+                                      cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace tpx

@@ -135,9 +135,13 @@ at::Tensor embedding_scatter(const at::Tensor& grad, const at::Tensor& ids, int6
     const at::Tensor keys = at::where(valid, local, at::scalar_tensor(num_local, local.options()));
     auto [sorted, perm] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     at::Tensor grad_weight = at::zeros({num_local, dim}, g.options());
+    const int64_t ws = embedding_backward_sorted_workspace(count, dim);
+    at::Tensor workspace = at::empty({ws}, g.options().dtype(at::kFloat));
     check_launch(embedding_backward_sorted(g.data_ptr(), g.stride(0), dtype_of(g), count, dim,
                                            sorted.data_ptr<int64_t>(), perm.data_ptr<int64_t>(),
-                                           num_local, grad_weight.data_ptr(), stream),
+                                           num_local, grad_weight.data_ptr(),
+                                           ws > 0 ? workspace.data_ptr<float>() : nullptr,
+                                           stream),
                  "embedding_backward_sorted");
     return grad_weight;
   }

@@ -16,7 +16,6 @@ namespace tpx {
 namespace {
 
 using c10d::ProcessGroup;
-using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using OptTensor = std::optional<at::Tensor>;
 
 struct Span {
@@ -122,43 +121,69 @@ void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   }
 }
 
-// All-gathers the local rows `a2` ([extent * inner, f]) into `gathered` ([W * extent * inner,
-// f], rank-major) and hands every piece of `gathered` to `on_piece(row, piece)` as soon as it
-// is available. chunks == 1: one collective, then one call over all rows (the reference).
-// chunks > 1: the chunks' collectives are all issued first; this rank's own rows are handed
-// over straight from `a2` while they are in flight, then every chunk as it lands.
+// The layout of a gathered buffer. The local rows ([extent * inner, f]) are split into
+// pipeline chunks (spans of the leading dimension); chunk j of every rank is gathered by one
+// all-gather into one contiguous block of the buffer, so the buffer is chunk-major: chunk 0 of
+// rank 0, 1, ..., W-1, then chunk 1 of every rank, ... The rank-major order (rank 0's rows,
+// then rank 1's, ...) is the order of the product's rows; with one chunk the two coincide.
+struct GatherLayout {
+  int64_t world, extent, inner;
+  std::vector<Span> spans;
+  GatherLayout(int64_t world_, int64_t extent_, int64_t inner_, int64_t chunks)
+      : world(world_), extent(extent_), inner(inner_), spans(split_even(extent_, chunks)) {}
+  int64_t rows(size_t j) const { return spans[j].len * inner; }
+  // First row of rank r's chunk j in the chunk-major buffer, and in the rank-major order.
+  int64_t staged_row(int64_t r, size_t j) const {
+    return (world * spans[j].lo + r * spans[j].len) * inner;
+  }
+  int64_t rank_major_row(int64_t r, size_t j) const { return (r * extent + spans[j].lo) * inner; }
+  bool same_as_rank_major() const { return spans.size() == 1 || world == 1; }
+};
+
+// All-gathers the local rows `a2` ([extent * inner, f]) into `staged` ([W * extent * inner,
+// f], chunk-major: see GatherLayout) and hands every piece to `on_piece(row, piece)` as soon as
+// it is available, `row` being the piece's first row in the rank-major order. One chunk: one
+// collective, then one call over all rows (the reference). More: every chunk's all-gather is
+// issued first (each a single flat collective into its contiguous block of `staged`, so the
+// backend needs no temporary buffer and no copy); this rank's own rows are handed over
+// straight from `a2` while they are in flight, then every chunk as it lands.
 template <class OnPiece>
-void gather_pipeline(ProcessGroup& pg, const at::Tensor& a2, const at::Tensor& gathered,
-                     int64_t extent, int64_t inner, int64_t chunks, OnPiece&& on_piece) {
+void gather_pipeline(ProcessGroup& pg, const at::Tensor& a2, const at::Tensor& staged,
+                     const GatherLayout& layout, OnPiece&& on_piece) {
   const int64_t world = pg.getSize(), rank = pg.getRank();
-  const int64_t block = extent * inner;
-  if (chunks == 1) {
-    at::Tensor in = a2, out = gathered;
-    pg._allgather_base(out, in)->wait();
-    on_piece(int64_t{0}, gathered);
+  if (layout.spans.size() == 1) {
+    all_gather_base(pg, staged, a2)->wait();
+    on_piece(int64_t{0}, staged);
     return;
   }
-  const auto spans = split_even(extent, chunks);
   std::vector<WorkPtr> works;
-  works.reserve(spans.size());
-  for (const auto& sp : spans) {
-    std::vector<at::Tensor> in{a2.narrow(0, sp.lo * inner, sp.len * inner)};
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (int64_t r = 0; r < world; ++r) {
-      out[0].push_back(gathered.narrow(0, r * block + sp.lo * inner, sp.len * inner));
-    }
-    works.push_back(pg.allgather(out, in));
+  works.reserve(layout.spans.size());
+  for (size_t j = 0; j < layout.spans.size(); ++j) {
+    const int64_t rows = layout.rows(j);
+    works.push_back(all_gather_base(pg, staged.narrow(0, layout.staged_row(0, j), world * rows),
+                                    a2.narrow(0, layout.spans[j].lo * layout.inner, rows)));
   }
-  on_piece(rank * block, a2);
-  for (size_t j = 0; j < spans.size(); ++j) {
+  on_piece(rank * layout.extent * layout.inner, a2);
+  for (size_t j = 0; j < layout.spans.size(); ++j) {
     works[j]->wait();
-    const auto& sp = spans[j];
     for (int64_t r = 0; r < world; ++r) {
       if (r == rank) continue;
-      const int64_t row = r * block + sp.lo * inner;
-      on_piece(row, gathered.narrow(0, row, sp.len * inner));
+      on_piece(layout.rank_major_row(r, j), staged.narrow(0, layout.staged_row(r, j), layout.rows(j)));
     }
   }
+}
+
+// The rank-major copy of a chunk-major gathered buffer (none when the layouts coincide).
+at::Tensor to_rank_major(const at::Tensor& staged, const GatherLayout& layout) {
+  if (layout.same_as_rank_major()) return staged;
+  at::Tensor out = at::empty_like(staged);
+  for (size_t j = 0; j < layout.spans.size(); ++j) {
+    for (int64_t r = 0; r < layout.world; ++r) {
+      out.narrow(0, layout.rank_major_row(r, j), layout.rows(j))
+          .copy_(staged.narrow(0, layout.staged_row(r, j), layout.rows(j)));
+    }
+  }
+  return out;
 }
 
 // Computes the rows of a [W * extent * inner, features] product (rank-major: block d goes to
@@ -176,8 +201,7 @@ Pending scatter_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t exten
   pending.keep_alive.push_back(staging);
   if (chunks == 1) {
     produce(staging, int64_t{0});
-    at::Tensor out = out2;
-    pending.works.push_back(pg._reduce_scatter_base(out, staging));
+    pending.works.push_back(reduce_scatter_base(pg, out2, staging));
     return pending;
   }
   int64_t offset = 0;
@@ -187,8 +211,7 @@ Pending scatter_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t exten
     for (int64_t d = 0; d < world; ++d) {
       produce(stage.narrow(0, d * rows, rows), d * block + sp.lo * inner);
     }
-    at::Tensor out = out2.narrow(0, sp.lo * inner, rows);
-    pending.works.push_back(pg._reduce_scatter_base(out, stage));
+    pending.works.push_back(reduce_scatter_base(pg, out2.narrow(0, sp.lo * inner, rows), stage));
     offset += world * rows;
   }
   return pending;
@@ -203,8 +226,7 @@ Pending allreduce_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t chu
   for (const auto& sp : split_even(out2.size(0), chunks)) {
     at::Tensor dst = out2.narrow(0, sp.lo, sp.len);
     produce(dst, sp.lo);
-    std::vector<at::Tensor> bufs{dst};
-    pending.works.push_back(pg.allreduce(bufs));
+    pending.works.push_back(all_reduce(pg, dst));
   }
   return pending;
 }
@@ -216,6 +238,11 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 }
 
 }  // namespace
+
+int64_t pipeline_depth(std::optional<int64_t> chunks, int64_t extent, int64_t bytes) {
+  check_chunks(chunks);
+  return pick_chunks(chunks, extent, bytes);
+}
 
 int64_t default_chunks() {
   static const int64_t value = [] {
@@ -254,20 +281,21 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     if (!reuse) g2.copy_(a2);
     gemm_into(out2, a2, b, bias);
   } else {
-    gather_pipeline(*pg, a2, g2, extent, inner, pick_chunks(chunks, extent, nbytes(a2)),
-                    [&](int64_t row, const at::Tensor& piece) {
-                      gemm_into(out2.narrow(0, row, piece.size(0)), piece, b, bias);
-                    });
+    const GatherLayout layout(world, extent, inner, pick_chunks(chunks, extent, nbytes(a2)));
+    gather_pipeline(*pg, a2, g2, layout, [&](int64_t row, const at::Tensor& piece) {
+      gemm_into(out2.narrow(0, row, piece.size(0)), piece, b, bias);
+    });
   }
   // `out` is handed to user code that may .view() it, so it is returned contiguous: one copy
   // when gather_dim is not the leading dimension (none for [seq, batch, ...] layouts).
+  // `gathered` stays in the pipeline's chunk-major order (see all_gather_matmul.h).
   return {gathered.movedim(0, gd), out.movedim(0, gd).contiguous()};
 }
 
-std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
+std::tuple<OptTensor, OptTensor, OptTensor> all_gather_matmul_backward(
     const at::Tensor& grad_out, const OptTensor& grad_a_gathered, const at::Tensor& a_gathered,
     const at::Tensor& b, int64_t gather_dim, const std::string& group_name,
-    std::optional<int64_t> chunks, bool bias_grad) {
+    std::optional<int64_t> chunks, bool need_a, bool need_b, bool bias_grad) {
   check_operands("all_gather_matmul_backward", a_gathered, b, std::nullopt, 2);
   check_chunks(chunks);
   const int64_t gd =
@@ -276,46 +304,78 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> all_gather_matmul_backward(
   const int64_t world = pg->getSize();
 
   at::Tensor gm = grad_out.movedim(gd, 0).contiguous();
-  at::Tensor agm = a_gathered.movedim(gd, 0).contiguous();
+  at::Tensor agm = a_gathered.movedim(gd, 0);
   const int64_t total = agm.size(0), inner = inner_rows(agm);
   const int64_t k = agm.size(-1), n = b.size(1);
   TORCH_CHECK_VALUE(total % world == 0, "tpx.all_gather_matmul_backward: gathered size ", total,
                     " along gather_dim does not divide by the group size ", world);
   const int64_t extent = total / world;
-  at::Tensor g2 = gm.view({total * inner, n}), ag2 = agm.view({total * inner, k});
-  at::Tensor bt = b.t();
-  OptTensor addend;
-  if (grad_a_gathered.has_value()) {
-    addend = grad_a_gathered->movedim(gd, 0).contiguous().view({total * inner, k});
-  }
-  auto gshape = agm.sizes().vec();
-  gshape[0] = extent;
-  at::Tensor grad_a = at::empty(gshape, a_gathered.options());
-  at::Tensor ga2 = grad_a.view({extent * inner, k});
+  // The forward's gather layout: the same depth it picked for a shard of this shape.
+  const int64_t shard_bytes = extent * inner * k * static_cast<int64_t>(a_gathered.element_size());
+  const GatherLayout layout(world, extent, inner,
+                            world == 1 ? 1 : pick_chunks(chunks, extent, shard_bytes));
+  at::Tensor g2 = gm.view({total * inner, n});
 
-  auto produce = [&](const at::Tensor& dst, int64_t row) {
-    at::Tensor d = dst;
-    at::Tensor gp = g2.narrow(0, row, dst.size(0));
-    if (addend.has_value()) {
-      at::addmm_out(d, addend->narrow(0, row, dst.size(0)), gp, bt);
-    } else {
-      at::mm_out(d, gp, bt);
-    }
-  };
+  OptTensor grad_a;
   Pending pending;
-  if (world == 1) {
-    produce(ga2, 0);
-  } else {
-    const int64_t c = pick_chunks(chunks, extent, nbytes(ga2));
-    pending = scatter_pipeline(*pg, ga2, extent, inner, c, produce);
-    if (serial_reference(chunks)) pending.wait();
+  if (need_a) {
+    at::Tensor bt = b.t();
+    OptTensor addend;
+    if (grad_a_gathered.has_value()) {
+      addend = to_rank_major(
+          grad_a_gathered->movedim(gd, 0).contiguous().view({total * inner, k}), layout);
+    }
+    auto gshape = agm.sizes().vec();
+    gshape[0] = extent;
+    grad_a = at::empty(gshape, a_gathered.options());
+    at::Tensor ga2 = grad_a->view({extent * inner, k});
+    auto produce = [&](const at::Tensor& dst, int64_t row) {
+      at::Tensor d = dst;
+      at::Tensor gp = g2.narrow(0, row, dst.size(0));
+      if (addend.has_value()) {
+        at::addmm_out(d, addend->narrow(0, row, dst.size(0)), gp, bt);
+      } else {
+        at::mm_out(d, gp, bt);
+      }
+    };
+    if (world == 1) {
+      produce(ga2, 0);
+    } else {
+      const int64_t c = pick_chunks(chunks, extent, nbytes(ga2));
+      pending = scatter_pipeline(*pg, ga2, extent, inner, c, produce);
+      if (serial_reference(chunks)) pending.wait();
+    }
   }
-  // The weight gradient runs while the reduce-scatter of the input gradient is in flight.
-  at::Tensor grad_bt = at::mm(g2.t(), ag2);  // [n, k]
+  // The weight gradient runs while the reduce-scatter of the input gradient is in flight. The
+  // gathered input is chunk-major: each rank's chunk meets its rows of the gradient.
+  OptTensor grad_b;
+  if (need_b) {
+    at::Tensor ag2 = agm.contiguous().view({total * inner, k});
+    at::Tensor grad_bt = at::empty({n, k}, a_gathered.options());  // [n, k]
+    if (layout.same_as_rank_major()) {
+      at::mm_out(grad_bt, g2.t(), ag2);
+    } else {
+      bool first = true;
+      for (size_t j = 0; j < layout.spans.size(); ++j) {
+        for (int64_t r = 0; r < world; ++r) {
+          at::Tensor gp = g2.narrow(0, layout.rank_major_row(r, j), layout.rows(j));
+          at::Tensor ap = ag2.narrow(0, layout.staged_row(r, j), layout.rows(j));
+          if (first) {
+            at::mm_out(grad_bt, gp.t(), ap);
+            first = false;
+          } else {
+            grad_bt.addmm_(gp.t(), ap);
+          }
+        }
+      }
+    }
+    grad_b = grad_bt.t();
+  }
   OptTensor grad_bias;
   if (bias_grad) grad_bias = g2.sum(0);
   pending.wait();
-  return {grad_a.movedim(0, gd), grad_bt.t(), grad_bias};
+  if (grad_a.has_value()) grad_a = grad_a->movedim(0, gd);
+  return {grad_a, grad_b, grad_bias};
 }
 
 at::Tensor matmul_reduce_scatter(
@@ -354,9 +414,10 @@ at::Tensor matmul_reduce_scatter(
   return out.movedim(0, sd).contiguous();  // contiguous for user code, as in all_gather_matmul
 }
 
-std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(
+std::tuple<OptTensor, OptTensor, OptTensor> matmul_reduce_scatter_backward(
     const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
-    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad) {
+    const std::string& group_name, std::optional<int64_t> chunks, bool need_a, bool need_b,
+    bool bias_grad) {
   check_operands("matmul_reduce_scatter_backward", a, b, std::nullopt, 2);
   check_chunks(chunks);
   const int64_t sd =
@@ -364,30 +425,50 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize();
 
-  at::Tensor am = a.movedim(sd, 0).contiguous();
+  const int64_t total = a.size(sd), extent = total / world;
+  const int64_t k = a.size(-1), n = b.size(1);
   at::Tensor gm = grad_out.movedim(sd, 0).contiguous();
-  const int64_t total = am.size(0), inner = inner_rows(am), extent = total / world;
-  const int64_t k = am.size(-1), n = b.size(1);
   TORCH_CHECK_VALUE(gm.size(0) == extent, "tpx.matmul_reduce_scatter_backward: grad_out has ",
                     gm.size(0), " entries along scatter_dim, expected ", extent);
-  at::Tensor a2 = am.view({total * inner, k});
+  const int64_t inner = inner_rows(gm);
   at::Tensor g2 = gm.view({extent * inner, n});
+  if (!need_a && !need_b) {
+    // Only the (replicated) bias needs a gradient: the sum over every rank's rows, one small
+    // all-reduce instead of gathering the whole gradient.
+    OptTensor grad_bias;
+    if (bias_grad) {
+      grad_bias = g2.sum(0);
+      if (world > 1) all_reduce(*pg, *grad_bias)->wait();
+    }
+    return {std::nullopt, std::nullopt, grad_bias};
+  }
+
+  at::Tensor am = a.movedim(sd, 0).contiguous();
+  at::Tensor a2 = am.view({total * inner, k});
   at::Tensor bt = b.t();
-  at::Tensor grad_a = at::empty(am.sizes(), a.options());
-  at::Tensor ga2 = grad_a.view({total * inner, k});
-  at::Tensor grad_bt = at::empty({n, k}, a.options());
+  OptTensor grad_a, grad_bt;
+  at::Tensor ga2;
+  if (need_a) {
+    grad_a = at::empty(am.sizes(), a.options());
+    ga2 = grad_a->view({total * inner, k});
+  }
+  if (need_b) grad_bt = at::empty({n, k}, a.options());
   bool first = true;
   // Every piece of the gathered gradient feeds both products as soon as it lands.
   auto on_piece = [&](int64_t row, const at::Tensor& gp) {
     const int64_t rows = gp.size(0);
-    at::Tensor dst = ga2.narrow(0, row, rows);
-    at::mm_out(dst, gp, bt);
-    at::Tensor ap = a2.narrow(0, row, rows);
-    if (first) {
-      at::mm_out(grad_bt, gp.t(), ap);
-      first = false;
-    } else {
-      grad_bt.addmm_(gp.t(), ap);
+    if (need_a) {
+      at::Tensor dst = ga2.narrow(0, row, rows);
+      at::mm_out(dst, gp, bt);
+    }
+    if (need_b) {
+      at::Tensor ap = a2.narrow(0, row, rows);
+      if (first) {
+        at::mm_out(*grad_bt, gp.t(), ap);
+        first = false;
+      } else {
+        grad_bt->addmm_(gp.t(), ap);
+      }
     }
   };
   at::Tensor gathered = g2;
@@ -395,12 +476,15 @@ std::tuple<at::Tensor, at::Tensor, OptTensor> matmul_reduce_scatter_backward(
     on_piece(0, g2);
   } else {
     gathered = at::empty({total * inner, n}, g2.options());
-    gather_pipeline(*pg, g2, gathered, extent, inner,
-                    pick_chunks(chunks, extent, nbytes(g2)), on_piece);
+    const GatherLayout layout(world, extent, inner, pick_chunks(chunks, extent, nbytes(g2)));
+    gather_pipeline(*pg, g2, gathered, layout, on_piece);
   }
   OptTensor grad_bias;
-  if (bias_grad) grad_bias = gathered.sum(0);
-  return {grad_a.movedim(0, sd), grad_bt.t(), grad_bias};
+  if (bias_grad) grad_bias = gathered.sum(0);  // a sum over all rows: any row order will do
+  if (grad_a.has_value()) grad_a = grad_a->movedim(0, sd);
+  OptTensor grad_b;
+  if (grad_bt.has_value()) grad_b = grad_bt->t();
+  return {grad_a, grad_b, grad_bias};
 }
 
 at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b,
@@ -441,38 +525,42 @@ at::Tensor replicated_matmul(const at::Tensor& a, const at::Tensor& b,
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, OptTensor> replicated_matmul_backward(
+std::tuple<OptTensor, OptTensor, OptTensor> replicated_matmul_backward(
     const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
-    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad) {
+    const std::string& group_name, std::optional<int64_t> chunks, bool need_a, bool need_b,
+    bool bias_grad) {
   check_operands("replicated_matmul_backward", a, b, std::nullopt, 1);
   check_chunks(chunks);
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize();
   const int64_t k = a.size(-1), n = b.size(1);
-  at::Tensor a2 = a.reshape({lead_rows(a), k});
   at::Tensor g2 = grad_out.reshape({lead_rows(grad_out), n});
-  at::Tensor bt = b.t();
-  at::Tensor grad_a = at::empty(a.sizes(), a.options());
-  at::Tensor ga2 = grad_a.view({a2.size(0), k});
-  auto produce = [&](const at::Tensor& dst, int64_t row) {
-    at::Tensor d = dst;
-    at::mm_out(d, g2.narrow(0, row, dst.size(0)), bt);
-  };
+  OptTensor grad_a;
   Pending pending;
-  if (world == 1) {
-    produce(ga2, 0);
-  } else {
-    const int64_t c = pick_chunks(chunks, a2.size(0), nbytes(ga2));
-    // The input-gradient all-reduce is issued before the weight-gradient GEMM and waited
-    // after it (an explicit chunks=1, the serial reference, waits at once).
-    pending = allreduce_pipeline(*pg, ga2, c, produce);
-    if (serial_reference(chunks)) pending.wait();
+  if (need_a) {
+    at::Tensor bt = b.t();
+    grad_a = at::empty(a.sizes(), a.options());
+    at::Tensor ga2 = grad_a->view({g2.size(0), k});
+    auto produce = [&](const at::Tensor& dst, int64_t row) {
+      at::Tensor d = dst;
+      at::mm_out(d, g2.narrow(0, row, dst.size(0)), bt);
+    };
+    if (world == 1) {
+      produce(ga2, 0);
+    } else {
+      const int64_t c = pick_chunks(chunks, ga2.size(0), nbytes(ga2));
+      // The input-gradient all-reduce is issued before the weight-gradient GEMM and waited
+      // after it (an explicit chunks=1, the serial reference, waits at once).
+      pending = allreduce_pipeline(*pg, ga2, c, produce);
+      if (serial_reference(chunks)) pending.wait();
+    }
   }
-  at::Tensor grad_bt = at::mm(g2.t(), a2);
+  OptTensor grad_b;
+  if (need_b) grad_b = at::mm(g2.t(), a.reshape({lead_rows(a), k})).t();
   OptTensor grad_bias;
   if (bias_grad) grad_bias = g2.sum(0);
   pending.wait();
-  return {grad_a, grad_bt.t(), grad_bias};
+  return {grad_a, grad_b, grad_bias};
 }
 
 }  // namespace tpx

@@ -22,7 +22,11 @@
 
 namespace tpx {
 
-// out = all_gather(a, gather_dim) @ b (+ bias). Returns (a_gathered, out).
+// out = all_gather(a, gather_dim) @ b (+ bias). Returns (a_gathered, out). `a_gathered` holds
+// every rank's rows in the pipeline's chunk-major order: with a pipeline depth of c > 1 the
+// local extent along gather_dim is split into c spans, and a_gathered lists span 0 of ranks
+// 0..W-1, then span 1 of every rank, ... (rank order when c = 1 or W = 1). It is what the
+// backward consumes; the Python wrapper returns it in rank order.
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     const at::Tensor& a, const at::Tensor& b, int64_t gather_dim,
     const std::string& group_name, std::optional<int64_t> chunks,
@@ -30,11 +34,16 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
 
 // Backward of all_gather_matmul: grad_a = reduce_scatter(grad_out @ b^T + grad_a_gathered),
 // overlapped with grad_b = a_gathered^T @ grad_out (returned as the transpose of a contiguous
-// [n, k] tensor) and grad_bias = grad_out summed over rows.
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> all_gather_matmul_backward(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_a_gathered,
-    const at::Tensor& a_gathered, const at::Tensor& b, int64_t gather_dim,
-    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad);
+// [n, k] tensor) and grad_bias = grad_out summed over rows. `a_gathered` and `grad_a_gathered`
+// are in the forward's chunk-major order (same `chunks`). Only the gradients asked for are
+// computed: need_a = false skips the input-gradient GEMM and its reduce-scatter, need_b =
+// false the weight-gradient GEMM; the skipped ones are returned as None.
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+all_gather_matmul_backward(const at::Tensor& grad_out,
+                           const std::optional<at::Tensor>& grad_a_gathered,
+                           const at::Tensor& a_gathered, const at::Tensor& b, int64_t gather_dim,
+                           const std::string& group_name, std::optional<int64_t> chunks,
+                           bool need_a, bool need_b, bool bias_grad);
 
 // out = reduce_scatter(a @ b (+ bias), scatter_dim).
 at::Tensor matmul_reduce_scatter(
@@ -43,10 +52,14 @@ at::Tensor matmul_reduce_scatter(
     const std::optional<at::Tensor>& bias);
 
 // Backward of matmul_reduce_scatter: the gradient is all-gathered piece by piece and each
-// piece feeds both grad_a = g @ b^T and grad_b += a^T @ g as soon as it lands.
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> matmul_reduce_scatter_backward(
-    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b, int64_t scatter_dim,
-    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad);
+// piece feeds both grad_a = g @ b^T and grad_b += a^T @ g as soon as it lands. Only the
+// gradients asked for are computed; with neither need_a nor need_b nothing is gathered (the
+// replicated bias gradient is one small all-reduce of the local row sums).
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+matmul_reduce_scatter_backward(const at::Tensor& grad_out, const at::Tensor& a,
+                               const at::Tensor& b, int64_t scatter_dim,
+                               const std::string& group_name, std::optional<int64_t> chunks,
+                               bool need_a, bool need_b, bool bias_grad);
 
 // out = all_reduce(a @ b (+ bias)).
 at::Tensor matmul_all_reduce(
@@ -59,9 +72,16 @@ at::Tensor replicated_matmul(
     const at::Tensor& a, const at::Tensor& b, const std::string& group_name,
     std::optional<int64_t> chunks, const std::optional<at::Tensor>& bias);
 
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> replicated_matmul_backward(
-    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
-    const std::string& group_name, std::optional<int64_t> chunks, bool bias_grad);
+// need_a = false skips the input-gradient GEMM and its all-reduce, need_b = false the
+// weight-gradient GEMM.
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+replicated_matmul_backward(const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
+                           const std::string& group_name, std::optional<int64_t> chunks,
+                           bool need_a, bool need_b, bool bias_grad);
+
+// The pipeline depth an op picks for a collective moving `bytes` per rank over `extent`
+// splittable units along its split dimension (same inputs -> same depth on every rank).
+int64_t pipeline_depth(std::optional<int64_t> chunks, int64_t extent, int64_t bytes);
 
 // The pipeline depth used when the caller passes chunks=None.
 int64_t default_chunks();

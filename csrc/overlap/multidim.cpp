@@ -49,6 +49,7 @@
 // reduce-scatter runs while chunk c+1 is computed.
 #include "overlap/multidim.h"
 
+#include "common/comm_stats.h"
 #include "common/process_group.h"
 #include "overlap/collective_matmul.h"
 
@@ -73,15 +74,29 @@ enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
-// Every collective these ops issue goes through here (one call per collective), so that
-// communication can be accounted for in one place.
+// Every collective these ops issue goes through here (one call per collective) into
+// tpx.comm_stats(). The accounting has no kind for a reduce-to-root yet (2-D backward), so
+// those are not counted.
 void note_collective(const ProcessGroup& pg, Kind kind, int64_t bytes) {
-  (void)pg;
-  (void)kind;
-  (void)bytes;
+  switch (kind) {
+    case Kind::kAllGather:
+      count_collective(pg, Collective::kAllGather, bytes);
+      break;
+    case Kind::kReduceScatter:
+      count_collective(pg, Collective::kReduceScatter, bytes);
+      break;
+    case Kind::kAllReduce:
+      count_collective(pg, Collective::kAllReduce, bytes);
+      break;
+    case Kind::kBroadcast:
+      count_collective(pg, Collective::kBroadcast, bytes);
+      break;
+    case Kind::kReduce:
+      break;
+  }
 }
 
-WorkPtr broadcast(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
+WorkPtr md_broadcast(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -89,7 +104,7 @@ WorkPtr broadcast(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
   return pg.broadcast(v, opts);
 }
 
-WorkPtr reduce_to(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
+WorkPtr md_reduce_to(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
   std::vector<at::Tensor> v{t};
   c10d::ReduceOptions opts;
   opts.rootRank = root;
@@ -97,27 +112,27 @@ WorkPtr reduce_to(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
   return pg.reduce(v, opts);
 }
 
-WorkPtr all_reduce(ProcessGroup& pg, const at::Tensor& t) {
+WorkPtr md_all_reduce(ProcessGroup& pg, const at::Tensor& t) {
   std::vector<at::Tensor> v{t};
   note_collective(pg, Kind::kAllReduce, nbytes(t));
   return pg.allreduce(v);
 }
 
-WorkPtr all_gather_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
+WorkPtr md_all_gather_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
   at::Tensor o = out, i = in;
   note_collective(pg, Kind::kAllGather, nbytes(in));
   return pg._allgather_base(o, i);
 }
 
 // Gathers `in` of every rank into row pieces of `out` that need not be contiguous together.
-WorkPtr all_gather_pieces(ProcessGroup& pg, std::vector<at::Tensor> pieces, const at::Tensor& in) {
+WorkPtr md_all_gather_pieces(ProcessGroup& pg, std::vector<at::Tensor> pieces, const at::Tensor& in) {
   std::vector<at::Tensor> ins{in};
   std::vector<std::vector<at::Tensor>> outs{std::move(pieces)};
   note_collective(pg, Kind::kAllGather, nbytes(in));
   return pg.allgather(outs, ins);
 }
 
-WorkPtr reduce_scatter_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
+WorkPtr md_reduce_scatter_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
   at::Tensor o = out, i = in;
   note_collective(pg, Kind::kReduceScatter, nbytes(out));
   return pg._reduce_scatter_base(o, i);
@@ -244,8 +259,8 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTen
     Step s;
     s.xl = j == l ? x2 : xb.take(l);
     s.wl = i == l ? w : wb.take(l);
-    s.works.push_back(broadcast(*colpg, s.xl, l));
-    s.works.push_back(broadcast(*rowpg, s.wl, l));
+    s.works.push_back(md_broadcast(*colpg, s.xl, l));
+    s.works.push_back(md_broadcast(*rowpg, s.wl, l));
     return s;
   };
   Step cur = issue(0);
@@ -293,7 +308,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
   std::vector<WorkPtr> bias_works, tail;
   if (need_bias) {
     grad_b = g2.sum(0);
-    if (q > 1) bias_works.push_back(all_reduce(*rowpg, *grad_b));
+    if (q > 1) bias_works.push_back(md_all_reduce(*rowpg, *grad_b));
   }
   at::Tensor gx2, gw;
   if (need_x) {
@@ -324,11 +339,11 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
       Step s;
       if (need_x) {
         s.wl = i == l ? w : wb.take(l);
-        s.works.push_back(broadcast(*rowpg, s.wl, l));
+        s.works.push_back(md_broadcast(*rowpg, s.wl, l));
       }
       if (need_weight) {
         s.xl = j == l ? x2 : xb.take(l);
-        s.works.push_back(broadcast(*colpg, s.xl, l));
+        s.works.push_back(md_broadcast(*colpg, s.xl, l));
       }
       return s;
     };
@@ -341,14 +356,14 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
         // dY_ij W_lj, summed over j at rank (i, l): written straight into dX there.
         at::Tensor dst = j == l ? gx2 : px.take(l);
         at::mm_out(dst, g2, cur.wl);
-        WorkPtr r = reduce_to(*colpg, dst, l);
+        WorkPtr r = md_reduce_to(*colpg, dst, l);
         (j == l ? tail : px.busy[l % 2]).push_back(r);
       }
       if (need_weight) {
         // dY_ij^T X_il, summed over i at rank (l, j).
         at::Tensor dst = i == l ? gw : pw.take(l);
         at::mm_out(dst, g2.t(), cur.xl);
-        WorkPtr r = reduce_to(*rowpg, dst, l);
+        WorkPtr r = md_reduce_to(*rowpg, dst, l);
         (i == l ? tail : pw.busy[l % 2]).push_back(r);
       }
       cur = std::move(next);
@@ -359,9 +374,9 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
     wait_all(pw.busy[1]);
   }
   wait_all(tail);
-  if (depth && need_weight) tail.push_back(all_reduce(*depthpg, gw));
+  if (depth && need_weight) tail.push_back(md_all_reduce(*depthpg, gw));
   wait_all(bias_works);
-  if (depth && need_bias) tail.push_back(all_reduce(*depthpg, *grad_b));
+  if (depth && need_bias) tail.push_back(md_all_reduce(*depthpg, *grad_b));
   wait_all(tail);
   return {grad_x, grad_w, grad_b};
 }
@@ -411,16 +426,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
       at::mm_out(d, a, wg.t());
     }
   };
-  std::vector<WorkPtr> wgather{all_gather_base(*inpg, wg, w)};
+  std::vector<WorkPtr> wgather{md_all_gather_base(*inpg, wg, w)};
   const auto spans = split_even(m, pick_chunks(chunks, m, nbytes(x2)));
   std::vector<WorkPtr> gathers;
   if (spans.size() == 1) {
-    gathers.push_back(all_gather_base(*batchpg, xg2, x2));
+    gathers.push_back(md_all_gather_base(*batchpg, xg2, x2));
   } else {
     for (const auto& sp : spans) {
       std::vector<at::Tensor> pieces;
       for (int64_t r = 0; r < q; ++r) pieces.push_back(xg2.narrow(0, r * m + sp.lo, sp.len));
-      gathers.push_back(all_gather_pieces(*batchpg, std::move(pieces), x2.narrow(0, sp.lo, sp.len)));
+      gathers.push_back(md_all_gather_pieces(*batchpg, std::move(pieces), x2.narrow(0, sp.lo, sp.len)));
     }
   }
   wait_all(wgather);
@@ -429,7 +444,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
   if (spans.size() == 1) {
     gathers[0]->wait();
     gemm(staging, xg2);
-    scatters.push_back(reduce_scatter_base(*hidpg, out2, staging));
+    scatters.push_back(md_reduce_scatter_base(*hidpg, out2, staging));
   } else {
     // Chunk c's staging block holds, for every destination d, the rows [lo, lo + len) of the
     // d-th row block of the product, contiguously, so one reduce-scatter serves the chunk.
@@ -440,7 +455,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
       for (int64_t d = 0; d < q; ++d) {
         gemm(stage.narrow(0, d * sp.len, sp.len), xg2.narrow(0, d * m + sp.lo, sp.len));
       }
-      scatters.push_back(reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
+      scatters.push_back(md_reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
     }
   }
   wait_all(scatters);
@@ -492,12 +507,12 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
   const auto spans = split_even(m, pick_chunks(chunks, m, nbytes(g2)));
   std::vector<WorkPtr> gathers, scatters;
   if (spans.size() == 1) {
-    gathers.push_back(all_gather_base(*hidpg, gg, g2));
+    gathers.push_back(md_all_gather_base(*hidpg, gg, g2));
   } else {
     for (const auto& sp : spans) {
       std::vector<at::Tensor> pieces;
       for (int64_t r = 0; r < q; ++r) pieces.push_back(gg.narrow(0, r * m + sp.lo, sp.len));
-      gathers.push_back(all_gather_pieces(*hidpg, std::move(pieces), g2.narrow(0, sp.lo, sp.len)));
+      gathers.push_back(md_all_gather_pieces(*hidpg, std::move(pieces), g2.narrow(0, sp.lo, sp.len)));
     }
   }
   at::Tensor staging;
@@ -511,7 +526,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
         at::Tensor dst = stage.narrow(0, d * sp.len, sp.len);
         at::mm_out(dst, gg.narrow(0, d * m + sp.lo, sp.len), wg);
       }
-      scatters.push_back(reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
+      scatters.push_back(md_reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
     }
     for (int64_t d = 0; d < q; ++d) {
       at::Tensor gp = gg.narrow(0, d * m + sp.lo, sp.len);
@@ -521,9 +536,9 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
   }
   if (need_weight) {
     grad_w = at::empty({nl, k}, x_gathered.options());
-    scatters.push_back(reduce_scatter_base(*inpg, *grad_w, gw_full));
+    scatters.push_back(md_reduce_scatter_base(*inpg, *grad_w, gw_full));
   }
-  if (need_bias) scatters.push_back(all_reduce(*inpg, *grad_b));
+  if (need_bias) scatters.push_back(md_all_reduce(*inpg, *grad_b));
   wait_all(scatters);
   return {grad_x, grad_w, grad_b};
 }
@@ -531,7 +546,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
 at::Tensor mesh_all_reduce(const at::Tensor& x, const std::string& group) {
   auto pg = resolve_group(group);
   at::Tensor out = x.contiguous().clone();
-  if (pg->getSize() > 1) all_reduce(*pg, out)->wait();
+  if (pg->getSize() > 1) md_all_reduce(*pg, out)->wait();
   return out;
 }
 
@@ -544,7 +559,7 @@ at::Tensor mesh_all_gather(const at::Tensor& x, const std::string& group) {
   if (pg->getSize() == 1) {
     out[0].copy_(in);
   } else {
-    all_gather_base(*pg, out.view({-1}), in.view({-1}))->wait();
+    md_all_gather_base(*pg, out.view({-1}), in.view({-1}))->wait();
   }
   return out;
 }

@@ -98,7 +98,11 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
       at::Tensor st = stats.narrow(0, r0, n);
       at::Tensor m = x.amax(1, /*keepdim=*/true);
       st.select(1, 0).copy_(m.squeeze(1));
-      st.select(1, 1).copy_((x - m).exp_().sum(1));
+      // A row whose shard is all -inf (a masked vocabulary) has max -inf and sum 0; shifting
+      // it by its own max would give exp(-inf - (-inf)) = NaN.
+      at::Tensor shift = at::where(m == -std::numeric_limits<float>::infinity(),
+                                   at::zeros_like(m), m);
+      st.select(1, 1).copy_((x - shift).exp_().sum(1));
       if (label_smoothing > 0) st.select(1, 3).copy_(x.sum(1));
     }
     auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);

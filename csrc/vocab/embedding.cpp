@@ -77,16 +77,14 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
   shape.push_back(dim);
   if (!scatter_dim.has_value()) {
     if (world > 1) {
-      std::vector<at::Tensor> bufs{partial};
-      pg->allreduce(bufs)->wait();
+      all_reduce(*pg, partial)->wait();
     }
     return partial.view(shape);
   }
   if (world == 1) return partial.view(shape).movedim(0, sd).contiguous();
   shape[0] /= world;
   at::Tensor out = at::empty(shape, partial.options());
-  at::Tensor o = out.view({-1, dim}), in = partial;
-  pg->_reduce_scatter_base(o, in)->wait();
+  reduce_scatter_base(*pg, out.view({-1, dim}), partial)->wait();
   return out.movedim(0, sd).contiguous();  // contiguous for user code that may .view() it
 }
 

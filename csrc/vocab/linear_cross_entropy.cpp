@@ -58,18 +58,22 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
   return {loss, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
-    int64_t vocab_start, int64_t vocab_size, const std::string& group_name, int64_t chunk_size,
-    int64_t ignore_index, double label_smoothing) {
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+linear_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& hidden,
+                              const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const at::Tensor& target, const at::Tensor& lse,
+                              int64_t vocab_start, int64_t vocab_size,
+                              const std::string& group_name, int64_t chunk_size,
+                              int64_t ignore_index, double label_smoothing, bool need_hidden,
+                              bool need_weight, bool need_bias) {
   check_args("linear_cross_entropy_backward", hidden, weight, bias, target, chunk_size);
   auto pg = resolve_group(group_name);
   const int64_t rows = hidden.size(0);
-  at::Tensor grad_hidden = at::empty_like(hidden, at::MemoryFormat::Contiguous);
-  at::Tensor grad_weight = at::zeros_like(weight, at::MemoryFormat::Contiguous);
-  std::optional<at::Tensor> grad_bias;
-  if (bias.has_value()) grad_bias = at::zeros_like(*bias);
+  std::optional<at::Tensor> grad_hidden, grad_weight, grad_bias;
+  if (need_hidden) grad_hidden = at::empty_like(hidden, at::MemoryFormat::Contiguous);
+  if (need_weight) grad_weight = at::zeros_like(weight, at::MemoryFormat::Contiguous);
+  if (need_bias && bias.has_value()) grad_bias = at::zeros_like(*bias);
+  if (!need_hidden && !need_weight && !grad_bias.has_value()) return {grad_hidden, grad_weight, grad_bias};
   Pending pending;
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_size) {
     const int64_t n = std::min(chunk_size, rows - r0);
@@ -79,13 +83,13 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> linear_cross_entro
                                            target.narrow(0, r0, n), lse.narrow(0, r0, n),
                                            vocab_start, vocab_size, ignore_index,
                                            label_smoothing);
-    at::Tensor gh = grad_hidden.narrow(0, r0, n);
-    at::mm_out(gh, g, weight);
-    if (pg->getSize() > 1) {  // partial over the vocabulary: summed while the next chunk runs
-      std::vector<at::Tensor> bufs{gh};
-      pending.works.push_back(pg->allreduce(bufs));
+    if (need_hidden) {
+      at::Tensor gh = grad_hidden->narrow(0, r0, n);
+      at::mm_out(gh, g, weight);
+      // Partial over the vocabulary: summed while the next chunk runs.
+      if (pg->getSize() > 1) pending.works.push_back(all_reduce(*pg, gh));
     }
-    grad_weight.addmm_(g.t(), h);
+    if (need_weight) grad_weight->addmm_(g.t(), h);
     if (grad_bias.has_value()) grad_bias->add_(g.sum(0));
   }
   pending.wait();

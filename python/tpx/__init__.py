@@ -6,14 +6,15 @@ S(d) (sharded on dim d) and P (partial sums).
 """
 
 from . import autograd, ops, random
+from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
-from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                        Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention,
                        loss_parallel, parallelize_module, plans)
 from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
-from . import checkpoint
+from . import checkpoint, memory
 from . import autograd_multidim, mesh
 from .mesh import init_mesh
 from .nn.multidim import (Embedding2D, Embedding2p5D, Embedding3D, LayerNorm2D, LayerNorm2p5D, LayerNorm3D, Linear2D, Linear2p5D,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColwiseParallel",
+    "PairwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -33,6 +35,8 @@ __all__ = [
     "Shard",
     "ShardedAttention",
     "checkpoint",
+    "comm_stats",
+    "CommStats",
     "loss_parallel",
     "plans",
     "random",

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers the operators and their fakes)
+from .comm import count_collective
 
 __all__ = ["all_reduce_grad", "gather_dim", "gather_last_dim", "split_dim", "split_last_dim"]
 
@@ -51,8 +52,11 @@ def _all_gather_matmul_backward(ctx, grad_a_gathered, grad_out):
     gather_dim, group_name, chunks, has_bias = ctx.args
     if grad_out is None:
         grad_out = a_gathered.new_zeros(list(a_gathered.shape[:-1]) + [b.shape[1]])
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = has_bias and ctx.needs_input_grad[5]
     grad_a, grad_b, grad_bias = torch.ops.tpx.all_gather_matmul_backward(
-        grad_out, grad_a_gathered, a_gathered, b, gather_dim, group_name, chunks, has_bias)
+        grad_out, grad_a_gathered, a_gathered, b, gather_dim, group_name, chunks, need_a, need_b,
+        need_bias)
     return grad_a, grad_b, None, None, None, grad_bias
 
 
@@ -72,8 +76,10 @@ def _matmul_reduce_scatter_setup(ctx, inputs, output):
 def _matmul_reduce_scatter_backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     scatter_dim, group_name, chunks, has_bias = ctx.args
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = has_bias and ctx.needs_input_grad[5]
     grad_a, grad_b, grad_bias = torch.ops.tpx.matmul_reduce_scatter_backward(
-        grad_out, a, b, scatter_dim, group_name, chunks, has_bias)
+        grad_out, a, b, scatter_dim, group_name, chunks, need_a, need_b, need_bias)
     return grad_a, grad_b, None, None, None, grad_bias
 
 
@@ -97,7 +103,7 @@ def _matmul_all_reduce_backward(ctx, grad_out):
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     grad_a = (g2 @ b.t()).view(a.shape) if need_a else None
     grad_b = (g2.t() @ a.reshape(g2.shape[0], a.shape[-1])).t() if need_b else None
-    grad_bias = g2.sum(0) if ctx.has_bias else None
+    grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
     return grad_a, grad_b, None, None, grad_bias
 
 
@@ -117,8 +123,10 @@ def _replicated_matmul_setup(ctx, inputs, output):
 def _replicated_matmul_backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     group_name, chunks, has_bias = ctx.args
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = has_bias and ctx.needs_input_grad[4]
     grad_a, grad_b, grad_bias = torch.ops.tpx.replicated_matmul_backward(
-        grad_out, a, b, group_name, chunks, has_bias)
+        grad_out, a, b, group_name, chunks, need_a, need_b, need_bias)
     return grad_a, grad_b, None, None, grad_bias
 
 
@@ -162,8 +170,10 @@ def _linear_ce_setup(ctx, inputs, output):
 
 def _linear_ce_backward(ctx, grad_loss, grad_lse):
     hidden, weight, bias, target, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
     grad_hidden, grad_weight, grad_bias = torch.ops.tpx.linear_cross_entropy_backward(
-        grad_loss, hidden, weight, bias, target, lse, *ctx.args)
+        grad_loss, hidden, weight, bias, target, lse, *ctx.args, need[0], need[1],
+        bias is not None and need[2])
     return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
 
 
@@ -200,6 +210,7 @@ def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Ten
         local = F.pad(local, (0, width - local.shape[-1]))
     local = local.contiguous()
     pieces = [torch.empty_like(local) for _ in sizes]
+    count_collective(pg, "all_gather", local)
     dist.all_gather(pieces, local, group=pg)
     return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1).movedim(-1, dim)
 
@@ -267,6 +278,7 @@ class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
+        count_collective(ctx.pg, "all_reduce", grad)
         dist.all_reduce(grad, group=ctx.pg)
         return grad, None
 
@@ -281,6 +293,7 @@ def all_reduce_grad(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
 def all_reduce_grad_value(grad: Tensor, pg: dist.ProcessGroup) -> Tensor:
     """The sum over ``pg`` of a gradient (for a tensor hook on a replicated parameter)."""
     grad = grad.contiguous().clone()
+    count_collective(pg, "all_reduce", grad)
     dist.all_reduce(grad, group=pg)
     return grad
 
@@ -298,8 +311,9 @@ class _SumGradOverHolders(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         full = grad.new_zeros((ctx.full_rows,) + tuple(grad.shape[1:]))
-        index = ctx.index.to(grad.device)
+        index = _holder_index(ctx.index, grad.device)
         full.index_copy_(0, index, grad)
+        count_collective(ctx.pg, "all_reduce", full)
         dist.all_reduce(full, group=ctx.pg)
         return full.index_select(0, index), None, None, None
 
@@ -311,7 +325,21 @@ def sum_grad_over_holders(x: Tensor, rows: List[List[Tuple[int, int]]],
     rank's are the rows of ``x``, in order)."""
     if pg.size() == 1:
         return x
-    mine = rows[dist.get_rank(pg)]
-    index = torch.cat([torch.arange(s, e) for s, e in mine]) if mine else torch.zeros(0, dtype=torch.long)
+    mine = tuple(tuple(r) for r in rows[dist.get_rank(pg)])
     full_rows = max(e for r in rows for _, e in r)
-    return _SumGradOverHolders.apply(x, index, full_rows, pg)
+    return _SumGradOverHolders.apply(x, mine, full_rows, pg)
+
+
+# (row ranges, device) -> the index of those rows on that device. Built once per layout and
+# device, so a backward copies no index from the host (a pageable copy on GPUs).
+_HOLDER_INDEX: dict = {}
+
+
+def _holder_index(ranges, device: torch.device) -> Tensor:
+    key = (ranges, str(device))
+    index = _HOLDER_INDEX.get(key)
+    if index is None:
+        index = (torch.cat([torch.arange(s, e) for s, e in ranges]) if ranges
+                 else torch.zeros(0, dtype=torch.long)).to(device)
+        _HOLDER_INDEX[key] = index
+    return index

@@ -54,7 +54,8 @@ def all_gather_matmul(
     chunks: Optional[int] = None,
     *,
     bias: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor]:
+    return_gathered: bool = True,
+) -> Tuple[Optional[Tensor], Tensor]:
     """``out = all_gather(a, gather_dim) @ b (+ bias)``, with the all-gather of one piece of
     ``a`` in flight while the GEMM of another runs.
 
@@ -69,6 +70,9 @@ def all_gather_matmul(
         group: ``None`` (default group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
         chunks: pipeline depth; ``1`` is the non-overlapped reference, ``None`` the default.
         bias: optional ``[n]``, added to every row of ``out``.
+        return_gathered: ``False`` returns ``None`` for ``a_gathered``: the op gathers ``a``
+            chunk by chunk, and putting the chunks in rank order costs one copy when the
+            pipeline has more than one chunk, which callers that only want ``out`` skip.
 
     Returns:
         ``(a_gathered, out)``: ``a`` gathered along ``gather_dim`` in rank order, and the
@@ -76,7 +80,35 @@ def all_gather_matmul(
     """
     # b (and bias) may hold a different number of columns on each rank; a may not differ.
     name = _group_name("all_gather_matmul", group, a, gather_dim=gather_dim, k=b.shape[0])
-    return torch.ops.tpx.all_gather_matmul(a, b, gather_dim, name, chunks, bias)
+    staged, out = torch.ops.tpx.all_gather_matmul(a, b, gather_dim, name, chunks, bias)
+    if not return_gathered:
+        return None, out
+    return _rank_major(staged, a, gather_dim, _world(name), chunks), out
+
+
+def _rank_major(staged: Tensor, a: Tensor, gather_dim: int, world: int,
+                chunks: Optional[int]) -> Tensor:
+    """``all_gather_matmul``'s gathered input in rank order. The op gathers pipeline chunk
+    ``j`` of every rank into one block (chunk-major: chunk 0 of ranks 0..W-1, then chunk 1,
+    ...); with one chunk that already is rank order."""
+    gd = gather_dim % a.dim()
+    extent = a.shape[gd]
+    depth = 1 if world == 1 else _C.pipeline_depth(chunks, extent, a.numel() * a.element_size())
+    if depth == 1:
+        return staged
+    base, extra = divmod(extent, depth)
+    order, lo = [], 0
+    spans = []
+    for j in range(depth):
+        length = base + (1 if j < extra else 0)
+        spans.append((lo, length))
+        lo += length
+    for lo, length in spans:  # staged position -> rank-major position
+        for r in range(world):
+            order.extend(range(r * extent + lo, r * extent + lo + length))
+    index = torch.empty(len(order), dtype=torch.long)
+    index[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return staged.index_select(gd, index.to(staged.device))
 
 
 def matmul_reduce_scatter(
@@ -263,12 +295,12 @@ def _all_gather_matmul_fake(a, b, gather_dim, group_name, chunks=None, bias=None
 
 @torch.library.register_fake("tpx::all_gather_matmul_backward")
 def _all_gather_matmul_backward_fake(grad_out, grad_a_gathered, a_gathered, b, gather_dim,
-                                     group_name, chunks, bias_grad):
+                                     group_name, chunks, need_a, need_b, bias_grad):
     gd = gather_dim % a_gathered.dim()
     shape = _dim_first_shape(a_gathered, gd)
     shape[0] = shape[0] // _world(group_name)
-    grad_a = a_gathered.new_empty(shape).movedim(0, gd)
-    grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
+    grad_a = a_gathered.new_empty(shape).movedim(0, gd) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
     grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
     return grad_a, grad_b, grad_bias
 
@@ -284,10 +316,10 @@ def _matmul_reduce_scatter_fake(a, b, scatter_dim, group_name, chunks=None, bias
 
 @torch.library.register_fake("tpx::matmul_reduce_scatter_backward")
 def _matmul_reduce_scatter_backward_fake(grad_out, a, b, scatter_dim, group_name, chunks,
-                                         bias_grad):
+                                         need_a, need_b, bias_grad):
     sd = scatter_dim % a.dim()
-    grad_a = a.new_empty(_dim_first_shape(a, sd)).movedim(0, sd)
-    grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
+    grad_a = a.new_empty(_dim_first_shape(a, sd)).movedim(0, sd) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
     grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
     return grad_a, grad_b, grad_bias
 
@@ -301,9 +333,10 @@ torch.library.register_fake("tpx::replicated_matmul")(_local_matmul_fake)
 
 
 @torch.library.register_fake("tpx::replicated_matmul_backward")
-def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, bias_grad):
-    grad_a = a.new_empty(a.shape)
-    grad_b = b.new_empty((b.shape[1], b.shape[0])).t()
+def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, need_a, need_b,
+                                     bias_grad):
+    grad_a = a.new_empty(a.shape) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
     grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
     return grad_a, grad_b, grad_bias
 
@@ -358,10 +391,14 @@ def _linear_cross_entropy_fake(hidden, weight, bias, target, vocab_start, vocab_
 @torch.library.register_fake("tpx::linear_cross_entropy_backward")
 def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, bias, target, lse,
                                         vocab_start, vocab_size, group_name, chunk_size,
-                                        ignore_index, label_smoothing):
-    grad_bias = None if bias is None else torch.empty_like(bias)
-    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
-            torch.empty_like(weight, memory_format=torch.contiguous_format), grad_bias)
+                                        ignore_index, label_smoothing, need_hidden, need_weight,
+                                        need_bias):
+    grad_bias = torch.empty_like(bias) if bias is not None and need_bias else None
+    grad_hidden = (torch.empty_like(hidden, memory_format=torch.contiguous_format)
+                   if need_hidden else None)
+    grad_weight = (torch.empty_like(weight, memory_format=torch.contiguous_format)
+                   if need_weight else None)
+    return grad_hidden, grad_weight, grad_bias
 
 
 # ---------------------------------------------------------------------------------------------

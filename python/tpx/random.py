@@ -21,7 +21,7 @@ replicated region, TP and one device agree.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,21 +113,47 @@ class _Swap:
         self.saved = None
 
 
+def _cuda_current() -> Optional[torch.device]:
+    """The current CUDA device when CUDA is in use in this process, else None."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _default_devices() -> List[torch.device]:
+    """What ``fork()`` swaps without a device: the CPU generator, and the current CUDA
+    device's when CUDA is in use, so dropout inside draws per-rank masks wherever its tensor
+    lives."""
+    cuda = _cuda_current()
+    return [torch.device("cpu")] + ([cuda] if cuda is not None else [])
+
+
 @contextlib.contextmanager
-def fork(device="cpu") -> Iterator[None]:
-    """Runs the block on the tensor-parallel stream of ``device`` (``"cpu"``, ``"cuda"``,
-    ``"cuda:1"``, a ``torch.device``): random ops inside draw per-rank masks; the stream
-    continues where the last ``fork`` left it, and the replicated stream is untouched.
-    Requires :func:`manual_seed`."""
+def fork(device=None) -> Iterator[None]:
+    """Runs the block on the tensor-parallel stream: random ops inside draw per-rank masks;
+    the stream continues where the last ``fork`` left it, and the replicated stream is
+    untouched. Requires :func:`manual_seed`.
+
+    Args:
+        device: whose generator to swap (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``). ``None`` (the default) swaps the CPU generator and, when CUDA
+            is in use, the current CUDA device's, so ``with tpx.random.fork():`` is right on
+            either device.
+    """
     if not is_seeded():
         raise RuntimeError("tpx.random.fork: call tpx.random.manual_seed(seed, group) on every "
                            "rank first")
-    swap = _Swap(device)
-    swap.enter()
+    devices = _default_devices() if device is None else [device]
+    swaps = [_Swap(d) for d in devices]
+    entered = []
     try:
+        for swap in swaps:
+            swap.enter()
+            entered.append(swap)
         yield
     finally:
-        swap.exit()
+        for swap in reversed(entered):
+            swap.exit()
 
 
 def get_states() -> Dict[str, object]:

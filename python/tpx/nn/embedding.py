@@ -9,8 +9,9 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd  # also registers the backward of every op
 from .. import ops
-from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, resolve_group,
-                     shard_sizes, tensor_checksum)
+from ..checks import check_values
+from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
+                     resolve_group, shard_sizes)
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 
@@ -73,12 +74,18 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
     outside ``[0, num_embeddings)`` raise ``ValueError``. Parameters are initialised with
     ``nn.Embedding``'s distribution over the FULL table and then sliced, so with the same seed
     the shards equal the slices of ``nn.Embedding``'s weight.
+
+    ``src_rank`` (default 0): the rank of ``group`` whose initial table every rank takes; it
+    draws the full table and sends each rank its rows in steps of bounded size
+    (``TPX_INIT_CHUNK_BYTES``), so the others never hold more than their shard. ``None``:
+    every rank draws and keeps its rows, with no communication (ranks seeded alike, checked).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None, *, group: GroupLike = None,
                  sequence_parallel: bool = False, sequence_dim: int = 1, device=None,
-                 dtype=None, _full_weight: Optional[Tensor] = None) -> None:
+                 dtype=None, src_rank: Optional[int] = 0,
+                 _full_weight: Optional[Tensor] = None) -> None:
         super().__init__()
         padding_idx = _check_embedding_args("VocabParallelEmbedding", num_embeddings,
                                             embedding_dim, padding_idx)
@@ -90,38 +97,41 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
         self.vocab_start, self.vocab_end = _range(num_embeddings, self.rank, self.world_size)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                device=device, dtype=dtype))
-        if _full_weight is not None:
-            with torch.no_grad():
-                self.weight.copy_(_full_weight[self.vocab_start:self.vocab_end])
-            checksum = tensor_checksum(_full_weight)
-        else:
-            checksum = self.reset_parameters()
-        check_same_on_ranks(self.group, "VocabParallelEmbedding", dict(
-            num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
-            sequence_parallel=self.sequence_parallel, sequence_dim=sequence_dim,
-            dtype=str(self.weight.dtype), initial_weights=checksum))
+        self.src_rank = src_rank
+        self._init_weight(_full_weight)
+
+    def _init_weight(self, full_weight: Optional[Tensor]) -> None:
+        ranges = [[_range(self.num_embeddings, r, self.world_size)]
+                  for r in range(self.world_size)]
+        load_initial(self.group, "VocabParallelEmbedding", dict(
+            num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
+            padding_idx=self.padding_idx, sequence_parallel=self.sequence_parallel,
+            sequence_dim=self.sequence_dim, dtype=str(self.weight.dtype)),
+            [ShardSpec(self.weight, ranges, 0)],
+            lambda: [full_weight if full_weight is not None else _full_embedding_init(
+                self.num_embeddings, self.embedding_dim, self.padding_idx,
+                self.weight.device, self.weight.dtype)],
+            src_rank=self.src_rank, drawn=full_weight is None)
 
     @property
     def _local_padding_idx(self) -> int:
         p = self.padding_idx
         return p - self.vocab_start if p is not None and self.vocab_start <= p < self.vocab_end else -1
 
-    def reset_parameters(self) -> Optional[float]:
+    def reset_parameters(self) -> None:
         """Draws the full table as ``nn.Embedding`` does (normal(0, 1), padding row zero) and
-        keeps this rank's rows; returns a checksum of the full table."""
-        if self.weight.device.type == "meta":
-            return None
-        full = _full_embedding_init(self.num_embeddings, self.embedding_dim, self.padding_idx,
-                                    self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(full[self.vocab_start:self.vocab_end])
-        return tensor_checksum(full)
+        gives every rank its rows (from rank ``src_rank``, or each rank's own draw when it is
+        ``None``). A collective: call it on every rank of the group."""
+        self._init_weight(None)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, **kwargs
-                       ) -> "VocabParallelEmbedding":
-        """Shards an ``nn.Embedding`` that every rank holds whole (keeps this rank's rows)."""
-        return cls(group=group, **_embedding_kwargs(cls, embedding, kwargs), **kwargs)
+    def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, *,
+                       src_rank: Optional[int] = 0, **kwargs) -> "VocabParallelEmbedding":
+        """Shards an ``nn.Embedding`` that every rank holds whole: every rank gets its rows of
+        rank ``src_rank``'s table (``src_rank=None``: of its own table, no communication; the
+        tables must then be equal on every rank, which is checked)."""
+        return cls(group=group, src_rank=src_rank, **_embedding_kwargs(cls, embedding, kwargs),
+                   **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -129,12 +139,19 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
         if ids.device != self.weight.device:
             raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
                              f"is on {self.weight.device}")
-        if ids.numel() and not torch.compiler.is_compiling():  # a host check: eager only
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_embeddings:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"tpx.VocabParallelEmbedding: id {bad} is outside the table "
-                                 f"[0, {self.num_embeddings})")
+        if ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
+            n = self.num_embeddings
+
+            def in_range():
+                lo, hi = torch.aminmax(ids)
+                return (lo >= 0) & (hi < n)
+
+            def message():
+                lo, hi = (int(v) for v in torch.aminmax(ids))
+                return (f"tpx.VocabParallelEmbedding: id {lo if lo < 0 else hi} is outside the "
+                        f"table [0, {n})")
+
+            check_values(in_range, message)
         scatter_dim = None
         if self.sequence_parallel:
             d = self.sequence_dim
@@ -172,13 +189,14 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
 
     This rank holds columns ``tpx.shard_range(embedding_dim)`` (uneven splits allowed).
     ``padding_idx`` behaves as in ``nn.Embedding``. Initialised with ``nn.Embedding``'s
-    distribution over the FULL table, then sliced.
+    distribution over the FULL table, then sliced; ``src_rank`` as in
+    :class:`VocabParallelEmbedding` (default 0: rank 0's table, each rank receiving its columns).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None, *, group: GroupLike = None,
                  gather_output: bool = True, device=None, dtype=None,
-                 _full_weight: Optional[Tensor] = None) -> None:
+                 src_rank: Optional[int] = 0, _full_weight: Optional[Tensor] = None) -> None:
         super().__init__()
         padding_idx = _check_embedding_args("ColumnParallelEmbedding", num_embeddings,
                                             embedding_dim, padding_idx)
@@ -190,24 +208,36 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
         self.dim_sizes = shard_sizes(embedding_dim, self.world_size)
         self.weight = nn.Parameter(torch.empty(num_embeddings, self.dim_end - self.dim_start,
                                                device=device, dtype=dtype))
-        if _full_weight is None and self.weight.device.type != "meta":
-            _full_weight = _full_embedding_init(num_embeddings, embedding_dim, padding_idx,
-                                                self.weight.device, self.weight.dtype)
-        checksum = None
-        if _full_weight is not None:
-            with torch.no_grad():
-                self.weight.copy_(_full_weight[:, self.dim_start:self.dim_end])
-            checksum = tensor_checksum(_full_weight)
-        check_same_on_ranks(self.group, "ColumnParallelEmbedding", dict(
-            num_embeddings=num_embeddings, embedding_dim=embedding_dim, padding_idx=padding_idx,
-            gather_output=self.gather_output, dtype=str(self.weight.dtype),
-            initial_weights=checksum))
+        self.src_rank = src_rank
+        self._init_weight(_full_weight)
+
+    def _init_weight(self, full_weight: Optional[Tensor]) -> None:
+        ranges = [[_range(self.embedding_dim, r, self.world_size)]
+                  for r in range(self.world_size)]
+        load_initial(self.group, "ColumnParallelEmbedding", dict(
+            num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
+            padding_idx=self.padding_idx, gather_output=self.gather_output,
+            dtype=str(self.weight.dtype)),
+            [ShardSpec(self.weight, ranges, 1)],
+            lambda: [full_weight if full_weight is not None else _full_embedding_init(
+                self.num_embeddings, self.embedding_dim, self.padding_idx,
+                self.weight.device, self.weight.dtype)],
+            src_rank=self.src_rank, drawn=full_weight is None)
+
+    def reset_parameters(self) -> None:
+        """Draws the full table as ``nn.Embedding`` does and gives every rank its columns
+        (from rank ``src_rank``, or each rank's own draw when it is ``None``). A collective:
+        call it on every rank of the group."""
+        self._init_weight(None)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, **kwargs
-                       ) -> "ColumnParallelEmbedding":
-        """Shards an ``nn.Embedding`` that every rank holds whole (keeps this rank's columns)."""
-        return cls(group=group, **_embedding_kwargs(cls, embedding, kwargs), **kwargs)
+    def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, *,
+                       src_rank: Optional[int] = 0, **kwargs) -> "ColumnParallelEmbedding":
+        """Shards an ``nn.Embedding`` that every rank holds whole: every rank gets its columns
+        of rank ``src_rank``'s table (``src_rank=None``: of its own table, no communication;
+        the tables must then be equal on every rank, which is checked)."""
+        return cls(group=group, src_rank=src_rank, **_embedding_kwargs(cls, embedding, kwargs),
+                   **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
         y = torch.nn.functional.embedding(ids, self.weight, self.padding_idx)

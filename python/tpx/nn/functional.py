@@ -9,9 +9,10 @@ from torch import Tensor
 
 from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
 from .. import ops
+from ..checks import check_values
 from ..group import GroupLike, resolve_group, vocab_layout
 
-__all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -35,13 +36,15 @@ def _check_loss_args(fn: str, logits: Tensor, target: Tensor, reduction: str,
 
 
 def _check_targets(fn: str, target: Tensor, vocab_size: int, ignore_index: int) -> None:
-    if torch.compiler.is_compiling():  # a host check: eager only
-        return
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    if bool(bad.any()):
-        value = int(target[bad][0])
-        raise ValueError(f"tpx.{fn}: target id {value} is outside the vocabulary [0, {vocab_size})"
-                         f" and is not ignore_index={ignore_index}")
+    def bad():
+        return (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+
+    def message():
+        value = int(target[bad()][0])
+        return (f"tpx.{fn}: target id {value} is outside the vocabulary [0, {vocab_size}) and "
+                f"is not ignore_index={ignore_index}")
+
+    check_values(lambda: ~bad().any(), message)
 
 
 def _reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str,
@@ -104,6 +107,16 @@ def vocab_parallel_cross_entropy(
     return _reduce(loss_rows, target1, ignore_index, reduction, target.shape, logits.dtype)
 
 
+def default_chunk_size(vocab_size: int, world_size: int) -> int:
+    """Tokens per chunk of :func:`linear_cross_entropy` when ``chunk_size`` is not given: a
+    chunk's fp32 logits take about 64 MiB on the widest shard. Every chunk shapes two
+    collectives (the statistics' all-gather, the hidden gradient's all-reduce), so the size
+    comes from the full vocabulary and the group size, which all ranks share, never from this
+    rank's (possibly narrower) shard."""
+    widest = -(-vocab_size // max(world_size, 1))
+    return max(1, (1 << 24) // max(widest, 1))
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -129,7 +142,9 @@ def linear_cross_entropy(
     (this rank's rows) equal those of the unfused computation.
 
     Args:
-        chunk_size: tokens per chunk; default: a chunk's fp32 logits take about 64 MiB.
+        chunk_size: tokens per chunk, the same on every rank; default
+            (:func:`default_chunk_size`): a chunk's fp32 logits take about 64 MiB on the widest
+            shard, derived from the full vocabulary so every rank picks the same size.
         The others: as in :func:`vocab_parallel_cross_entropy`.
     """
     fn = "linear_cross_entropy"
@@ -140,12 +155,12 @@ def linear_cross_entropy(
                          f"{hidden.shape[-1]}; got {tuple(getattr(weight, 'shape', ()))}")
     fake_logits = hidden.new_empty(()).expand(*hidden.shape[:-1], weight.shape[0])
     target1 = _check_loss_args(fn, fake_logits, target, reduction, label_smoothing)
-    if chunk_size is None:
-        chunk_size = max(1, (1 << 24) // max(weight.shape[0], 1))
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"tpx.{fn}: chunk_size must be an int >= 1; got {chunk_size!r}")
     pg = resolve_group(group)
     start, full = vocab_layout(weight.shape[0], pg, vocab_size, hidden.device)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(full, pg.size())
     _check_targets(fn, target1, full, ignore_index)
     loss_rows, _ = ops.linear_cross_entropy_rows(
         hidden.reshape(-1, hidden.shape[-1]), weight, target1, start, full, pg, bias,

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from .. import ops
-from ..group import (GroupLike, SharesGroupOnCopy, _range, check_same_on_ranks, resolve_group,
-                     shard_sizes, tensor_checksum)
+from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
+                     resolve_group, shard_sizes)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -122,20 +122,16 @@ class _ParallelLinear(SharesGroupOnCopy, nn.Module):
             raise ValueError(f"tpx.{name}: input is on {x.device} but the weight is on "
                              f"{self.weight.device}; move one of them")
 
-    def reset_parameters(self) -> Optional[float]:
+    def reset_parameters(self) -> None:
         """Draws the full ``nn.Linear`` initialisation (same RNG calls as ``nn.Linear``) and
-        keeps this rank's shard; returns a checksum of the full weights (``None`` on the meta
-        device), which the constructor compares across ranks."""
-        if self.weight.device.type == "meta":
-            return None
-        w, b = _full_linear_init(self.in_features, self.out_features, self.bias is not None,
-                                 self.weight.device, self.weight.dtype)
-        with torch.no_grad():
-            self._load_full(w, b)
-        return tensor_checksum(w)
+        gives every rank its shard: with ``src_rank`` set, rank ``src_rank`` draws and the
+        others receive their shards from it; with ``src_rank=None`` every rank draws and keeps
+        its part. A collective: call it on every rank of the group."""
+        self._init_weights(None)
 
     @classmethod
-    def _from_linear(cls, linear: nn.Linear, group: GroupLike, kwargs: dict):
+    def _from_linear(cls, linear: nn.Linear, group: GroupLike, src_rank: Optional[int],
+                     kwargs: dict):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"tpx.{cls.__name__}.from_linear expects an nn.Linear; got "
                             f"{type(linear).__name__}")
@@ -145,16 +141,23 @@ class _ParallelLinear(SharesGroupOnCopy, nn.Module):
                                  "linear layer; do not pass it")
         return cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                    group=group, device=linear.weight.device, dtype=linear.weight.dtype,
-                   _full_weights=(linear.weight, linear.bias), **kwargs)
+                   src_rank=src_rank, _full_weights=(linear.weight, linear.bias), **kwargs)
 
-    def _init_weights(self, full_weights) -> Optional[float]:
-        """Fills the shards, from ``full_weights`` (``from_linear``) or from a fresh
-        initialisation; returns the checksum of the full weights compared across ranks."""
-        if full_weights is None:
-            return self.reset_parameters()
-        with torch.no_grad():
-            self._load_full(*full_weights)
-        return tensor_checksum(full_weights[0])
+    def _init_weights(self, full_weights) -> None:
+        """Fills the shards, from ``full_weights`` (``from_linear``: the full weight and bias)
+        or from a fresh draw, as ``src_rank`` says, and checks the arguments across ranks."""
+        def full_fn():
+            if full_weights is not None:
+                return full_weights[0], full_weights[1]
+            return _full_linear_init(self.in_features, self.out_features,
+                                     self.bias is not None, self.weight.device,
+                                     self.weight.dtype)
+
+        specs = [ShardSpec(self.weight, *self._weight_layout())]
+        if self.bias is not None:
+            specs.append(ShardSpec(self.bias, *self._bias_layout()))
+        load_initial(self.group, type(self).__name__, self._layer_config(), specs, full_fn,
+                     src_rank=self.src_rank, drawn=full_weights is None)
 
     def _config(self, **config) -> dict:
         # chunks decides how many collectives run, so it must agree too.
@@ -174,7 +177,9 @@ class ColumnParallelLinear(_ParallelLinear):
     This rank holds ``weight[out_start:out_end]`` (``tpx.shard_range(out_features)``);
     ``out_features`` need not divide by the group size (an LM head of 50257 at TP 4).
     Parameters are initialised with ``nn.Linear``'s distribution over the FULL matrix and then
-    sliced, so with the same seed the shards equal the slices of ``nn.Linear``'s weights.
+    sliced: by default rank ``src_rank`` (0) draws it and every rank receives its shard, so the
+    layer equals rank 0's ``nn.Linear`` whatever the other ranks' seeds (and, with the same
+    seed on every rank, equals ``nn.Linear`` built after that seed on one device).
 
     Backward: without sequence parallelism the input-gradient all-reduce is issued before the
     weight-gradient GEMM and waited after it; with it, the input gradient is reduce-scattered
@@ -196,6 +201,12 @@ class ColumnParallelLinear(_ParallelLinear):
             holds its block of q, of k and of v) and for rows held by several ranks (KV heads
             replicated when there are fewer than ranks: their weight gradients are summed over
             the ranks that hold them). Not combinable with ``gather_output``.
+        src_rank: the rank of ``group`` whose initial weights every rank takes (default 0,
+            as PyTorch's ``src_data_rank``): it draws the full matrix and sends each rank its
+            shard, in steps of bounded size (``TPX_INIT_CHUNK_BYTES``), so it holds one full
+            matrix and the others one shard. ``None``: every rank draws the full matrix and
+            keeps its shard, with no communication of weights; the ranks must then be seeded
+            alike (``torch.manual_seed``), which is checked with a checksum.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -203,7 +214,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  sequence_parallel: bool = False, sequence_dim: int = 1,
                  chunks: Optional[int] = None, device=None, dtype=None,
                  out_rows: Optional[Sequence[Sequence[Tuple[int, int]]]] = None,
-                 _full_weights=None) -> None:
+                 src_rank: Optional[int] = 0, _full_weights=None) -> None:
         super().__init__()
         _check_features("ColumnParallelLinear", in_features=in_features,
                         out_features=out_features)
@@ -231,21 +242,18 @@ class ColumnParallelLinear(_ParallelLinear):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(local, **factory)) if bias else None
-        checksum = self._init_weights(_full_weights)
-        check_same_on_ranks(self.group, "ColumnParallelLinear", self._config(
-            gather_output=self.gather_output, initial_weights=checksum,
-            out_rows=[list(map(list, rows)) for rows in self.out_rows]))
+        self.src_rank = src_rank
+        self._init_weights(_full_weights)
 
-    def _local_rows(self, full: Tensor) -> Tensor:
-        rows = self.out_rows[self.rank]
-        if len(rows) == 1:
-            return full[rows[0][0]:rows[0][1]]
-        return torch.cat([full[s:e] for s, e in rows])
+    def _layer_config(self) -> dict:
+        return self._config(gather_output=self.gather_output,
+                            out_rows=[list(map(list, rows)) for rows in self.out_rows])
 
-    def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
-        self.weight.copy_(self._local_rows(weight))
-        if self.bias is not None:
-            self.bias.copy_(self._local_rows(bias))
+    def _weight_layout(self):
+        return self.out_rows, 0
+
+    def _bias_layout(self):
+        return self.out_rows, 0
 
     def _shards(self):
         """(parameter name, sharded dim, rows of the full tensor held by each rank)."""
@@ -254,12 +262,15 @@ class ColumnParallelLinear(_ParallelLinear):
             yield "bias", 0, self.out_rows
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, **kwargs
-                    ) -> "ColumnParallelLinear":
-        """Shards an ``nn.Linear`` that every rank holds whole (no communication of weights):
-        keeps rows ``shard_range(out_features)`` of its weight and bias. ``kwargs`` are the
-        keyword arguments of the constructor (``gather_output``, ``sequence_parallel``, ...)."""
-        return cls._from_linear(linear, group, kwargs)
+    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, *,
+                    src_rank: Optional[int] = 0, **kwargs) -> "ColumnParallelLinear":
+        """Shards an ``nn.Linear`` that every rank holds whole: every rank gets rows
+        ``shard_range(out_features)`` of the weight and bias of rank ``src_rank``'s layer (the
+        other ranks' layers are not read; they need the same sizes). With ``src_rank=None``
+        each rank keeps its rows of its own layer, with no communication of weights (the
+        layers must then be equal on every rank, which is checked). ``kwargs`` are the keyword
+        arguments of the constructor (``gather_output``, ``sequence_parallel``, ...)."""
+        return cls._from_linear(linear, group, src_rank, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x, self.in_features, "in_features")
@@ -273,7 +284,7 @@ class ColumnParallelLinear(_ParallelLinear):
         w_t = weight.t()
         if self.sequence_parallel:
             _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
-                                         bias=bias)
+                                         bias=bias, return_gathered=False)
         else:
             y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
         if self.gather_output:
@@ -299,7 +310,9 @@ class RowParallelLinear(_ParallelLinear):
     This rank holds ``weight[:, in_start:in_end]`` (``tpx.shard_range(in_features)``;
     uneven splits are supported: the input shard must then have this rank's width, as a
     column layer with the same ``out_features`` produces). The bias is replicated: every
-    rank holds all of it and, after backward, the same full gradient of it.
+    rank holds all of it and, after backward, the same full gradient of it. The initial
+    weights are those of rank ``src_rank`` (see :class:`ColumnParallelLinear`); the bias is
+    broadcast from it.
 
     Args:
         in_features, out_features, bias: as in ``nn.Linear`` (full sizes).
@@ -310,13 +323,15 @@ class RowParallelLinear(_ParallelLinear):
         sequence_dim: the sequence dimension of the input/output.
         chunks: pipeline depth of the overlapped collectives (``1``: no overlap).
         device, dtype: as in ``nn.Linear``.
+        src_rank: the rank whose initial weights every rank takes (default 0); ``None``: every
+            rank draws and keeps its part (ranks seeded alike, checked), no communication.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: GroupLike = None, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, sequence_dim: int = 1,
                  chunks: Optional[int] = None, device=None, dtype=None,
-                 _full_weights=None) -> None:
+                 src_rank: Optional[int] = 0, _full_weights=None) -> None:
         super().__init__()
         _check_features("RowParallelLinear", in_features=in_features, out_features=out_features)
         _check_chunks("RowParallelLinear", chunks)
@@ -331,14 +346,17 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(
             torch.empty(out_features, self.in_end - self.in_start, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        checksum = self._init_weights(_full_weights)
-        check_same_on_ranks(self.group, "RowParallelLinear", self._config(
-            input_is_parallel=self.input_is_parallel, initial_weights=checksum))
+        self.src_rank = src_rank
+        self._init_weights(_full_weights)
 
-    def _load_full(self, weight: Tensor, bias: Optional[Tensor]) -> None:
-        self.weight.copy_(weight[:, self.in_start:self.in_end])
-        if self.bias is not None:
-            self.bias.copy_(bias)
+    def _layer_config(self) -> dict:
+        return self._config(input_is_parallel=self.input_is_parallel)
+
+    def _weight_layout(self):
+        return [[_range(self.in_features, r, self.world_size)] for r in range(self.world_size)], 1
+
+    def _bias_layout(self):
+        return None, 0  # replicated
 
     def _shards(self):
         """(parameter name, sharded dim, columns of the full weight held by each rank)."""
@@ -346,11 +364,14 @@ class RowParallelLinear(_ParallelLinear):
                             for r in range(self.world_size)]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, **kwargs
-                    ) -> "RowParallelLinear":
-        """Shards an ``nn.Linear`` that every rank holds whole (no communication of weights):
-        keeps columns ``shard_range(in_features)`` of its weight, and all of its bias."""
-        return cls._from_linear(linear, group, kwargs)
+    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, *,
+                    src_rank: Optional[int] = 0, **kwargs) -> "RowParallelLinear":
+        """Shards an ``nn.Linear`` that every rank holds whole: every rank gets columns
+        ``shard_range(in_features)`` of the weight, and all of the bias, of rank
+        ``src_rank``'s layer. With ``src_rank=None`` each rank keeps its part of its own layer
+        (no communication of weights; the layers must be equal on every rank, which is
+        checked)."""
+        return cls._from_linear(linear, group, src_rank, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_is_parallel:

@@ -1,12 +1,15 @@
 """Sharding whole models: ``parallelize_module``, the parallel styles, ready-made plans and
-the loss-parallel context."""
+the loss-parallel context; ``compat`` holds the API of earlier PyTorch releases
+(``PairwiseParallel``, the ``make_input_*`` / ``make_output_*`` helpers)."""
 
 from . import plans
 from .api import parallelize_module
+from . import compat
+from .compat import PairwiseParallel
 from .loss_parallel import loss_parallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                     Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
-           "ShardedAttention", "loss_parallel", "plans"]
+           "ShardedAttention", "loss_parallel", "plans", "compat", "PairwiseParallel"]

@@ -3,33 +3,139 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List, Tuple, Union
+import hashlib
+import warnings
+from typing import Dict, List, Optional, Tuple, Union
 
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
-from ..group import GroupLike, resolve_group
-from .style import ParallelStyle
+from ..group import (DeviceMesh, GroupLike, broadcast_, check_same_on_ranks, check_src_rank,
+                     resolve_group)
+from .style import ParallelStyle, apply_style
 
 __all__ = ["parallelize_module"]
 
 
-def parallelize_module(module: nn.Module, group_or_mesh: GroupLike,
-                       plan: Union[ParallelStyle, Dict[str, ParallelStyle]], *,
+def _tp_group(device_mesh: GroupLike, tp_mesh_dim: Optional[int]) -> dist.ProcessGroup:
+    if tp_mesh_dim is None:
+        return resolve_group(device_mesh)
+    warnings.warn(
+        "tpx.parallelize_module: `tp_mesh_dim` is deprecated (as in PyTorch); pass the 1-D "
+        "TP mesh itself instead, e.g. device_mesh['tp'] (a mesh dimension named 'tp').",
+        DeprecationWarning, stacklevel=3)
+    if (not isinstance(tp_mesh_dim, int) or isinstance(tp_mesh_dim, bool)):
+        raise ValueError(f"tpx.parallelize_module: `tp_mesh_dim` must be an int; got "
+                         f"{tp_mesh_dim!r}")
+    if DeviceMesh and isinstance(device_mesh, DeviceMesh):
+        if not -device_mesh.ndim <= tp_mesh_dim < device_mesh.ndim:
+            raise ValueError(f"tpx.parallelize_module: tp_mesh_dim={tp_mesh_dim} is not a "
+                             f"dimension of the {device_mesh.ndim}-D device_mesh")
+        resolve_group(None)  # the same error as elsewhere when torch.distributed is not set up
+        return device_mesh.get_group(mesh_dim=tp_mesh_dim % device_mesh.ndim)
+    if tp_mesh_dim not in (0, -1):
+        raise ValueError(f"tpx.parallelize_module: tp_mesh_dim={tp_mesh_dim} needs an N-D "
+                         "DeviceMesh; a process group (or None) has one dimension: pass 0")
+    return resolve_group(device_mesh)
+
+
+def _structure(module: nn.Module) -> str:
+    """A digest of the names, shapes and dtypes of a module's parameters and buffers."""
+    parts = [(n, tuple(t.shape), str(t.dtype)) for n, t in module.named_parameters()]
+    parts += [(n, tuple(t.shape), str(t.dtype)) for n, t in module.named_buffers()]
+    return hashlib.sha1(repr(parts).encode()).hexdigest()
+
+
+def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
+                       parallelize_plan: Union[ParallelStyle, Dict[str, ParallelStyle], None] = None,
+                       tp_mesh_dim: Optional[int] = None, *, src_rank: Optional[int] = 0,
                        strict: bool = True) -> nn.Module:
     """Shards ``module`` in place over a TP group (``None``, a ``ProcessGroup`` or a 1-D
-    ``DeviceMesh``) and returns it, as ``torch.distributed.tensor.parallel.parallelize_module``.
+    ``DeviceMesh``, e.g. ``DeviceMesh("cpu", torch.arange(world))``) and returns it, as
+    ``torch.distributed.tensor.parallel.parallelize_module``.
 
-    ``plan`` is a style (applied to ``module`` itself) or a dict from module-name patterns
-    (``fnmatch`` wildcards: ``"layers.*.attention.wq"``) to styles. Patterns are matched
-    against the names of ``module.named_modules()`` before anything is replaced. Under
+    ``parallelize_plan`` is a style (applied to ``module`` itself) or a dict from module-name
+    patterns (``fnmatch`` wildcards: ``"layers.*.attention.wq"``) to styles. Patterns are
+    matched against the names of ``module.named_modules()`` before anything is replaced. Under
     ``strict=True`` a pattern that matches no module is a ``ValueError``.
+
+    ``src_rank`` (default 0, as PyTorch's ``src_data_rank``): the rank of the TP group whose
+    module is used. Sharded parameters are cut from its full tensors (each rank receives its
+    shard); every other parameter and buffer of ``module`` (norms, a layer the plan leaves
+    whole) is broadcast from it, so the ranks need not be seeded alike. ``src_rank=None``: no
+    communication of weights; every rank keeps its part of its own module, which must then be
+    equal on every rank (sharded weights are compared by checksum).
+
+    ``tp_mesh_dim`` (deprecated, from earlier PyTorch releases): the dimension of an N-D
+    ``device_mesh`` to shard over; pass ``device_mesh["tp"]`` instead.
     """
-    pg = resolve_group(group_or_mesh)
+    pg = _tp_group(device_mesh, tp_mesh_dim)
+    plan = parallelize_plan
+    if plan is None:
+        raise ValueError("tpx.parallelize_module: `parallelize_plan` is required: a "
+                         "ParallelStyle or a dict from module-name patterns to styles")
+    if not isinstance(plan, (ParallelStyle, dict)):
+        raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle or a "
+                        f"dict from module-name patterns to styles; got {type(plan).__name__}")
+    plan_desc = (type(plan).__name__ if isinstance(plan, ParallelStyle)
+                 else [(k, type(v).__name__) for k, v in plan.items()])
+    check_same_on_ranks(pg, "parallelize_module", dict(
+        src_rank=src_rank, plan=plan_desc, module=_structure(module)))
+    check_src_rank("parallelize_module", src_rank, pg.size())
+    before = dict(module.named_parameters(remove_duplicate=False))
     if isinstance(plan, ParallelStyle):
-        return plan.apply(module, pg)
-    if not isinstance(plan, dict):
-        raise TypeError("tpx.parallelize_module: `plan` must be a ParallelStyle or a dict from "
-                        f"module-name patterns to styles; got {type(plan).__name__}")
+        module = apply_style(plan, module, pg, src_rank)
+    else:
+        _apply_plan(module, pg, plan, src_rank, strict)
+    _keep_parameter_objects(module, before)
+    if src_rank is not None and pg.size() > 1:
+        broadcast_(pg, src_rank, _unsharded_tensors(module))
+    return module
+
+
+def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter]) -> None:
+    """The sharded modules take over the ``Parameter`` objects of the modules they replace
+    (now holding the shard), so that an optimizer built before ``parallelize_module`` (as the
+    examples of earlier PyTorch releases do) steps the sharded weights, and ``requires_grad``
+    (a frozen weight) is kept."""
+    for path, new in list(module.named_parameters(remove_duplicate=False)):
+        old = before.get(path)
+        owner_name, _, attr = path.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if old is None or old is new or not hasattr(owner, "_shards"):
+            continue
+        if old.data is not new.data:
+            requires_grad = old.requires_grad
+            old.data = new.data
+            old.requires_grad_(requires_grad)
+            if old.grad is not None and old.grad.shape != new.shape:
+                old.grad = None
+        setattr(owner, attr, old)
+
+
+def _unsharded_tensors(module: nn.Module) -> List[Tensor]:
+    """Parameters and buffers of ``module`` outside tpx's sharded modules (whose weights came
+    from the source rank when they were built), each once, in a fixed order."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # type: ignore[assignment,misc]
+    skip = {id(p) for m in module.modules() if hasattr(m, "_shards") for p in m.parameters()}
+    out: List[Tensor] = []
+    for m in module.modules():
+        if hasattr(m, "_shards"):
+            continue
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            if (t is None or id(t) in skip or t.device.type == "meta"
+                    or (DTensor and isinstance(t, DTensor))):
+                continue
+            skip.add(id(t))
+            out.append(t)
+    return out
+
+
+def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, ParallelStyle],
+                src_rank: Optional[int], strict: bool) -> None:
     names = [name for name, _ in module.named_modules() if name]
     # Parameters shared by several modules (tied embeddings: GPT-2's wte and lm_head) are tied
     # again after sharding, when the sharded modules hold the same block.
@@ -54,7 +160,7 @@ def parallelize_module(module: nn.Module, group_or_mesh: GroupLike,
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, child)
         try:
-            new = style.apply(old, pg)
+            new = apply_style(style, old, pg, src_rank)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
@@ -63,7 +169,6 @@ def parallelize_module(module: nn.Module, group_or_mesh: GroupLike,
             setattr(parent, child, new)
     for tie in ties:
         _retie(module, tie)
-    return module
 
 
 def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:

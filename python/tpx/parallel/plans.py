@@ -26,7 +26,7 @@ from typing import Dict, Optional
 from torch import nn
 
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
-                    RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
+                    RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
 
 __all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder"]
 
@@ -118,9 +118,9 @@ class _Chain(ParallelStyle):
     def __init__(self, *styles: ParallelStyle) -> None:
         self.styles = styles
 
-    def apply(self, module, pg):
+    def apply(self, module, pg, src_rank=0):
         for style in self.styles:
-            module = style.apply(module, pg)
+            module = apply_style(style, module, pg, src_rank)
         return module
 
     def __repr__(self) -> str:

@@ -7,6 +7,7 @@ carries the same full gradient on every rank.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -20,7 +21,8 @@ from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLine
                   VocabParallelEmbedding)
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention"]
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
+           "apply_style"]
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,24 @@ def _head_rows(segments: Sequence[int], head_size: Optional[int], replicate_head
 
 class ParallelStyle:
     """Base of the styles: ``apply(module, group)`` returns the sharded module (the same
-    object, with hooks, or a tpx replacement)."""
+    object, with hooks, or a tpx replacement). Styles that build tpx modules also take
+    ``src_rank`` (the rank whose weights are used, as ``tpx.parallelize_module``'s)."""
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:  # pragma: no cover
         raise NotImplementedError
+
+
+def apply_style(style: ParallelStyle, module: nn.Module, pg: dist.ProcessGroup,
+                src_rank: Optional[int] = 0) -> nn.Module:
+    """``style.apply(module, pg)``, passing ``src_rank`` to styles whose ``apply`` takes it
+    (user-defined styles with ``apply(module, pg)`` keep working)."""
+    try:
+        takes = "src_rank" in inspect.signature(style.apply).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        takes = False
+    if takes:
+        return style.apply(module, pg, src_rank=src_rank)
+    return style.apply(module, pg)
 
 
 class ColwiseParallel(ParallelStyle):
@@ -159,13 +175,15 @@ class ColwiseParallel(ParallelStyle):
         self.segments = tuple(segments) if segments is not None else None
         self.head_size, self.replicate_heads = head_size, bool(replicate_heads)
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
+              src_rank: Optional[int] = 0) -> nn.Module:
         sp = isinstance(self.input_layouts, Shard)
         gather = isinstance(self.output_layouts, Replicate)
         if isinstance(module, nn.Embedding):
             if sp:
                 raise ValueError("tpx.ColwiseParallel: an nn.Embedding takes Replicate() ids")
-            return ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather)
+            return ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather,
+                                                          src_rank=src_rank)
         in_f, out_f, weight, bias, transposed = _linear_parts("ColwiseParallel", module)
         out_rows = None
         if self.segments is not None or self.head_size is not None:
@@ -180,7 +198,7 @@ class ColwiseParallel(ParallelStyle):
             in_f, out_f, bias=bias is not None, group=pg, gather_output=gather,
             sequence_parallel=sp, sequence_dim=self.input_layouts.dim if sp else 1,
             chunks=self.chunks, device=weight.device, dtype=weight.dtype, out_rows=out_rows,
-            _full_weights=(weight, bias))
+            src_rank=src_rank, _full_weights=(weight, bias))
         new._transposed_weight = transposed
         return new
 
@@ -204,14 +222,15 @@ class RowwiseParallel(ParallelStyle):
         self.input_layouts, self.output_layouts = input_layouts, output_layouts or Replicate()
         self.chunks = chunks
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
+              src_rank: Optional[int] = 0) -> nn.Module:
         sp = isinstance(self.output_layouts, Shard)
         seq_dim = self.output_layouts.dim if sp else 1
         if isinstance(module, nn.Embedding):
             if self.input_layouts is not None and not isinstance(self.input_layouts, Replicate):
                 raise ValueError("tpx.RowwiseParallel: an nn.Embedding takes Replicate() ids")
             return VocabParallelEmbedding.from_embedding(module, group=pg, sequence_parallel=sp,
-                                                         sequence_dim=seq_dim)
+                                                         sequence_dim=seq_dim, src_rank=src_rank)
         in_f, out_f, weight, bias, transposed = _linear_parts("RowwiseParallel", module)
         layout = self.input_layouts or Shard(-1)
         if isinstance(layout, Shard) and layout.dim != -1:
@@ -221,7 +240,7 @@ class RowwiseParallel(ParallelStyle):
             in_f, out_f, bias=bias is not None, group=pg,
             input_is_parallel=isinstance(layout, Shard), sequence_parallel=sp,
             sequence_dim=seq_dim, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
-            _full_weights=(weight, bias))
+            src_rank=src_rank, _full_weights=(weight, bias))
         new._transposed_weight = transposed
         return new
 
@@ -241,6 +260,16 @@ class SequenceParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        linears = [n for n, m in module.named_modules()
+                   if isinstance(m, nn.Linear) or _is_conv1d(m)]
+        if linears:
+            raise ValueError(
+                f"tpx.SequenceParallel applies to modules that work row by row (LayerNorm, "
+                f"RMSNorm, dropout); {type(module).__name__} holds linear layers "
+                f"({linears[:4]}). The older PyTorch SequenceParallel (a column/row pair with "
+                "sequence-sharded input and output) is tpx.parallel.compat.SequenceParallel, or "
+                "in the current API: ColwiseParallel(input_layouts=Shard(0)) on the first "
+                "layer and RowwiseParallel(output_layouts=Shard(0)) on the second.")
         if pg.size() > 1:
             for p in module.parameters():
                 if p.requires_grad:

@@ -1,0 +1,35 @@
+// Communication accounting: every collective a tpx op issues is counted per process group
+// and kind, with the size of this rank's message. Always on: one mutex-protected map update
+// per collective, negligible next to the collective itself. Python reads the counters through
+// tpx.comm_stats().
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
+namespace tpx {
+
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast };
+
+const char* collective_name(Collective kind);
+
+// Records one collective issued on `pg`. `bytes` is this rank's message: its input for an
+// all-gather, its output for a reduce-scatter, the whole buffer for an all-reduce or a
+// broadcast (on every rank, the root included).
+void count_collective(const c10d::ProcessGroup& pg, Collective kind, int64_t bytes);
+void count_collective(const std::string& group_name, Collective kind, int64_t bytes);
+
+struct CommCounter {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+
+// (group name, kind name) -> cumulative counter since the process started (or the last reset).
+std::map<std::pair<std::string, std::string>, CommCounter> comm_counters();
+void reset_comm_counters();
+
+}  // namespace tpx
