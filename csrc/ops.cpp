@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "overlap/collective_matmul.h"
+#include "overlap/multidim.h"
 #include "vocab/cross_entropy.h"
 #include "vocab/embedding.h"
 #include "vocab/linear_cross_entropy.h"
@@ -62,6 +63,23 @@ TORCH_LIBRARY(tpx, m) {
       "Tensor? bias, Tensor target, Tensor lse, int vocab_start, int vocab_size, "
       "str group_name, int chunk_size, int ignore_index, float label_smoothing, "
       "bool need_hidden, bool need_weight, bool need_bias) -> (Tensor?, Tensor?, Tensor?)");
+  // Multi-dimensional tensor parallelism (csrc/overlap/multidim.h).
+  m.def(
+      "linear_2d(Tensor x, Tensor weight, Tensor? bias, str row_group, str col_group, "
+      "str? depth_group=None) -> Tensor");
+  m.def(
+      "linear_2d_backward(Tensor grad_out, Tensor x, Tensor weight, str row_group, "
+      "str col_group, str? depth_group, bool need_x, bool need_weight, bool need_bias) "
+      "-> (Tensor?, Tensor?, Tensor?)");
+  m.def(
+      "linear_3d(Tensor x, Tensor weight, Tensor? bias, str input_group, str batch_group, "
+      "str hidden_group, int? chunks=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_3d_backward(Tensor grad_out, Tensor x_gathered, Tensor weight_gathered, "
+      "str input_group, str batch_group, str hidden_group, int? chunks, bool need_x, "
+      "bool need_weight, bool need_bias) -> (Tensor?, Tensor?, Tensor?)");
+  m.def("mesh_all_reduce(Tensor x, str group) -> Tensor");
+  m.def("mesh_all_gather(Tensor x, str group) -> Tensor");
 }
 
 #define TPX_REGISTER_OPS(m)                                           \
@@ -85,3 +103,15 @@ TORCH_LIBRARY(tpx, m) {
 TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_OPS(m); }
 
 TORCH_LIBRARY_IMPL(tpx, CUDA, m) { TPX_REGISTER_OPS(m); }
+
+#define TPX_REGISTER_MULTIDIM_OPS(m)                                                   \
+  m.impl("linear_2d", &tpx::linear_2d);                                                \
+  m.impl("linear_2d_backward", &tpx::linear_2d_backward);                              \
+  m.impl("linear_3d", &tpx::linear_3d);                                                \
+  m.impl("linear_3d_backward", &tpx::linear_3d_backward);                              \
+  m.impl("mesh_all_reduce", &tpx::mesh_all_reduce);                                    \
+  m.impl("mesh_all_gather", &tpx::mesh_all_gather)
+
+TORCH_LIBRARY_IMPL(tpx, CPU, m) { TPX_REGISTER_MULTIDIM_OPS(m); }
+
+TORCH_LIBRARY_IMPL(tpx, CUDA, m) { TPX_REGISTER_MULTIDIM_OPS(m); }

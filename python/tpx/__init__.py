@@ -15,6 +15,11 @@ from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinea
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
 from . import checkpoint, memory
+from . import autograd_multidim, mesh
+from .mesh import init_mesh
+from .nn.multidim import (Embedding2D, Embedding2p5D, Embedding3D, LayerNorm2D, LayerNorm2p5D, LayerNorm3D, Linear2D, Linear2p5D,
+                          Linear3D, RMSNorm2D, RMSNorm2p5D, RMSNorm3D, gather_output,
+                          split_input)
 
 __version__ = "0.1.0"
 
@@ -49,6 +54,9 @@ __all__ = [
     "shard_range",
     "__version__",
 ]
+__all__ += ["init_mesh", "mesh", "Linear2D", "Linear2p5D", "Linear3D", "gather_output",
+            "split_input", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D", "RMSNorm2D",
+            "RMSNorm2p5D", "RMSNorm3D", "Embedding2D", "Embedding2p5D", "Embedding3D"]
 
 
 def build_info() -> dict:

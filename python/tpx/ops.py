@@ -399,3 +399,97 @@ def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, bias, target,
     grad_weight = (torch.empty_like(weight, memory_format=torch.contiguous_format)
                    if need_weight else None)
     return grad_hidden, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-dimensional tensor parallelism (2-D SUMMA, 2.5-D, 3-D): the block notation and which
+# mesh dimension splits which tensor dimension are in tpx.nn.multidim and csrc/overlap/multidim.
+# Every op takes the nn.Linear weight block [out_local, in_local] and computes x @ weight.T.
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], row_group: str,
+              col_group: str, depth_group: Optional[str] = None) -> Tensor:
+    """2-D SUMMA ``Y = X A`` (``A = W^T``) over a q x q grid, q pipelined steps: step ``l``
+    broadcasts ``X_il`` along the mesh row and ``A_lj`` along the mesh column while step
+    ``l-1``'s GEMM accumulates ``X_i(l-1) A_(l-1)j``.
+
+    Placement (rank ``(i, j)``: ``i`` its index in ``row_group``, ``j`` in ``col_group``):
+    ``x = X_ij [B/q, ..., k/q]`` (S(0) over "row", S(-1) over "col"), ``weight = W_ji
+    [n/q, k/q]`` (``A_ij``), ``bias`` block ``j [n/q]`` (R over "row") ->
+    ``y = Y_ij [B/q, ..., n/q]`` (S(0) over "row", S(-1) over "col").
+
+    ``depth_group`` (2.5-D): the weight is replicated over it, so the backward sums the weight
+    and bias gradients over it; the forward does not use it.
+    """
+    return torch.ops.tpx.linear_2d(x, weight, bias, row_group, col_group, depth_group)
+
+
+def linear_3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], input_group: str,
+              batch_group: str, hidden_group: str,
+              chunks: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """3-D ``Y = X A``: all-gather ``x`` over ``batch_group`` and ``weight`` over
+    ``input_group``, GEMM, reduce-scatter over ``hidden_group``; row chunk ``c+1``'s gathers
+    are in flight during chunk ``c``'s GEMMs.
+
+    Placement (rank ``(i, o, h)`` = its index in input/batch/hidden groups):
+    ``x [B/q^2, ..., k/q]`` = rows block ``i*q + o``, features block ``h``;
+    ``weight [n/q^2, k/q]`` = out block ``o*q + i``, in block ``h``; ``bias [n/q]`` = out
+    block ``o`` -> ``y [B/q^2, ..., n/q]`` = rows block ``i*q + h``, out block ``o``; also
+    returns ``x_gathered [B/q, ..., k/q]`` and ``weight_gathered [n/q, k/q]`` (kept for the
+    backward).
+    """
+    return torch.ops.tpx.linear_3d(x, weight, bias, input_group, batch_group, hidden_group,
+                                   chunks)
+
+
+def mesh_all_reduce(x: Tensor, group: str) -> Tensor:
+    """Out-of-place sum of ``x`` over the group named ``group``: ``P -> R``."""
+    return torch.ops.tpx.mesh_all_reduce(x, group)
+
+
+def mesh_all_gather(x: Tensor, group: str) -> Tensor:
+    """Every rank's ``x`` stacked in rank order: ``[world, *x.shape]``."""
+    return torch.ops.tpx.mesh_all_gather(x, group)
+
+
+@torch.library.register_fake("tpx::linear_2d")
+def _linear_2d_fake(x, weight, bias, row_group, col_group, depth_group=None):
+    return x.new_empty(list(x.shape[:-1]) + [weight.shape[0]])
+
+
+@torch.library.register_fake("tpx::linear_2d_backward")
+def _linear_2d_backward_fake(grad_out, x, weight, row_group, col_group, depth_group, need_x,
+                             need_weight, need_bias):
+    return (x.new_empty(x.shape) if need_x else None,
+            weight.new_empty(weight.shape) if need_weight else None,
+            grad_out.new_empty((weight.shape[0],)) if need_bias else None)
+
+
+@torch.library.register_fake("tpx::linear_3d")
+def _linear_3d_fake(x, weight, bias, input_group, batch_group, hidden_group, chunks=None):
+    q = _world(input_group)
+    gathered = x.new_empty([x.shape[0] * q] + list(x.shape[1:]))
+    return (x.new_empty(list(x.shape[:-1]) + [weight.shape[0] * q]), gathered,
+            weight.new_empty((weight.shape[0] * q, weight.shape[1])))
+
+
+@torch.library.register_fake("tpx::linear_3d_backward")
+def _linear_3d_backward_fake(grad_out, x_gathered, weight_gathered, input_group, batch_group,
+                             hidden_group, chunks, need_x, need_weight, need_bias):
+    q = _world(input_group)
+    return (x_gathered.new_empty([x_gathered.shape[0] // q] + list(x_gathered.shape[1:]))
+            if need_x else None,
+            weight_gathered.new_empty((weight_gathered.shape[0] // q, weight_gathered.shape[1]))
+            if need_weight else None,
+            grad_out.new_empty((weight_gathered.shape[0],)) if need_bias else None)
+
+
+@torch.library.register_fake("tpx::mesh_all_reduce")
+def _mesh_all_reduce_fake(x, group):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("tpx::mesh_all_gather")
+def _mesh_all_gather_fake(x, group):
+    return x.new_empty([_world(group)] + list(x.shape))

@@ -1,0 +1,567 @@
+// Multi-dimensional tensor parallelism in the overlap engine.
+//
+// Notation (Y = X A, A = W^T with W the nn.Linear weight [out, in]; B rows of X after the
+// leading dimensions are flattened, k = in features, n = out features):
+//
+// 2-D (SUMMA, q x q ranks; Xu et al., "An Efficient 2D Method for Training Super-Large Deep
+// Learning Models", arXiv:2104.05343; van de Geijn & Watts, SUMMA, 1997). Rank (i, j) has
+// coordinate i along the mesh dimension "row" and j along "col". It holds
+//   X_ij  = rows block i (B/q), feature block j (k/q) of X
+//   A_ij  = in block i (k/q), out block j (n/q) of A, stored as W_ji = A_ij^T  [n/q, k/q]
+//   Y_ij  = rows block i, out block j                                         [B/q, n/q]
+// so "row" splits the batch and the contraction rows of A, "col" splits the features.
+// The group `row_group` holds the ranks of one mesh column (varying i, fixed j), the group
+// `col_group` those of one mesh row (varying j, fixed i); a rank's index in them is i, j.
+//   forward   Y_ij  = sum_l X_il A_lj:  step l broadcasts X_il over col_group (root l) and
+//             W_lj over row_group (root l), then one GEMM accumulates X_il W_lj^T.
+//   backward  dX_il = sum_j dY_ij A_lj^T = sum_j dY_ij W_lj: step l broadcasts W_lj over
+//             row_group (root l); rank (i, j) computes dY_ij W_lj and the partials are
+//             reduced over col_group to root l, which is rank (i, l).
+//             dA_lj = sum_i X_il^T dY_ij, i.e. dW_lj = sum_i dY_ij^T X_il: step l
+//             broadcasts X_il over col_group (root l); the partials dY_ij^T X_il are reduced
+//             over row_group to root l, which is rank (l, j).
+//             dbias_j = sum over the rows of every dY_ij: all-reduced over row_group.
+// Pipelining: the broadcasts of step l+1 are in flight while the GEMM(s) of step l run, and
+// the reductions of step l while those of step l+1 run (two staging buffers per product).
+//
+// 2.5-D (d x q x q; Wang et al., "2.5-dimensional distributed model training",
+// arXiv:2105.14500): each depth layer is a 2-D grid over its own rows of X (the batch is
+// split over depth, then over row), the weight blocks are replicated over depth, so the
+// forward and the input gradient are the 2-D ops and the weight and bias gradients are
+// additionally all-reduced over `depth_group`.
+//
+// 3-D (q x q x q; Bian et al., "Maximizing Parallelism in Distributed Training for Huge
+// Neural Networks", arXiv:2105.14450). The mesh dimensions are "input" (coordinate i) and two
+// activation dimensions: `hidden` (coordinate h) splits the input features of this layer and
+// `batch` (coordinate o) splits, with "input", the batch. Rank (i, o, h) holds
+//   X_ioh = rows block (i, o) (B/q^2), feature block h (k/q)
+//   W_(o,i),h = out block o*q + i (n/q^2), in block h (k/q)  [A_h,(o,i) in A's blocks]
+//   Y_ioh = rows block (i, h) (B/q^2), out block o (n/q)
+// forward: all-gather X over batch_group (-> X_ih: rows block i, in block h), all-gather W
+// over input_group (-> W_oh: out block o, in block h), P = X_ih W_oh^T (partial over h),
+// reduce-scatter P over hidden_group along the rows (rank h gets rows sub-block h).
+// The output is split in features by the `batch` mesh dimension of this layer: the next
+// 3-D layer takes the two activation dimensions swapped (the layers alternate).
+// backward: all-gather dY over hidden_group (-> dY_io: rows block i, out block o);
+// dX_ih = dY_io W_oh (partial over o) reduce-scattered over batch_group along the rows;
+// dW_oh = dY_io^T X_ih (partial over i) reduce-scattered over input_group along its rows.
+// Chunked: the gathers of row chunk c+1 are in flight during chunk c's GEMMs, and chunk c's
+// reduce-scatter runs while chunk c+1 is computed.
+#include "overlap/multidim.h"
+
+#include "common/comm_stats.h"
+#include "common/process_group.h"
+#include "overlap/collective_matmul.h"
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+// ProcessGroup::_allgather_base/_reduce_scatter_base are the spelling every supported torch
+// release has (>= 2.5); newer releases mark them deprecated in favour of *_single.
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+
+namespace tpx {
+namespace {
+
+using c10d::ProcessGroup;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using OptTensor = std::optional<at::Tensor>;
+
+enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// Every collective these ops issue goes through here (one call per collective) into
+// tpx.comm_stats(). The accounting has no kind for a reduce-to-root yet (2-D backward), so
+// those are not counted.
+void note_collective(const ProcessGroup& pg, Kind kind, int64_t bytes) {
+  switch (kind) {
+    case Kind::kAllGather:
+      count_collective(pg, Collective::kAllGather, bytes);
+      break;
+    case Kind::kReduceScatter:
+      count_collective(pg, Collective::kReduceScatter, bytes);
+      break;
+    case Kind::kAllReduce:
+      count_collective(pg, Collective::kAllReduce, bytes);
+      break;
+    case Kind::kBroadcast:
+      count_collective(pg, Collective::kBroadcast, bytes);
+      break;
+    case Kind::kReduce:
+      break;
+  }
+}
+
+WorkPtr md_broadcast(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  note_collective(pg, Kind::kBroadcast, nbytes(t));
+  return pg.broadcast(v, opts);
+}
+
+WorkPtr md_reduce_to(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
+  std::vector<at::Tensor> v{t};
+  c10d::ReduceOptions opts;
+  opts.rootRank = root;
+  note_collective(pg, Kind::kReduce, nbytes(t));
+  return pg.reduce(v, opts);
+}
+
+WorkPtr md_all_reduce(ProcessGroup& pg, const at::Tensor& t) {
+  std::vector<at::Tensor> v{t};
+  note_collective(pg, Kind::kAllReduce, nbytes(t));
+  return pg.allreduce(v);
+}
+
+WorkPtr md_all_gather_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
+  at::Tensor o = out, i = in;
+  note_collective(pg, Kind::kAllGather, nbytes(in));
+  return pg._allgather_base(o, i);
+}
+
+// Gathers `in` of every rank into row pieces of `out` that need not be contiguous together.
+WorkPtr md_all_gather_pieces(ProcessGroup& pg, std::vector<at::Tensor> pieces, const at::Tensor& in) {
+  std::vector<at::Tensor> ins{in};
+  std::vector<std::vector<at::Tensor>> outs{std::move(pieces)};
+  note_collective(pg, Kind::kAllGather, nbytes(in));
+  return pg.allgather(outs, ins);
+}
+
+WorkPtr md_reduce_scatter_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
+  at::Tensor o = out, i = in;
+  note_collective(pg, Kind::kReduceScatter, nbytes(out));
+  return pg._reduce_scatter_base(o, i);
+}
+
+void wait_all(std::vector<WorkPtr>& works) {
+  for (auto& w : works) w->wait();
+  works.clear();
+}
+
+int64_t lead_rows(const at::Tensor& t) {
+  int64_t r = 1;
+  for (int64_t d = 0; d < t.dim() - 1; ++d) r *= t.size(d);
+  return r;
+}
+
+std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
+  auto v = sizes.vec();
+  v.back() = last;
+  return v;
+}
+
+struct Span {
+  int64_t lo;
+  int64_t len;
+};
+
+std::vector<Span> split_even(int64_t n, int64_t parts) {
+  std::vector<Span> spans;
+  const int64_t base = n / parts, extra = n % parts;
+  int64_t lo = 0;
+  for (int64_t i = 0; i < parts; ++i) {
+    const int64_t len = base + (i < extra ? 1 : 0);
+    if (len > 0) spans.push_back({lo, len});
+    lo += len;
+  }
+  return spans;
+}
+
+// As in the 1-D engine: below this many bytes per chunk a collective is mostly latency.
+constexpr int64_t kMinDefaultChunkBytes = int64_t{1} << 20;
+
+// `rows` and `bytes` describe a buffer whose shape every rank of the groups shares, so all
+// ranks pick the same depth and issue matching collectives.
+int64_t pick_chunks(std::optional<int64_t> chunks, int64_t rows, int64_t bytes) {
+  TORCH_CHECK_VALUE(!chunks.has_value() || *chunks >= 1,
+                    "tpx: chunks must be >= 1 (or None for the default); got ", *chunks);
+  int64_t c = chunks.has_value() ? *chunks : default_chunks();
+  if (!chunks.has_value()) c = std::min(c, std::max<int64_t>(1, bytes / kMinDefaultChunkBytes));
+  return std::max<int64_t>(1, std::min(c, rows));
+}
+
+void check_linear(const char* op, const at::Tensor& x, const at::Tensor& w,
+                  const OptTensor& bias) {
+  TORCH_CHECK_VALUE(x.dim() >= 2, "tpx.", op, ": `x` must have at least 2 dimensions "
+                    "([batch, ..., features]); got shape ", x.sizes());
+  TORCH_CHECK_VALUE(w.dim() == 2, "tpx.", op, ": `weight` must be the 2-D block [out_local, "
+                    "in_local] of an nn.Linear weight; got shape ", w.sizes());
+  TORCH_CHECK_VALUE(x.size(-1) == w.size(1), "tpx.", op, ": x.size(-1) = ", x.size(-1),
+                    " must equal weight.size(1) = ", w.size(1), " (this rank's input features)");
+  TORCH_CHECK_VALUE(at::isFloatingType(x.scalar_type()) && x.scalar_type() == w.scalar_type(),
+                    "tpx.", op, ": `x` (", x.scalar_type(), ") and `weight` (", w.scalar_type(),
+                    ") must be floating point of the same dtype");
+  TORCH_CHECK_VALUE(x.device() == w.device(), "tpx.", op, ": `x` is on ", x.device(),
+                    " but `weight` is on ", w.device());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->scalar_type() == x.scalar_type() &&
+                          bias->device() == x.device(),
+                      "tpx.", op, ": `bias` must be 1-D with the dtype and device of `x`; got "
+                      "shape ", bias->sizes(), " dtype ", bias->scalar_type());
+  }
+}
+
+// Two buffers a pipelined step alternates between, and the collectives that still use each.
+struct DoubleBuffer {
+  std::array<at::Tensor, 2> buf;
+  std::array<std::vector<WorkPtr>, 2> busy;
+  // The buffer for step `l`, once the collectives of step l-2 that used it are complete.
+  at::Tensor take(int64_t l) {
+    wait_all(busy[l % 2]);
+    return buf[l % 2];
+  }
+};
+
+}  // namespace
+
+at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                     const std::string& row_group, const std::string& col_group,
+                     const std::optional<std::string>& depth_group) {
+  (void)depth_group;  // the forward is per depth layer; the name is kept for the backward
+  check_linear("linear_2d", x, weight, bias);
+  auto rowpg = resolve_group(row_group), colpg = resolve_group(col_group);
+  const int64_t q = colpg->getSize();
+  TORCH_CHECK_VALUE(rowpg->getSize() == q, "tpx.linear_2d: the mesh must be square: the row "
+                    "group has ", rowpg->getSize(), " ranks and the col group ", q);
+  const int64_t i = rowpg->getRank(), j = colpg->getRank();
+  const int64_t m = lead_rows(x), k = x.size(-1), n = weight.size(0);
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->size(0) == n, "tpx.linear_2d: `bias` must hold this rank's ", n,
+                      " output features; got ", bias->size(0));
+  }
+  at::Tensor x2 = x.reshape({m, k}).contiguous();
+  at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty(with_last(x.sizes(), n), x.options());
+  at::Tensor out2 = out.view({m, n});
+  if (q == 1) {
+    if (bias.has_value()) {
+      at::addmm_out(out2, *bias, x2, w.t());
+    } else {
+      at::mm_out(out2, x2, w.t());
+    }
+    return out;
+  }
+  DoubleBuffer xb{{at::empty_like(x2), at::empty_like(x2)}, {}};
+  DoubleBuffer wb{{at::empty_like(w), at::empty_like(w)}, {}};
+  struct Step {
+    at::Tensor xl, wl;
+    std::vector<WorkPtr> works;
+  };
+  // Step l: X_il arrives over the mesh row (root: the rank of column l), W_lj over the mesh
+  // column (root: the rank of row l). The root sends its own block; the others receive into a
+  // buffer last read by the GEMM of step l-2, which has completed.
+  auto issue = [&](int64_t l) {
+    Step s;
+    s.xl = j == l ? x2 : xb.take(l);
+    s.wl = i == l ? w : wb.take(l);
+    s.works.push_back(md_broadcast(*colpg, s.xl, l));
+    s.works.push_back(md_broadcast(*rowpg, s.wl, l));
+    return s;
+  };
+  Step cur = issue(0);
+  for (int64_t l = 0; l < q; ++l) {
+    Step next;
+    if (l + 1 < q) next = issue(l + 1);
+    wait_all(cur.works);
+    if (l == 0) {
+      if (bias.has_value()) {
+        at::addmm_out(out2, *bias, cur.xl, cur.wl.t());
+      } else {
+        at::mm_out(out2, cur.xl, cur.wl.t());
+      }
+    } else {
+      out2.addmm_(cur.xl, cur.wl.t());
+    }
+    cur = std::move(next);
+  }
+  return out;
+}
+
+std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::string& row_group, const std::string& col_group,
+    const std::optional<std::string>& depth_group, bool need_x, bool need_weight,
+    bool need_bias) {
+  check_linear("linear_2d_backward", x, weight, std::nullopt);
+  auto rowpg = resolve_group(row_group), colpg = resolve_group(col_group);
+  c10::intrusive_ptr<ProcessGroup> depthpg;
+  if (depth_group.has_value()) depthpg = resolve_group(*depth_group);
+  const int64_t q = colpg->getSize();
+  TORCH_CHECK_VALUE(rowpg->getSize() == q, "tpx.linear_2d_backward: the mesh must be square: "
+                    "the row group has ", rowpg->getSize(), " ranks and the col group ", q);
+  const int64_t i = rowpg->getRank(), j = colpg->getRank();
+  const int64_t m = lead_rows(x), k = x.size(-1), n = weight.size(0);
+  TORCH_CHECK_VALUE(grad_out.size(-1) == n && lead_rows(grad_out) == m,
+                    "tpx.linear_2d_backward: grad_out of shape ", grad_out.sizes(),
+                    " does not match x ", x.sizes(), " and weight ", weight.sizes());
+  at::Tensor g2 = grad_out.reshape({m, n}).contiguous();
+  at::Tensor x2 = x.reshape({m, k}).contiguous();
+  at::Tensor w = weight.contiguous();
+  const bool depth = depthpg && depthpg->getSize() > 1;
+
+  OptTensor grad_x, grad_w, grad_b;
+  std::vector<WorkPtr> bias_works, tail;
+  if (need_bias) {
+    grad_b = g2.sum(0);
+    if (q > 1) bias_works.push_back(md_all_reduce(*rowpg, *grad_b));
+  }
+  at::Tensor gx2, gw;
+  if (need_x) {
+    grad_x = at::empty(x.sizes(), x.options());
+    gx2 = grad_x->view({m, k});
+  }
+  if (need_weight) {
+    grad_w = at::empty({n, k}, x.options());
+    gw = *grad_w;
+  }
+  if (q == 1) {
+    if (need_x) at::mm_out(gx2, g2, w);
+    if (need_weight) at::mm_out(gw, g2.t(), x2);
+  } else if (need_x || need_weight) {
+    // Staging only for the products that are computed.
+    auto pair = [](bool need, const at::Tensor& like) {
+      return need ? DoubleBuffer{{at::empty_like(like), at::empty_like(like)}, {}}
+                  : DoubleBuffer{};
+    };
+    DoubleBuffer wb = pair(need_x, w), px = pair(need_x, x2);
+    DoubleBuffer xb = pair(need_weight, x2), pw = pair(need_weight, w);
+    struct Step {
+      at::Tensor wl, xl;
+      std::vector<WorkPtr> works;
+    };
+    // Step l broadcasts W_lj over the mesh column (for dX) and X_il over the mesh row (for dW).
+    auto issue = [&](int64_t l) {
+      Step s;
+      if (need_x) {
+        s.wl = i == l ? w : wb.take(l);
+        s.works.push_back(md_broadcast(*rowpg, s.wl, l));
+      }
+      if (need_weight) {
+        s.xl = j == l ? x2 : xb.take(l);
+        s.works.push_back(md_broadcast(*colpg, s.xl, l));
+      }
+      return s;
+    };
+    Step cur = issue(0);
+    for (int64_t l = 0; l < q; ++l) {
+      Step next;
+      if (l + 1 < q) next = issue(l + 1);
+      wait_all(cur.works);
+      if (need_x) {
+        // dY_ij W_lj, summed over j at rank (i, l): written straight into dX there.
+        at::Tensor dst = j == l ? gx2 : px.take(l);
+        at::mm_out(dst, g2, cur.wl);
+        WorkPtr r = md_reduce_to(*colpg, dst, l);
+        (j == l ? tail : px.busy[l % 2]).push_back(r);
+      }
+      if (need_weight) {
+        // dY_ij^T X_il, summed over i at rank (l, j).
+        at::Tensor dst = i == l ? gw : pw.take(l);
+        at::mm_out(dst, g2.t(), cur.xl);
+        WorkPtr r = md_reduce_to(*rowpg, dst, l);
+        (i == l ? tail : pw.busy[l % 2]).push_back(r);
+      }
+      cur = std::move(next);
+    }
+    wait_all(px.busy[0]);
+    wait_all(px.busy[1]);
+    wait_all(pw.busy[0]);
+    wait_all(pw.busy[1]);
+  }
+  wait_all(tail);
+  if (depth && need_weight) tail.push_back(md_all_reduce(*depthpg, gw));
+  wait_all(bias_works);
+  if (depth && need_bias) tail.push_back(md_all_reduce(*depthpg, *grad_b));
+  wait_all(tail);
+  return {grad_x, grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
+    const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+    const std::string& input_group, const std::string& batch_group,
+    const std::string& hidden_group, std::optional<int64_t> chunks) {
+  check_linear("linear_3d", x, weight, bias);
+  auto inpg = resolve_group(input_group), batchpg = resolve_group(batch_group),
+       hidpg = resolve_group(hidden_group);
+  const int64_t q = inpg->getSize();
+  TORCH_CHECK_VALUE(batchpg->getSize() == q && hidpg->getSize() == q,
+                    "tpx.linear_3d: the mesh must be a cube: group sizes ", q, ", ",
+                    batchpg->getSize(), ", ", hidpg->getSize());
+  const int64_t m = lead_rows(x), k = x.size(-1), nl = weight.size(0), nq = q * nl;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->size(0) == nq, "tpx.linear_3d: `bias` must hold the ", nq,
+                      " output features of this rank's block column; got ", bias->size(0));
+  }
+  at::Tensor x2 = x.reshape({m, k}).contiguous();
+  at::Tensor w = weight.contiguous();
+  auto xg_shape = x.sizes().vec();
+  xg_shape[0] *= q;
+  at::Tensor xg = at::empty(xg_shape, x.options());
+  at::Tensor xg2 = xg.view({q * m, k});
+  at::Tensor wg = at::empty({nq, k}, x.options());
+  at::Tensor out = at::empty(with_last(x.sizes(), nq), x.options());
+  at::Tensor out2 = out.view({m, nq});
+  if (q == 1) {
+    xg2.copy_(x2);
+    wg.copy_(w);
+    if (bias.has_value()) {
+      at::addmm_out(out2, *bias, x2, w.t());
+    } else {
+      at::mm_out(out2, x2, w.t());
+    }
+    return {out, xg, wg};
+  }
+  // The bias is added once, before the reduction, by the rank of hidden coordinate 0.
+  const OptTensor bias_here = hidpg->getRank() == 0 ? bias : std::nullopt;
+  auto gemm = [&](const at::Tensor& dst, const at::Tensor& a) {
+    at::Tensor d = dst;
+    if (bias_here.has_value()) {
+      at::addmm_out(d, *bias_here, a, wg.t());
+    } else {
+      at::mm_out(d, a, wg.t());
+    }
+  };
+  std::vector<WorkPtr> wgather{md_all_gather_base(*inpg, wg, w)};
+  const auto spans = split_even(m, pick_chunks(chunks, m, nbytes(x2)));
+  std::vector<WorkPtr> gathers;
+  if (spans.size() == 1) {
+    gathers.push_back(md_all_gather_base(*batchpg, xg2, x2));
+  } else {
+    for (const auto& sp : spans) {
+      std::vector<at::Tensor> pieces;
+      for (int64_t r = 0; r < q; ++r) pieces.push_back(xg2.narrow(0, r * m + sp.lo, sp.len));
+      gathers.push_back(md_all_gather_pieces(*batchpg, std::move(pieces), x2.narrow(0, sp.lo, sp.len)));
+    }
+  }
+  wait_all(wgather);
+  at::Tensor staging = at::empty({q * m, nq}, x.options());
+  std::vector<WorkPtr> scatters;
+  if (spans.size() == 1) {
+    gathers[0]->wait();
+    gemm(staging, xg2);
+    scatters.push_back(md_reduce_scatter_base(*hidpg, out2, staging));
+  } else {
+    // Chunk c's staging block holds, for every destination d, the rows [lo, lo + len) of the
+    // d-th row block of the product, contiguously, so one reduce-scatter serves the chunk.
+    for (size_t c = 0; c < spans.size(); ++c) {
+      const auto& sp = spans[c];
+      gathers[c]->wait();
+      at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
+      for (int64_t d = 0; d < q; ++d) {
+        gemm(stage.narrow(0, d * sp.len, sp.len), xg2.narrow(0, d * m + sp.lo, sp.len));
+      }
+      scatters.push_back(md_reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
+    }
+  }
+  wait_all(scatters);
+  return {out, xg, wg};
+}
+
+std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x_gathered, const at::Tensor& weight_gathered,
+    const std::string& input_group, const std::string& batch_group,
+    const std::string& hidden_group, std::optional<int64_t> chunks, bool need_x,
+    bool need_weight, bool need_bias) {
+  check_linear("linear_3d_backward", x_gathered, weight_gathered, std::nullopt);
+  auto inpg = resolve_group(input_group), batchpg = resolve_group(batch_group),
+       hidpg = resolve_group(hidden_group);
+  const int64_t q = inpg->getSize();
+  TORCH_CHECK_VALUE(batchpg->getSize() == q && hidpg->getSize() == q,
+                    "tpx.linear_3d_backward: the mesh must be a cube: group sizes ", q, ", ",
+                    batchpg->getSize(), ", ", hidpg->getSize());
+  const int64_t mq = lead_rows(x_gathered), m = mq / q, k = x_gathered.size(-1);
+  const int64_t nq = weight_gathered.size(0), nl = nq / q;
+  TORCH_CHECK_VALUE(mq % q == 0 && nq % q == 0 && lead_rows(grad_out) == m &&
+                        grad_out.size(-1) == nq,
+                    "tpx.linear_3d_backward: grad_out of shape ", grad_out.sizes(),
+                    " does not match x_gathered ", x_gathered.sizes(), " and weight_gathered ",
+                    weight_gathered.sizes(), " for a group size of ", q);
+  OptTensor grad_x, grad_w, grad_b;
+  if (!need_x && !need_weight && !need_bias) return {grad_x, grad_w, grad_b};
+  at::Tensor g2 = grad_out.reshape({m, nq}).contiguous();
+  at::Tensor xg2 = x_gathered.reshape({mq, k});
+  at::Tensor wg = weight_gathered.contiguous();
+  auto gx_shape = x_gathered.sizes().vec();
+  gx_shape[0] /= q;
+  at::Tensor gx2, gw_full;
+  if (need_x) {
+    grad_x = at::empty(gx_shape, x_gathered.options());
+    gx2 = grad_x->view({m, k});
+  }
+  if (need_weight) gw_full = at::zeros({nq, k}, x_gathered.options());
+  if (need_bias) grad_b = at::zeros({nq}, x_gathered.options());
+
+  if (q == 1) {
+    if (need_x) at::mm_out(gx2, g2, wg);
+    if (need_weight) at::mm_out(gw_full, g2.t(), xg2);
+    if (need_bias) grad_b->copy_(g2.sum(0));
+    if (need_weight) grad_w = gw_full;
+    return {grad_x, grad_w, grad_b};
+  }
+  at::Tensor gg = at::empty({mq, nq}, x_gathered.options());
+  const auto spans = split_even(m, pick_chunks(chunks, m, nbytes(g2)));
+  std::vector<WorkPtr> gathers, scatters;
+  if (spans.size() == 1) {
+    gathers.push_back(md_all_gather_base(*hidpg, gg, g2));
+  } else {
+    for (const auto& sp : spans) {
+      std::vector<at::Tensor> pieces;
+      for (int64_t r = 0; r < q; ++r) pieces.push_back(gg.narrow(0, r * m + sp.lo, sp.len));
+      gathers.push_back(md_all_gather_pieces(*hidpg, std::move(pieces), g2.narrow(0, sp.lo, sp.len)));
+    }
+  }
+  at::Tensor staging;
+  if (need_x) staging = at::empty({mq, k}, x_gathered.options());
+  for (size_t c = 0; c < spans.size(); ++c) {
+    const auto& sp = spans[c];
+    gathers[c]->wait();
+    if (need_x) {
+      at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
+      for (int64_t d = 0; d < q; ++d) {
+        at::Tensor dst = stage.narrow(0, d * sp.len, sp.len);
+        at::mm_out(dst, gg.narrow(0, d * m + sp.lo, sp.len), wg);
+      }
+      scatters.push_back(md_reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
+    }
+    for (int64_t d = 0; d < q; ++d) {
+      at::Tensor gp = gg.narrow(0, d * m + sp.lo, sp.len);
+      if (need_weight) gw_full.addmm_(gp.t(), xg2.narrow(0, d * m + sp.lo, sp.len));
+      if (need_bias) grad_b->add_(gp.sum(0));
+    }
+  }
+  if (need_weight) {
+    grad_w = at::empty({nl, k}, x_gathered.options());
+    scatters.push_back(md_reduce_scatter_base(*inpg, *grad_w, gw_full));
+  }
+  if (need_bias) scatters.push_back(md_all_reduce(*inpg, *grad_b));
+  wait_all(scatters);
+  return {grad_x, grad_w, grad_b};
+}
+
+at::Tensor mesh_all_reduce(const at::Tensor& x, const std::string& group) {
+  auto pg = resolve_group(group);
+  at::Tensor out = x.contiguous().clone();
+  if (pg->getSize() > 1) md_all_reduce(*pg, out)->wait();
+  return out;
+}
+
+at::Tensor mesh_all_gather(const at::Tensor& x, const std::string& group) {
+  auto pg = resolve_group(group);
+  at::Tensor in = x.contiguous();
+  auto shape = x.sizes().vec();
+  shape.insert(shape.begin(), pg->getSize());
+  at::Tensor out = at::empty(shape, x.options());
+  if (pg->getSize() == 1) {
+    out[0].copy_(in);
+  } else {
+    md_all_gather_base(*pg, out.view({-1}), in.view({-1}))->wait();
+  }
+  return out;
+}
+
+}  // namespace tpx

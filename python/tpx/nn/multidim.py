@@ -1,0 +1,743 @@
+"""Multi-dimensional tensor parallelism: 2-D (SUMMA), 2.5-D and 3-D layers.
+
+An activation ``[B, ..., H]`` is split in its first (batch) dimension and in its last
+(hidden) dimension; nothing else is split. Per layout, with ``q`` the mesh side:
+
+======  ====================================  ==============================  ===============
+layout  mesh (``tpx.init_mesh``)              batch dim 0 split by            hidden dim -1
+======  ====================================  ==============================  ===============
+2d      ``("row", "col")``, q x q             "row" (q blocks)                "col" (q)
+2.5d    ``("depth", "row", "col")``, d x q x q  "depth" then "row" (d*q blocks,  "col" (q)
+                                                block ``depth*q + row``)
+3d      ``("input", "weight", "output")``      "input" then the activation's   the activation's
+        q x q x q                              other dim (q^2 blocks)          hidden mesh dim
+======  ====================================  ==============================  ===============
+
+Local shape: 2-D ``[B/q, ..., H/q]``, 2.5-D ``[B/(d q), ..., H/q]``, 3-D
+``[B/q^2, ..., H/q]``.
+
+3-D activations come in two flavours: the hidden dimension is split by "output" (the input
+layout of :func:`split_input`, batch blocks ``input*q + weight``) or by "weight" (batch
+blocks ``input*q + output``). A :class:`Linear3D` whose input is split by one of them returns
+its output split by the other, so a pre-norm MLP block (``Linear3D`` with
+``hidden_mesh_dim="output"``, then one with ``"weight"``) gives back the layout it was given,
+as do attention's QKV and output projections. Norms take the same ``hidden_mesh_dim``.
+
+Weights: ``A = W^T`` of ``nn.Linear``'s ``W [out, in]``. 2-D / 2.5-D rank ``(row i, col j)``
+holds ``A_ij`` (in block ``i``, out block ``j``; ``W[out block j, in block i]``), replicated
+over depth; bias block ``j``, replicated over "row" (and "depth"). 3-D rank with coordinates
+``i`` ("input"), ``h`` (the input's hidden mesh dim), ``o`` (the other) holds ``W[out block
+o*q + i of q^2, in block h of q]`` and bias block ``o`` of ``q``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import autograd_multidim  # noqa: F401  (registers the autograd of the ops)
+from .. import ops
+from ..mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
+
+__all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_input", "gather_output"]
+
+_HIDDEN_3D = ("output", "weight")
+
+
+def _other_3d(hidden_mesh_dim: str) -> str:
+    return "weight" if hidden_mesh_dim == "output" else "output"
+
+
+def _check_hidden_dim(who: str, hidden_mesh_dim: str) -> str:
+    if hidden_mesh_dim not in _HIDDEN_3D:
+        raise ValueError(f"tpx.{who}: `hidden_mesh_dim` must be 'output' or 'weight' (the 3-D "
+                         f"mesh dimension that splits the hidden features of the input); got "
+                         f"{hidden_mesh_dim!r}")
+    return hidden_mesh_dim
+
+
+def _splits(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[List[str], List[str]]:
+    """The mesh dims splitting (batch dim 0, hidden dim -1), outermost first."""
+    if info.layout == "2d":
+        return ["row"], ["col"]
+    if info.layout == "2.5d":
+        return ["depth", "row"], ["col"]
+    if info.layout == "3d":
+        h = hidden_mesh_dim or "output"
+        return ["input", _other_3d(h)], [h]
+    return [], []
+
+
+def _block(info: MeshInfo, dims: Sequence[str]) -> Tuple[int, int]:
+    """(this rank's block index, number of blocks) for a tensor dim split by ``dims``."""
+    idx, count = 0, 1
+    for d in dims:
+        size = info.q if d != "depth" else info.depth
+        idx, count = idx * size + info.coord[d], count * size
+    return idx, count
+
+
+def _mesh_info(mesh, who: str) -> MeshInfo:
+    layout = mesh_layout(mesh) if hasattr(mesh, "mesh_dim_names") else None
+    if layout is None:
+        names = getattr(mesh, "mesh_dim_names", None)
+        raise ValueError(f"tpx.{who}: `mesh` must be a DeviceMesh built by tpx.init_mesh, with "
+                         f"dimension names one of {list(LAYOUTS.values())}; got names {names}")
+    return check_mesh(mesh, layout, who)
+
+
+def _check_divides(who: str, what: str, size: int, parts: int, how: str) -> None:
+    if size % parts != 0:
+        raise ValueError(f"tpx.{who}: {what} = {size} must divide by {parts} ({how}); pad or "
+                         f"choose a size that is a multiple of {parts}")
+
+
+def _gather_dim(t: Tensor, info: MeshInfo, dim: int, dims: Sequence[str]) -> Tensor:
+    for d in reversed(dims):  # innermost first
+        stacked = ops.mesh_all_gather(t, info.group_name(d))  # [W, *t.shape]
+        moved = stacked.movedim(0, dim)
+        shape = list(t.shape)
+        shape[dim] *= stacked.shape[0]
+        t = moved.reshape(shape)
+    return t
+
+
+class _SplitInput(torch.autograd.Function):
+    """R -> the layout's blocks; backward all-gathers the gradient blocks back to R."""
+
+    @staticmethod
+    def forward(ctx, x, info, bdims, hdims):
+        ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
+        bi, bn = _block(info, bdims)
+        hi, hn = _block(info, hdims)
+        b, h = x.shape[0] // bn, x.shape[-1] // hn
+        return x.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = _gather_dim(grad.contiguous(), ctx.info, grad.dim() - 1, ctx.hdims)
+        g = _gather_dim(g, ctx.info, 0, ctx.bdims)
+        return g, None, None, None
+
+
+class _GatherOutput(torch.autograd.Function):
+    """The layout's blocks -> R; backward keeps this rank's block of the replicated gradient."""
+
+    @staticmethod
+    def forward(ctx, y, info, bdims, hdims):
+        ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
+        ctx.shape = y.shape
+        g = _gather_dim(y.contiguous(), info, y.dim() - 1, hdims)
+        return _gather_dim(g, info, 0, bdims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bi, _ = _block(ctx.info, ctx.bdims)
+        hi, _ = _block(ctx.info, ctx.hdims)
+        b, h = ctx.shape[0], ctx.shape[-1]
+        return grad.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous(), None, None, None
+
+
+def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Tensor:
+    """This rank's block of a full (replicated) activation ``x [B, ..., H]`` in the input
+    placement of the mesh's layout (differentiable: the backward all-gathers the gradient).
+
+    * 2-D: ``[B, ..., H] -> [B/q, ..., H/q]``: block ``row`` of the batch, ``col`` of H.
+    * 2.5-D: ``-> [B/(d q), ..., H/q]``: batch block ``depth*q + row``, H block ``col``.
+    * 3-D (``hidden_mesh_dim="output"``, the default): ``-> [B/q^2, ..., H/q]``: batch block
+      ``input*q + weight``, H block ``output`` (``"weight"`` swaps the two).
+    * 1-D: ``x`` unchanged (1-D layers take a replicated input).
+    * Token ids (an integer tensor ``[B, ...]``): only the batch is split, as above.
+
+    Raises ValueError when B or H does not divide by the number of blocks."""
+    info = _mesh_info(mesh, "split_input")
+    if info.layout == "3d":
+        _check_hidden_dim("split_input", hidden_mesh_dim or "output")
+    elif hidden_mesh_dim is not None:
+        raise ValueError("tpx.split_input: `hidden_mesh_dim` is only for 3-D meshes")
+    if info.layout == "1d":
+        return x
+    bdims, hdims = _splits(info, hidden_mesh_dim)
+    if not x.is_floating_point() and not x.is_complex():
+        # Token ids (an integer tensor) have no hidden dimension: batch split only.
+        if x.dim() < 1:
+            raise ValueError("tpx.split_input: ids must have a batch dimension")
+        _check_divides("split_input", "x.shape[0] (batch)", x.shape[0],
+                       _block(info, bdims)[1], f"split over mesh dims {bdims}")
+        bi, bn = _block(info, bdims)
+        b = x.shape[0] // bn
+        return x.narrow(0, bi * b, b)
+    if x.dim() < 2:
+        raise ValueError(f"tpx.split_input: `x` must be [batch, ..., hidden]; got shape "
+                         f"{tuple(x.shape)}")
+    _check_divides("split_input", "x.shape[0] (batch)", x.shape[0], _block(info, bdims)[1],
+                   f"split over mesh dims {bdims}")
+    _check_divides("split_input", "x.shape[-1] (hidden)", x.shape[-1], _block(info, hdims)[1],
+                   f"split over mesh dim {hdims}")
+    return _SplitInput.apply(x, info, bdims, hdims)
+
+
+def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Tensor:
+    """The full tensor ``[B, ..., H]`` from every rank's block ``y`` in the mesh's layout (the
+    inverse of :func:`split_input`, same placements; for 3-D pass the ``hidden_mesh_dim`` that
+    splits ``y``'s last dimension, e.g. ``layer.output_mesh_dim``). Differentiable: the
+    backward keeps this rank's block of the replicated gradient. 1-D: ``y`` unchanged."""
+    info = _mesh_info(mesh, "gather_output")
+    if info.layout == "3d":
+        _check_hidden_dim("gather_output", hidden_mesh_dim or "output")
+    elif hidden_mesh_dim is not None:
+        raise ValueError("tpx.gather_output: `hidden_mesh_dim` is only for 3-D meshes")
+    if info.layout == "1d":
+        return y
+    bdims, hdims = _splits(info, hidden_mesh_dim)
+    if y.dim() < 2:
+        raise ValueError(f"tpx.gather_output: `y` must be [batch, ..., hidden]; got shape "
+                         f"{tuple(y.shape)}")
+    return _GatherOutput.apply(y, info, bdims, hdims)
+
+
+def _full_linear_init(in_features: int, out_features: int, bias: bool, device, dtype):
+    """The full weight and bias drawn exactly as ``nn.Linear(in, out)`` draws them."""
+    w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        b = torch.empty(out_features, device=device, dtype=dtype)
+        nn.init.uniform_(b, -bound, bound)
+    return w, b
+
+
+def _check_positive(who: str, **sizes) -> None:
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"tpx.{who}: `{name}` must be a positive int; got {v!r}")
+
+
+class _MultiDimLinear(nn.Module):
+    _layout = ""
+
+    def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True,
+                 device=None, dtype=None, **kw) -> None:
+        super().__init__()
+        who = type(self).__name__
+        _check_positive(who, in_features=in_features, out_features=out_features)
+        self._configure(in_features, out_features, mesh, **kw)
+        w, b = _full_linear_init(in_features, out_features, bias, device, dtype)
+        self._take(w, b)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh, **kw):
+        """This rank's blocks of an existing ``nn.Linear`` (its values are copied)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"tpx.{cls.__name__}.from_linear: expected an nn.Linear; got "
+                            f"{type(linear).__name__}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(linear.in_features, linear.out_features, mesh, **kw)
+        b = linear.bias.detach() if linear.bias is not None else None
+        self._take(linear.weight.detach(), b)
+        return self
+
+    def _configure(self, in_features, out_features, mesh, **kw) -> None:
+        raise NotImplementedError
+
+    def _take(self, w: Tensor, b: Optional[Tensor]) -> None:
+        (r0, r1), (c0, c1) = self.weight_rows, self.weight_cols
+        self.weight = nn.Parameter(w[r0:r1, c0:c1].clone())
+        if b is not None:
+            s, e = self.bias_range
+            self.bias = nn.Parameter(b[s:e].clone())
+        else:
+            self.register_parameter("bias", None)
+
+    def _check_input(self, x: Tensor) -> None:
+        who = type(self).__name__
+        if not isinstance(x, Tensor):
+            raise TypeError(f"tpx.{who}: input must be a Tensor; got {type(x).__name__}")
+        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"tpx.{who}: input must be this rank's block [batch, ..., "
+                             f"{self.weight.shape[1]}] ({self.in_features} input features "
+                             f"split {self.in_features // self.weight.shape[1]} ways); got "
+                             f"shape {tuple(x.shape)}. Use tpx.split_input(x, mesh).")
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"tpx.{who}: input dtype {x.dtype} differs from the weight dtype "
+                             f"{self.weight.dtype}")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, layout={self._layout}, q={self.q}")
+
+
+class Linear2D(_MultiDimLinear):
+    """``nn.Linear`` over a 2-D ``("row", "col")`` mesh of q x q ranks (SUMMA).
+
+    Placement, rank ``(row i, col j)``: input ``X_ij [B/q, ..., in/q]`` (batch block ``i``,
+    feature block ``j``) -> output ``Y_ij [B/q, ..., out/q]`` (batch block ``i``, out block
+    ``j``); ``weight = W[out block j, in block i]`` (``A_ij`` of ``A = W^T``), ``bias`` block
+    ``j`` replicated over "row". Forward: q pipelined steps, each broadcasting ``X_il`` along
+    the mesh row and ``A_lj`` along the mesh column (:func:`tpx.ops.linear_2d`).
+
+    ``in_features`` and ``out_features`` must divide by q, the batch by q.
+    """
+
+    _layout = "2d"
+
+    def _configure(self, in_features, out_features, mesh) -> None:
+        who = type(self).__name__
+        info = check_mesh(mesh, self._layout, who)
+        q = info.q
+        _check_divides(who, "in_features", in_features, q, f"q = {q} blocks along 'row'")
+        _check_divides(who, "out_features", out_features, q, f"q = {q} blocks along 'col'")
+        self.in_features, self.out_features, self.q = in_features, out_features, q
+        self.mesh_info = info
+        i, j = info.coord["row"], info.coord["col"]
+        ki, nj = in_features // q, out_features // q
+        self.weight_rows = (j * nj, (j + 1) * nj)
+        self.weight_cols = (i * ki, (i + 1) * ki)
+        self.bias_range = self.weight_rows
+        self._groups = (info.group_name("row"), info.group_name("col"),
+                        info.group_name("depth") if self._layout == "2.5d" else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        return ops.linear_2d(x, self.weight, self.bias, *self._groups)
+
+
+class Linear2p5D(Linear2D):
+    """``nn.Linear`` over a 2.5-D ``("depth", "row", "col")`` mesh of d x q x q ranks.
+
+    Placement, rank ``(depth k, row i, col j)``: input ``[B/(d q), ..., in/q]`` (batch block
+    ``k*q + i``, feature block ``j``) -> output ``[B/(d q), ..., out/q]`` (batch block
+    ``k*q + i``, out block ``j``); weight and bias blocks as :class:`Linear2D`, replicated
+    over depth (their gradients are summed over depth). Each depth layer runs 2-D SUMMA on its
+    own rows.
+    """
+
+    _layout = "2.5d"
+
+
+class Linear3D(_MultiDimLinear):
+    """``nn.Linear`` over a 3-D ``("input", "weight", "output")`` mesh of q x q x q ranks.
+
+    ``hidden_mesh_dim`` (``"output"`` by default, or ``"weight"``) is the mesh dimension that
+    splits the input's features; call the other one ``o``. Rank (``input`` i, ``o``,
+    ``hidden_mesh_dim`` h): input ``[B/q^2, ..., in/q]`` (batch block ``i*q + o``, feature
+    block ``h``) -> output ``[B/q^2, ..., out/q]`` (batch block ``i*q + h``, out block ``o``),
+    i.e. the output's features are split by ``o`` (``self.output_mesh_dim``): chain a
+    ``Linear3D(hidden_mesh_dim="output")`` with a ``Linear3D(hidden_mesh_dim="weight")``.
+    ``weight = W[out block o*q + i of q^2, in block h]``; ``bias`` block ``o``, replicated
+    over "input" and h. Forward: all-gather the input over ``o`` and the weight over "input",
+    GEMM, reduce-scatter over h, chunked (``chunks``, as the 1-D ops).
+
+    ``in_features`` must divide by q, ``out_features`` by q^2, the batch by q^2.
+    """
+
+    _layout = "3d"
+
+    def _configure(self, in_features, out_features, mesh, hidden_mesh_dim: str = "output",
+                   chunks: Optional[int] = None) -> None:
+        who = type(self).__name__
+        info = check_mesh(mesh, "3d", who)
+        h = _check_hidden_dim(who, hidden_mesh_dim)
+        o = _other_3d(h)
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"tpx.{who}: `chunks` must be None or an int >= 1; got {chunks!r}")
+        q = info.q
+        _check_divides(who, "in_features", in_features, q, f"q = {q} blocks along {h!r}")
+        _check_divides(who, "out_features", out_features, q * q,
+                       f"q^2 = {q * q} blocks along ({o!r}, 'input')")
+        self.in_features, self.out_features, self.q = in_features, out_features, q
+        self.mesh_info = info
+        self.hidden_mesh_dim, self.output_mesh_dim, self.chunks = h, o, chunks
+        ci, co, ch = info.coord["input"], info.coord[o], info.coord[h]
+        k, nl = in_features // q, out_features // (q * q)
+        self.weight_rows = ((co * q + ci) * nl, (co * q + ci + 1) * nl)
+        self.weight_cols = (ch * k, (ch + 1) * k)
+        self.bias_range = (co * q * nl, (co + 1) * q * nl)
+        self._groups = (info.group_name("input"), info.group_name(o), info.group_name(h))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        return ops.linear_3d(x, self.weight, self.bias, *self._groups, self.chunks)[0]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", hidden_mesh_dim={self.hidden_mesh_dim!r}"
+
+
+# Norms ------------------------------------------------------------------------------------------
+
+
+def _norm_groups(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[str, List[str]]:
+    """(the group that splits the hidden features, the groups that split the batch)."""
+    bdims, hdims = _splits(info, hidden_mesh_dim)
+    return info.group_name(hdims[0]), [info.group_name(d) for d in bdims]
+
+
+def _sum_over(t: Tensor, groups: Sequence[str]) -> Tensor:
+    for g in groups:
+        t = torch.ops.tpx.mesh_all_reduce(t, g)
+    return t
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """LayerNorm of rows whose features are split over ``hidden_group``.
+
+    Forward: each rank's row mean and sum of squared deviations travel in ONE all-gather and
+    are merged exactly (Chan et al.'s parallel variance), so the variance is as accurate as a
+    two-pass one. Backward: the two row means the input gradient needs travel in ONE
+    all-reduce; the weight and bias gradients are summed over the batch-splitting groups."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, features, hidden_group, batch_groups):
+        xf = x.float()
+        h = x.shape[-1]
+        mean_r = xf.mean(-1)
+        m2_r = (xf - mean_r.unsqueeze(-1)).square().sum(-1)
+        stats = ops.mesh_all_gather(torch.stack([mean_r, m2_r], -1), hidden_group)
+        mean = stats[..., 0].mean(0)
+        m2 = stats[..., 1].sum(0) + h * (stats[..., 0] - mean).square().sum(0)
+        rstd = torch.rsqrt(m2 / features + eps)
+        xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+        y = xhat
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.args = (features, hidden_group, batch_groups, bias is not None)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, rstd, weight = ctx.saved_tensors
+        features, hidden_group, batch_groups, has_bias = ctx.args
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dyf = dy.float()
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            g = dyf * weight.float() if weight is not None else dyf
+            sums = torch.stack([g.sum(-1), (g * xhat).sum(-1)], -1)
+            means = ops.mesh_all_reduce(sums, hidden_group) / features
+            grad_x = (rstd.unsqueeze(-1) * (g - means[..., :1] - xhat * means[..., 1:])
+                      ).to(dy.dtype)
+        rows = dyf.reshape(-1, dyf.shape[-1])
+        parts = []
+        if need_w:
+            parts.append((rows * xhat.reshape(rows.shape)).sum(0))
+        if need_b and has_bias:
+            parts.append(rows.sum(0))
+        if parts:
+            summed = _sum_over(torch.stack(parts), batch_groups)
+            if need_w:
+                grad_w = summed[0].to(weight.dtype)
+            if need_b and has_bias:
+                grad_b = summed[-1].to(dy.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm of rows whose features are split over ``hidden_group``: the row sum of squares
+    in ONE all-reduce forward, the row sum of ``grad * weight * x`` in ONE backward; the
+    weight gradient is summed over the batch-splitting groups."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, features, hidden_group, batch_groups):
+        xf = x.float()
+        ss = ops.mesh_all_reduce(xf.square().sum(-1, keepdim=True), hidden_group)
+        rstd = torch.rsqrt(ss / features + eps)
+        xn = xf * rstd
+        ctx.save_for_backward(xf, rstd, weight)
+        ctx.args = (features, hidden_group, batch_groups)
+        if weight is None:
+            return xn.to(x.dtype)
+        # As Hugging Face's LlamaRMSNorm: normalise in fp32, cast, then scale.
+        return weight * xn.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xf, rstd, weight = ctx.saved_tensors
+        features, hidden_group, batch_groups = ctx.args
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dyf = dy.float()
+        grad_x = grad_w = None
+        if need_x:
+            g = dyf * weight.float() if weight is not None else dyf
+            s = ops.mesh_all_reduce((g * xf).sum(-1, keepdim=True), hidden_group)
+            grad_x = (rstd * (g - xf * rstd.square() * s / features)).to(dy.dtype)
+        if need_w and weight is not None:
+            rows = (dyf * xf * rstd).reshape(-1, xf.shape[-1])
+            grad_w = _sum_over(rows.sum(0), batch_groups).to(weight.dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _normalized_size(who: str, normalized_shape) -> int:
+    if isinstance(normalized_shape, int):
+        return normalized_shape
+    shape = tuple(normalized_shape)
+    if len(shape) != 1:
+        raise ValueError(f"tpx.{who}: only a normalized_shape of one dimension (the hidden "
+                         f"features) is supported; got {shape}")
+    return int(shape[0])
+
+
+class _MultiDimNorm(nn.Module):
+    _layout = ""
+
+    def _configure(self, features: int, mesh, hidden_mesh_dim: Optional[str]) -> None:
+        who = type(self).__name__
+        _check_positive(who, normalized_shape=features)
+        info = check_mesh(mesh, self._layout, who)
+        if self._layout == "3d":
+            hidden_mesh_dim = _check_hidden_dim(who, hidden_mesh_dim or "output")
+        elif hidden_mesh_dim is not None:
+            raise ValueError(f"tpx.{who}: `hidden_mesh_dim` is only for the 3-D layers")
+        bdims, hdims = _splits(info, hidden_mesh_dim)
+        q = info.q
+        _check_divides(who, "normalized_shape", features, q, f"split over mesh dim {hdims}")
+        self.normalized_shape = (features,)
+        self.hidden_mesh_dim = hidden_mesh_dim
+        self.mesh_info = info
+        hi, _ = _block(info, hdims)
+        self._range = (hi * features // q, (hi + 1) * features // q)
+        self._groups = _norm_groups(info, hidden_mesh_dim)
+
+    def _param(self, full: Optional[Tensor]) -> Optional[nn.Parameter]:
+        if full is None:
+            return None
+        s, e = self._range
+        return nn.Parameter(full.detach()[s:e].clone())
+
+    def _check_input(self, x: Tensor) -> None:
+        local = self._range[1] - self._range[0]
+        if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != local:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"tpx.{type(self).__name__}: input must be this rank's block "
+                             f"[..., {local}] of {self.normalized_shape[0]} features; got "
+                             f"{shape}. Use tpx.split_input(x, mesh).")
+
+
+class LayerNorm2D(_MultiDimNorm):
+    """``nn.LayerNorm`` over the last dimension of a 2-D activation (placement as
+    :class:`Linear2D`'s input: ``[B/q, ..., H/q]``, H split by "col"). ``weight`` and ``bias``
+    hold block "col" of H, replicated over "row" (their gradients summed over it). The row
+    statistics travel in one collective over "col"."""
+
+    _layout = "2d"
+
+    def __init__(self, normalized_shape, mesh, eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None,
+                 *, hidden_mesh_dim: Optional[str] = None) -> None:
+        super().__init__()
+        full = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, device=device,
+                            dtype=dtype)
+        self._init_from(full, mesh, hidden_mesh_dim)
+
+    @classmethod
+    def from_layernorm(cls, layernorm: nn.LayerNorm, mesh, *,
+                       hidden_mesh_dim: Optional[str] = None):
+        """This rank's block of an existing ``nn.LayerNorm`` (values copied)."""
+        if not isinstance(layernorm, nn.LayerNorm):
+            raise TypeError(f"tpx.{cls.__name__}.from_layernorm: expected an nn.LayerNorm; "
+                            f"got {type(layernorm).__name__}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._init_from(layernorm, mesh, hidden_mesh_dim)
+        return self
+
+    def _init_from(self, ln: nn.LayerNorm, mesh, hidden_mesh_dim) -> None:
+        self._configure(_normalized_size(type(self).__name__, ln.normalized_shape), mesh,
+                        hidden_mesh_dim)
+        self.eps = ln.eps
+        self.elementwise_affine = ln.elementwise_affine
+        self.weight = self._param(ln.weight)
+        self.bias = self._param(ln.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        hidden, batch = self._groups
+        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps,
+                                  self.normalized_shape[0], hidden, batch)
+
+
+class LayerNorm2p5D(LayerNorm2D):
+    """``nn.LayerNorm`` on a 2.5-D activation (``[B/(d q), ..., H/q]``, H split by "col");
+    parameters hold block "col" of H, gradients summed over "depth" and "row"."""
+
+    _layout = "2.5d"
+
+
+class LayerNorm3D(LayerNorm2D):
+    """``nn.LayerNorm`` on a 3-D activation whose H is split by ``hidden_mesh_dim``
+    (``"output"`` by default, or ``"weight"``); parameters hold that block of H, gradients
+    summed over "input" and the other activation dim."""
+
+    _layout = "3d"
+
+
+class RMSNorm2D(_MultiDimNorm):
+    """``nn.RMSNorm`` (or Hugging Face's ``LlamaRMSNorm``: ``weight`` and
+    ``variance_epsilon``) on a 2-D activation ``[B/q, ..., H/q]``; ``weight`` holds block
+    "col" of H, its gradient summed over "row". The row sum of squares travels in one
+    all-reduce over "col". ``eps=None`` is ``torch.finfo(x.dtype).eps`` as in torch."""
+
+    _layout = "2d"
+
+    def __init__(self, normalized_shape, mesh, eps: Optional[float] = None,
+                 elementwise_affine: bool = True, device=None, dtype=None, *,
+                 hidden_mesh_dim: Optional[str] = None) -> None:
+        super().__init__()
+        features = _normalized_size(type(self).__name__, normalized_shape)
+        self._configure(features, mesh, hidden_mesh_dim)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        w = torch.ones(features, device=device, dtype=dtype) if elementwise_affine else None
+        self.weight = self._param(w)
+
+    @classmethod
+    def from_rmsnorm(cls, module: nn.Module, mesh, *, hidden_mesh_dim: Optional[str] = None):
+        """This rank's block of ``nn.RMSNorm`` or of a module shaped like Hugging Face's
+        ``LlamaRMSNorm`` (a 1-D ``weight`` and ``variance_epsilon``; a float ``eps`` is
+        accepted in its place). The module must compute ``x * rsqrt(mean(x^2) + eps) *
+        weight`` over the last dimension."""
+        if isinstance(module, getattr(nn, "RMSNorm", ())):
+            features = _normalized_size(cls.__name__, module.normalized_shape)
+            eps, weight = module.eps, module.weight
+        elif isinstance(getattr(module, "weight", None), Tensor) and module.weight.dim() == 1 \
+                and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)),
+                               float):
+            features, weight = module.weight.shape[0], module.weight
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        else:
+            raise TypeError(f"tpx.{cls.__name__}.from_rmsnorm: expected nn.RMSNorm or a module "
+                            f"with a 1-D `weight` and a float `variance_epsilon` (Hugging Face) "
+                            f"or `eps`; got {type(module).__name__}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(features, mesh, hidden_mesh_dim)
+        self.eps = eps
+        self.elementwise_affine = weight is not None
+        self.weight = self._param(weight)
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        hidden, batch = self._groups
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return _RMSNormFn.apply(x, self.weight, eps, self.normalized_shape[0], hidden, batch)
+
+
+class RMSNorm2p5D(RMSNorm2D):
+    """:class:`RMSNorm2D` on a 2.5-D activation (``[B/(d q), ..., H/q]``); the weight
+    gradient is summed over "depth" and "row"."""
+
+    _layout = "2.5d"
+
+
+class RMSNorm3D(RMSNorm2D):
+    """:class:`RMSNorm2D` on a 3-D activation whose H is split by ``hidden_mesh_dim``."""
+
+    _layout = "3d"
+
+
+__all__ += ["LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D", "RMSNorm2D", "RMSNorm2p5D",
+            "RMSNorm3D"]
+
+
+# Embedding ------------------------------------------------------------------------------------
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward on a parameter replicated over the batch-splitting groups; backward
+    sums its gradient over them (each rank saw only its batch block)."""
+
+    @staticmethod
+    def forward(ctx, w, groups):
+        ctx.groups = groups
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_over(grad.contiguous(), ctx.groups), None
+
+
+class Embedding2D(nn.Module):
+    """``nn.Embedding`` producing a 2-D activation: ids ``[B/q, ...]`` (batch block "row",
+    replicated over "col"; ``tpx.split_input(ids, mesh)``) -> ``[B/q, ..., D/q]`` (D block
+    "col"). The table holds all rows and block "col" of the columns (``[V, D/q]``), replicated
+    over "row": the lookup needs no communication; the gradient is summed over "row".
+    Initialised like ``nn.Embedding`` over the full table, then sliced."""
+
+    _layout = "2d"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mesh,
+                 padding_idx: Optional[int] = None, device=None, dtype=None, *,
+                 hidden_mesh_dim: Optional[str] = None) -> None:
+        super().__init__()
+        full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device,
+                            dtype=dtype)
+        self._init_from(full, mesh, hidden_mesh_dim)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, mesh, *,
+                       hidden_mesh_dim: Optional[str] = None):
+        """This rank's columns of an existing ``nn.Embedding`` (values copied)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"tpx.{cls.__name__}.from_embedding: expected an nn.Embedding; got "
+                            f"{type(embedding).__name__}")
+        unsupported = [a for a in ("max_norm", "sparse") if getattr(embedding, a)]
+        if embedding.scale_grad_by_freq:
+            unsupported.append("scale_grad_by_freq")
+        if unsupported:
+            raise ValueError(f"tpx.{cls.__name__}.from_embedding: {unsupported} not supported")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._init_from(embedding, mesh, hidden_mesh_dim)
+        return self
+
+    def _init_from(self, emb: nn.Embedding, mesh, hidden_mesh_dim) -> None:
+        who = type(self).__name__
+        info = check_mesh(mesh, self._layout, who)
+        if self._layout == "3d":
+            hidden_mesh_dim = _check_hidden_dim(who, hidden_mesh_dim or "output")
+        elif hidden_mesh_dim is not None:
+            raise ValueError(f"tpx.{who}: `hidden_mesh_dim` is only for the 3-D layers")
+        bdims, hdims = _splits(info, hidden_mesh_dim)
+        q, d = info.q, emb.embedding_dim
+        _check_divides(who, "embedding_dim", d, q, f"split over mesh dim {hdims}")
+        hi, _ = _block(info, hdims)
+        self.num_embeddings, self.embedding_dim = emb.num_embeddings, d
+        self.padding_idx = emb.padding_idx
+        self.hidden_mesh_dim = hidden_mesh_dim
+        self.mesh_info = info
+        self.weight = nn.Parameter(emb.weight.detach()[:, hi * d // q:(hi + 1) * d // q].clone())
+        self._batch_groups = [info.group_name(b) for b in bdims]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.is_floating_point():
+            raise TypeError(f"tpx.{type(self).__name__}: `ids` must be an integer Tensor")
+        w = _SumGradOver.apply(self.weight, self._batch_groups) if self.weight.requires_grad \
+            else self.weight
+        return nn.functional.embedding(ids, w, self.padding_idx)
+
+
+class Embedding2p5D(Embedding2D):
+    """:class:`Embedding2D` for the 2.5-D layout: ids ``[B/(d q), ...]`` (batch block
+    ``depth*q + row``) -> ``[B/(d q), ..., D/q]``; gradient summed over "depth" and "row"."""
+
+    _layout = "2.5d"
+
+
+class Embedding3D(Embedding2D):
+    """:class:`Embedding2D` for the 3-D layout: ids ``[B/q^2, ...]`` -> ``[B/q^2, ..., D/q]``
+    with D split by ``hidden_mesh_dim`` (default "output", the input layout of
+    :class:`Linear3D`); gradient summed over "input" and the other activation dim."""
+
+    _layout = "3d"
+
+
+__all__ += ["Embedding2D", "Embedding2p5D", "Embedding3D"]

@@ -1,0 +1,517 @@
+"""2-D (SUMMA), 2.5-D and 3-D tensor parallelism against the unsharded computation: outputs,
+input gradients, every parameter gradient and one SGD step, on fresh random inputs, at 2-D
+with 4 and 9 ranks, 2.5-D with 8 ranks (depth 2), 3-D with 8 ranks; requires_grad
+combinations; a pre-norm MLP block, embedding + vocab-parallel head + loss and the tiny Llama
+decoder of examples/tiny_llama.py (modules swapped by hand); mesh and size errors.
+
+The expected blocks are cut from the full tensors here, by hand, from the placements the
+layers document (not with tpx.split_input, which is tested against them)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpx
+from harness import run_ranks
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _coord(mesh):
+    return dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+
+
+def _act_block(full, layout, c, q, depth=1, hidden="output"):
+    """This rank's block of a full activation [B, ..., H] (batch dim 0, hidden dim -1)."""
+    if layout == "2d":
+        bi, bn, hi = c["row"], q, c["col"]
+    elif layout == "2.5d":
+        bi, bn, hi = c["depth"] * q + c["row"], depth * q, c["col"]
+    else:
+        other = "weight" if hidden == "output" else "output"
+        bi, bn, hi = c["input"] * q + c[other], q * q, c[hidden]
+    b, h = full.shape[0] // bn, full.shape[-1] // q
+    return full.narrow(0, bi * b, b).narrow(-1, hi * h, h)
+
+
+def _weight_block(w, layout, c, q, hidden="output"):
+    """This rank's block of an nn.Linear weight [out, in] (A = W^T)."""
+    n, k = w.shape
+    if layout in ("2d", "2.5d"):
+        i, j = c["row"], c["col"]
+        return w[j * n // q:(j + 1) * n // q, i * k // q:(i + 1) * k // q]
+    other = "weight" if hidden == "output" else "output"
+    r = c[other] * q + c["input"]
+    nl = n // (q * q)
+    h = c[hidden]
+    return w[r * nl:(r + 1) * nl, h * k // q:(h + 1) * k // q]
+
+
+def _bias_block(b, layout, c, q, hidden="output"):
+    """The bias block of a layer whose INPUT's hidden dim is split by `hidden` (3-D: the
+    bias follows the output features, split by the other activation dim)."""
+    n = b.shape[0]
+    j = c["col"] if layout in ("2d", "2.5d") else c["weight" if hidden == "output" else "output"]
+    return b[j * n // q:(j + 1) * n // q]
+
+
+def _make_linear(layout, ref, mesh, hidden="output", chunks=None):
+    if layout == "2d":
+        return tpx.Linear2D.from_linear(ref, mesh)
+    if layout == "2.5d":
+        return tpx.Linear2p5D.from_linear(ref, mesh)
+    return tpx.Linear3D.from_linear(ref, mesh, hidden_mesh_dim=hidden, chunks=chunks)
+
+
+def _linear_case(mesh, layout, q, depth, k, n, batch_shape, gen, hidden="output", chunks=None,
+                 need_x=True, need_w=True, bias=True):
+    c = _coord(mesh)
+    other = "weight" if hidden == "output" else "output"
+    out_hidden = other if layout == "3d" else hidden
+    case = (f"{layout} q={q} k={k} n={n} batch={batch_shape} hidden={hidden} chunks={chunks} "
+            f"need_x={need_x} need_w={need_w} bias={bias}")
+    ref = nn.Linear(k, n, bias=bias)
+    layer = _make_linear(layout, ref, mesh, hidden, chunks)
+    if not need_w:
+        ref.weight.requires_grad_(False)
+        layer.weight.requires_grad_(False)
+    x_full = torch.randn(*batch_shape, k, generator=gen)
+    gy = torch.randn(*batch_shape, n, generator=gen)
+    xr = x_full.clone().requires_grad_(need_x)
+    y_ref = ref(xr)
+    (y_ref * gy).sum().backward()
+
+    x = _act_block(x_full, layout, c, q, depth, hidden).clone().requires_grad_(need_x)
+    y = layer(x)
+    close(y, _act_block(y_ref.detach(), layout, c, q, depth, out_hidden), f"output {case}")
+    (y * _act_block(gy, layout, c, q, depth, out_hidden)).sum().backward()
+    if need_x:
+        close(x.grad, _act_block(xr.grad, layout, c, q, depth, hidden), f"grad input {case}")
+    else:
+        assert x.grad is None
+    if need_w:
+        close(layer.weight.grad, _weight_block(ref.weight.grad, layout, c, q, hidden),
+              f"grad weight {case}")
+    else:
+        assert layer.weight.grad is None, case
+    if bias:
+        close(layer.bias.grad, _bias_block(ref.bias.grad, layout, c, q, hidden),
+              f"grad bias {case}")
+        # One SGD step leaves every block equal to the block of the stepped reference.
+        params = [p for p in layer.parameters() if p.requires_grad]
+        torch.optim.SGD(params, lr=0.1).step()
+        torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1).step()
+        close(layer.weight.detach(), _weight_block(ref.weight.detach(), layout, c, q, hidden),
+              f"weight after SGD {case}")
+        close(layer.bias.detach(), _bias_block(ref.bias.detach(), layout, c, q, hidden),
+              f"bias after SGD {case}")
+
+
+def _layout_args(layout, world):
+    if layout == "2d":
+        q = round(world ** 0.5)
+        return q, 1, dict()
+    if layout == "2.5d":
+        return round((world // 2) ** 0.5), 2, dict(depth=2)
+    return round(world ** (1 / 3)), 1, dict()
+
+
+def _check_linear(rank, world, layout):
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    assert mesh.mesh_dim_names == tpx.mesh.LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(100 + world)
+    torch.manual_seed(7)  # the reference layers are drawn identically on every rank
+    nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
+    nf = q * q if layout == "3d" else q
+    k, n = 2 * q, 2 * nf
+    hiddens = ("output", "weight") if layout == "3d" else ("output",)
+    chunk_opts = (None, 1, 2, 4) if layout == "3d" else (None,)
+    for hidden in hiddens:
+        for chunks in chunk_opts:
+            for shape in ((nb,), (2 * nb, 3)):          # [B, k] and [B, S, k]
+                _linear_case(mesh, layout, q, depth, k, n, shape, gen, hidden, chunks)
+        # requires_grad combinations, and no bias
+        for need_x, need_w in ((False, True), (True, False), (False, False)):
+            _linear_case(mesh, layout, q, depth, 3 * q, n, (nb, 2), gen, hidden,
+                         need_x=need_x, need_w=need_w)
+        _linear_case(mesh, layout, q, depth, k, 2 * n, (nb,), gen, hidden, bias=False)
+
+    # The constructor draws the full nn.Linear, then slices: same seed -> same model.
+    cls = {"2d": tpx.Linear2D, "2.5d": tpx.Linear2p5D, "3d": tpx.Linear3D}[layout]
+    torch.manual_seed(11)
+    full = nn.Linear(k, n)
+    torch.manual_seed(11)
+    layer = cls(k, n, mesh)
+    c = _coord(mesh)
+    close(layer.weight, _weight_block(full.weight.detach(), layout, c, q), "constructor weight")
+    close(layer.bias, _bias_block(full.bias.detach(), layout, c, q), "constructor bias")
+
+    # Communication of one forward, counted by tpx.comm_stats, against the derivation:
+    # 2-D: q broadcasts of X blocks over "col" and q of weight blocks over "row";
+    # 3-D (chunks=2): one all-gather of the weight over "input", two of X over the other
+    # activation dim, two reduce-scatters of Y over the hidden dim.
+    xs = torch.randn(nb, 3, k, generator=gen)[:, :, :k // q].contiguous()
+    if layout == "3d":
+        layer3 = tpx.Linear3D.from_linear(full, mesh, chunks=2)
+        with tpx.comm_stats() as stats:
+            y3 = layer3(torch.randn(nb // (q * q) * q, 3, k // q))
+        g = mesh.get_group
+        w_bytes = layer3.weight.numel() * 4
+        assert stats.calls(g("input"), "all_gather") == 1
+        assert stats.bytes(g("input"), "all_gather") == w_bytes
+        assert stats.calls(g("weight"), "all_gather") == 2
+        assert stats.calls(g("output"), "reduce_scatter") == 2
+        assert stats.bytes(g("output"), "reduce_scatter") == y3.numel() * 4
+        assert stats.calls() == 5
+    elif layout in ("2d", "2.5d"):
+        with tpx.comm_stats() as stats:
+            layer(xs)
+        g = mesh.get_group
+        assert stats.calls(g("col"), "broadcast") == q, stats
+        assert stats.bytes(g("col"), "broadcast") == q * xs.numel() * 4
+        assert stats.calls(g("row"), "broadcast") == q
+        assert stats.bytes(g("row"), "broadcast") == q * layer.weight.numel() * 4
+        assert stats.calls() == 2 * q
+
+    # split_input / gather_output: the full gradient arrives on every rank.
+    x_full = torch.randn(nb * 2, 3, k, generator=gen)
+    gy = torch.randn(nb * 2, 3, n, generator=gen)
+    xr = x_full.clone().requires_grad_(True)
+    (full(xr) * gy).sum().backward()
+    xs = x_full.clone().requires_grad_(True)
+    part = tpx.split_input(xs, mesh)
+    close(part, _act_block(x_full, layout, c, q, depth), "split_input")
+    y = layer(part)
+    out_kw = dict(hidden_mesh_dim=layer.output_mesh_dim) if layout == "3d" else {}
+    y_full = tpx.gather_output(y, mesh, **out_kw)
+    close(y_full, full(x_full).detach(), "gather_output")
+    (y_full * gy).sum().backward()
+    close(xs.grad, xr.grad, "grad through split_input / gather_output")
+
+    # Bad sizes and meshes raise before any collective.
+    with pytest.raises(ValueError, match=r"in_features = %d must divide by %d" % (q + 1, q)):
+        cls(q + 1, n, mesh)
+    with pytest.raises(ValueError, match=r"out_features = %d must divide by %d" % (q + 1, nf)):
+        cls(k, q + 1, mesh)
+    emb_cls = {"2d": tpx.Embedding2D, "2.5d": tpx.Embedding2p5D, "3d": tpx.Embedding3D}[layout]
+    with pytest.raises(ValueError, match=r"embedding_dim = %d must divide by %d" % (q + 1, q)):
+        emb_cls.from_embedding(nn.Embedding(5, q + 1), mesh)
+    with pytest.raises(ValueError, match=r"x.shape\[0\] \(batch\) = %d" % (nb + 1)):
+        tpx.split_input(torch.randn(nb + 1, k), mesh)
+    with pytest.raises(ValueError, match="input must be this rank's block"):
+        layer(torch.randn(2, k + 1))
+    wrong = {"2d": "3d", "2.5d": "2d", "3d": "2d"}[layout]
+    flat = mesh._flatten() if hasattr(mesh, "_flatten") else None
+    for bad in (flat,):
+        if bad is None:
+            continue
+        with pytest.raises(ValueError, match=f"needs a {len(mesh.shape)}-D mesh"):
+            cls(k, n, bad)
+    with pytest.raises(TypeError, match="must be a torch DeviceMesh"):
+        cls(k, n, dist.group.WORLD)
+    del wrong
+
+
+def _check_world_one(rank, world):
+    for layout, kw in (("2d", {}), ("2.5d", dict(depth=1)), ("3d", {})):
+        mesh = tpx.init_mesh(layout, **kw)
+        gen = torch.Generator().manual_seed(3)
+        torch.manual_seed(5)
+        _linear_case(mesh, layout, 1, 1, 4, 6, (3, 2), gen)
+        _mlp_block_case(mesh, layout, 1, 1, "layernorm", gen)
+    assert tpx.init_mesh("1d").mesh_dim_names == ("tp",)
+    # A copied layer shares the mesh and computes the same thing.
+    import copy
+
+    layer = tpx.Linear3D(4, 4, mesh)
+    x = torch.randn(2, 4)
+    close(copy.deepcopy(layer)(x), layer(x), "deepcopy of a layer")
+    # Schemas, fakes and autograd registrations of the multi-dimensional ops.
+    name = dist.group.WORLD.group_name
+    x, w, b = torch.randn(3, 2, 4), torch.randn(6, 4), torch.randn(6)
+    g = torch.randn(3, 2, 6)
+    xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+    torch.library.opcheck(torch.ops.tpx.linear_2d.default, (xg, wg, bg, name, name, name))
+    torch.library.opcheck(torch.ops.tpx.linear_3d.default, (xg, wg, bg, name, name, name, 1))
+    torch.library.opcheck(torch.ops.tpx.linear_2d_backward.default,
+                          (g, x, w, name, name, None, True, False, True))
+    torch.library.opcheck(torch.ops.tpx.linear_3d.default, (x, w, b, name, name, name, 2))
+    torch.library.opcheck(torch.ops.tpx.linear_3d_backward.default,
+                          (g, x, w, name, name, name, None, True, True, False))
+    torch.library.opcheck(torch.ops.tpx.mesh_all_reduce.default, (x, name))
+    torch.library.opcheck(torch.ops.tpx.mesh_all_gather.default, (x, name))
+
+
+def test_world_one():
+    run_ranks(_check_world_one, 1)
+
+
+def _check_mesh_errors(rank, world):
+    with pytest.raises(ValueError, match=r"world size 2 is not a square \(world sizes that "
+                                         r"fit: 1, 4, 9"):
+        tpx.init_mesh("2d")
+    with pytest.raises(ValueError, match=r"world size 2 is not a cube .*1, 8, 27"):
+        tpx.init_mesh("3d")
+    with pytest.raises(ValueError, match="needs `depth`"):
+        tpx.init_mesh("2.5d")
+    with pytest.raises(ValueError, match="must be one of"):
+        tpx.init_mesh("4d")
+    with pytest.raises(ValueError, match="only for the '2.5d' layout"):
+        tpx.init_mesh("2d", depth=2)
+    mesh1 = tpx.init_mesh("1d")
+    with pytest.raises(ValueError, match=r"needs a 2-D mesh with dimension names \('row', "
+                                         r"'col'\); got a 1-D mesh"):
+        tpx.Linear2D(4, 4, mesh1)
+    with pytest.raises(ValueError, match="needs a 3-D mesh"):
+        tpx.Linear3D(4, 4, mesh1)
+    mesh25 = tpx.init_mesh("2.5d", depth=2)  # 2 x 1 x 1
+    with pytest.raises(ValueError, match=r"that is the '2.5d' layout's mesh"):
+        tpx.Linear2D(4, 4, mesh25)
+    from torch.distributed.device_mesh import init_device_mesh
+    odd = init_device_mesh("cpu", (2, 1), mesh_dim_names=("row", "col"))
+    with pytest.raises(ValueError, match=r"equal sizes along \['row', 'col'\]"):
+        tpx.Linear2D(4, 4, odd)
+
+
+def test_mesh_errors():
+    run_ranks(_check_mesh_errors, 2)
+
+
+class LlamaLikeRMSNorm(nn.Module):
+    """Shaped like Hugging Face's LlamaRMSNorm (weight, variance_epsilon)."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
+
+
+def _make_norm(kind, hidden, gen):
+    if kind == "layernorm":
+        m = nn.LayerNorm(hidden)
+    elif kind == "rmsnorm":
+        m = nn.RMSNorm(hidden, eps=1e-6)
+    else:
+        m = LlamaLikeRMSNorm(hidden)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return m
+
+
+def _shard_norm(kind, layout, ref, mesh, hidden):
+    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
+    kw = dict(hidden_mesh_dim=hidden) if layout == "3d" else {}
+    if kind == "layernorm":
+        return getattr(tpx, "LayerNorm" + suffix).from_layernorm(ref, mesh, **kw)
+    return getattr(tpx, "RMSNorm" + suffix).from_rmsnorm(ref, mesh, **kw)
+
+
+def _norm_block(full, layout, c, q, hidden):
+    if layout in ("2d", "2.5d"):
+        j = c["col"]
+    else:
+        j = c[hidden]
+    n = full.shape[0]
+    return full[j * n // q:(j + 1) * n // q]
+
+
+def _mlp_block_case(mesh, layout, q, depth, kind, gen, need_x=True):
+    """x + fc2(gelu(fc1(norm(x)))) against the same modules on one device."""
+    c = _coord(mesh)
+    nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
+    hidden = 4 * q if layout != "3d" else q * q * 2
+    ffn = 2 * hidden
+    norm, fc1, fc2 = _make_norm(kind, hidden, gen), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+    snorm = _shard_norm(kind, layout, norm, mesh, "output")
+    s1 = _make_linear(layout, fc1, mesh, "output")
+    s2 = _make_linear(layout, fc2, mesh, "weight" if layout == "3d" else "output")
+    case = f"MLP block {layout} q={q} norm={kind} need_x={need_x}"
+    x_full = torch.randn(2 * nb, 3, hidden, generator=gen)
+    gy = torch.randn(2 * nb, 3, hidden, generator=gen)
+    xr = x_full.clone().requires_grad_(need_x)
+    y_ref = xr + fc2(torch.nn.functional.gelu(fc1(norm(xr))))
+    (y_ref * gy).sum().backward()
+    x = _act_block(x_full, layout, c, q, depth).clone().requires_grad_(need_x)
+    y = x + s2(torch.nn.functional.gelu(s1(snorm(x))))
+    close(y, _act_block(y_ref.detach(), layout, c, q, depth), f"output {case}")
+    (y * _act_block(gy, layout, c, q, depth)).sum().backward()
+    if need_x:
+        close(x.grad, _act_block(xr.grad, layout, c, q, depth), f"grad input {case}")
+    inner = "weight" if layout == "3d" else "output"
+    for (name, p), (_, rp) in zip(snorm.named_parameters(), norm.named_parameters()):
+        close(p.grad, _norm_block(rp.grad, layout, c, q, "output"), f"grad norm.{name} {case}")
+    close(s1.weight.grad, _weight_block(fc1.weight.grad, layout, c, q, "output"), f"fc1.w {case}")
+    close(s1.bias.grad, _bias_block(fc1.bias.grad, layout, c, q, "output"), f"fc1.b {case}")
+    close(s2.weight.grad, _weight_block(fc2.weight.grad, layout, c, q, inner), f"fc2.w {case}")
+    close(s2.bias.grad, _bias_block(fc2.bias.grad, layout, c, q, inner), f"fc2.b {case}")
+    params = [*snorm.parameters(), *s1.parameters(), *s2.parameters()]
+    torch.optim.SGD(params, lr=0.05).step()
+    torch.optim.SGD([*norm.parameters(), *fc1.parameters(), *fc2.parameters()], lr=0.05).step()
+    for (name, p), (_, rp) in zip(snorm.named_parameters(), norm.named_parameters()):
+        close(p.detach(), _norm_block(rp.detach(), layout, c, q, "output"),
+              f"norm.{name} after SGD {case}")
+    close(s2.weight.detach(), _weight_block(fc2.weight.detach(), layout, c, q, inner),
+          f"fc2.w after SGD {case}")
+
+
+def _check_mlp_block(rank, world, layout):
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    gen = torch.Generator().manual_seed(200 + world)
+    torch.manual_seed(17)
+    for kind in ("layernorm", "rmsnorm", "llama"):
+        _mlp_block_case(mesh, layout, q, depth, kind, gen)
+    _mlp_block_case(mesh, layout, q, depth, "layernorm", gen, need_x=False)
+    # A frozen norm weight gets no gradient; the others are still right.
+    norm = _shard_norm("layernorm", layout, nn.LayerNorm(4 * q * q), mesh, "output")
+    norm.weight.requires_grad_(False)
+    x = tpx.split_input(torch.randn(q * q * depth, 4 * q * q, generator=gen), mesh)
+    norm(x.requires_grad_(True)).sum().backward()
+    assert norm.weight.grad is None and norm.bias.grad is not None and x.grad is not None
+    with pytest.raises(ValueError, match=r"normalized_shape = %d must divide by %d" % (q + 1, q)):
+        _shard_norm("layernorm", layout, nn.LayerNorm(q + 1), mesh, "output")
+
+
+def _check_embedding_head(rank, world, layout):
+    """Embedding -> Linear head (vocab split over the hidden mesh dim of the logits) ->
+    tpx.vocab_parallel_cross_entropy over that mesh dim's group, against nn.Embedding ->
+    nn.Linear -> F.cross_entropy(reduction="sum")."""
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    c = _coord(mesh)
+    gen = torch.Generator().manual_seed(300 + world)
+    torch.manual_seed(23)
+    nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
+    vocab, dim = 3 * q * q, 2 * q
+    emb, head = nn.Embedding(vocab, dim, padding_idx=1), nn.Linear(dim, vocab)
+    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
+    semb = getattr(tpx, "Embedding" + suffix).from_embedding(emb, mesh)
+    shead = _make_linear(layout, head, mesh, "output")
+    ids = torch.randint(0, vocab, (2 * nb, 3), generator=gen)
+    labels = torch.randint(0, vocab, (2 * nb, 3), generator=gen)
+    ref_logits = head(emb(ids))
+    loss_ref = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, vocab),
+                                                 labels.reshape(-1), reduction="sum")
+    loss_ref.backward()
+
+    logit_dim = "weight" if layout == "3d" else "col"
+    local_ids = tpx.split_input(ids, mesh)
+    logits = shead(semb(local_ids))
+    # The logits' batch block (3-D: the head's output, rows block input*q + output).
+    bdims = {"2d": ["row"], "2.5d": ["depth", "row"], "3d": ["input", "output"]}[layout]
+    bi = 0
+    for d in bdims:
+        bi = bi * (depth if d == "depth" else q) + c[d]
+    b = ids.shape[0] // nb
+    lab = labels[bi * b:(bi + 1) * b]
+    loss = tpx.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                            lab.reshape(-1), group=mesh.get_group(logit_dim),
+                                            reduction="sum", vocab_size=vocab)
+    # This rank's loss is the loss of its batch block.
+    local_ref = torch.nn.functional.cross_entropy(
+        ref_logits.detach()[bi * b:(bi + 1) * b].reshape(-1, vocab),
+        labels[bi * b:(bi + 1) * b].reshape(-1), reduction="sum")
+    close(loss, local_ref, f"{layout} local loss")
+    loss.backward()
+    close(semb.weight.grad, emb.weight.grad[:, _norm_slice(dim, layout, c, q)],
+          f"{layout} embedding grad")
+    close(shead.weight.grad, _weight_block(head.weight.grad, layout, c, q), f"{layout} head grad")
+    close(shead.bias.grad, _bias_block(head.bias.grad, layout, c, q), f"{layout} head bias grad")
+
+
+def _norm_slice(n, layout, c, q):
+    j = c["col"] if layout in ("2d", "2.5d") else c["output"]
+    return slice(j * n // q, (j + 1) * n // q)
+
+
+def _shard_decoder(model, mesh, layout):
+    """examples/tiny_llama.py's Decoder with every Linear, norm and the embedding swapped for
+    the layout's layers, by hand (3-D: projections into attention / the MLP take the input
+    split by "output", the projections out of them the input split by "weight")."""
+    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
+    lin, norm = getattr(tpx, "Linear" + suffix), getattr(tpx, "RMSNorm" + suffix)
+    emb = getattr(tpx, "Embedding" + suffix)
+    kw_in = dict(hidden_mesh_dim="output") if layout == "3d" else {}
+    kw_mid = dict(hidden_mesh_dim="weight") if layout == "3d" else {}
+    model.tok_embeddings = emb.from_embedding(model.tok_embeddings, mesh, **kw_in)
+    for block in model.layers:
+        block.attention_norm = norm.from_rmsnorm(block.attention_norm, mesh, **kw_in)
+        block.ffn_norm = norm.from_rmsnorm(block.ffn_norm, mesh, **kw_in)
+        att, ffn = block.attention, block.feed_forward
+        att.wq, att.wk, att.wv = (lin.from_linear(m, mesh, **kw_in)
+                                  for m in (att.wq, att.wk, att.wv))
+        att.wo = lin.from_linear(att.wo, mesh, **kw_mid)
+        ffn.w1, ffn.w3 = (lin.from_linear(m, mesh, **kw_in) for m in (ffn.w1, ffn.w3))
+        ffn.w2 = lin.from_linear(ffn.w2, mesh, **kw_mid)
+    model.norm = norm.from_rmsnorm(model.norm, mesh, **kw_in)
+    model.output = lin.from_linear(model.output, mesh, **kw_in)
+    return model
+
+
+def _check_decoder(rank, world, layout):
+    import copy
+
+    from tiny_llama import Decoder
+
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
+    torch.manual_seed(31)
+    ref = Decoder(vocab=12 * q * q, dim=8 * q, n_layers=2, n_heads=2 * q, n_kv_heads=q,
+                  hidden=4 * q * q)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model = _shard_decoder(copy.deepcopy(ref), mesh, layout)
+    gen = torch.Generator().manual_seed(400 + world)
+    ids = torch.randint(0, ref.output.out_features, (nb, 5), generator=gen)
+    g = torch.randn(nb, 5, ref.output.out_features, generator=gen)
+    logits_ref = ref(ids)
+    (logits_ref * g).sum().backward()
+    out_kw = dict(hidden_mesh_dim=model.output.output_mesh_dim) if layout == "3d" else {}
+    logits = tpx.gather_output(model(tpx.split_input(ids, mesh)), mesh, **out_kw)
+    close(logits, logits_ref.detach(), f"decoder logits {layout}")
+    (logits * g).sum().backward()
+    # Every sharded parameter's gradient is its block of the reference gradient: gather it
+    # back with the same block maps the layers use.
+    c = _coord(mesh)
+    inner = "weight" if layout == "3d" else "output"
+    for name, p in model.named_parameters():
+        rp = dict(ref.named_parameters())[name]
+        if name.endswith("norm.weight"):
+            want = _norm_block(rp.grad, layout, c, q, "output")
+        elif name == "tok_embeddings.weight":
+            want = rp.grad[:, _norm_slice(rp.shape[1], layout, c, q)]
+        else:
+            hidden = inner if name.split(".")[-2] in ("wo", "w2") else "output"
+            want = _weight_block(rp.grad, layout, c, q, hidden)
+        close(p.grad, want, f"decoder grad {name} {layout}")
+
+
+def _check_layout(rank, world, layout):
+    _check_linear(rank, world, layout)
+    _check_mlp_block(rank, world, layout)
+    _check_embedding_head(rank, world, layout)
+    if world != 9:
+        _check_decoder(rank, world, layout)
+
+
+# One group of processes per layout and world size (spawning 8-9 ranks costs more than the
+# checks): Linear (all requires_grad combinations, 3-D chunkings, constructor, split/gather,
+# errors), the pre-norm MLP block with LayerNorm / nn.RMSNorm / a LlamaRMSNorm-shaped norm,
+# embedding -> vocab-parallel head -> loss, and (but at 9 ranks) the tiny Llama decoder.
+@pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
+def test_layout_matches_unsharded(layout, world):
+    run_ranks(_check_layout, world, layout)
