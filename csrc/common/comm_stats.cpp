@@ -23,6 +23,7 @@ const char* collective_name(Collective kind) {
     case Collective::kReduceScatter: return "reduce_scatter";
     case Collective::kAllReduce: return "all_reduce";
     case Collective::kBroadcast: return "broadcast";
+    case Collective::kReduce: return "reduce";
   }
   return "unknown";
 }

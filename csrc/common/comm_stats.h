@@ -13,13 +13,13 @@
 
 namespace tpx {
 
-enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast };
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
 
 const char* collective_name(Collective kind);
 
 // Records one collective issued on `pg`. `bytes` is this rank's message: its input for an
 // all-gather, its output for a reduce-scatter, the whole buffer for an all-reduce or a
-// broadcast (on every rank, the root included).
+// broadcast, and a reduce to one root (on every rank, the root included).
 void count_collective(const c10d::ProcessGroup& pg, Collective kind, int64_t bytes);
 void count_collective(const std::string& group_name, Collective kind, int64_t bytes);
 

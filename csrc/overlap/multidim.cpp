@@ -75,8 +75,7 @@ enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 // Every collective these ops issue goes through here (one call per collective) into
-// tpx.comm_stats(). The accounting has no kind for a reduce-to-root yet (2-D backward), so
-// those are not counted.
+// tpx.comm_stats().
 void note_collective(const ProcessGroup& pg, Kind kind, int64_t bytes) {
   switch (kind) {
     case Kind::kAllGather:
@@ -92,6 +91,7 @@ void note_collective(const ProcessGroup& pg, Kind kind, int64_t bytes) {
       count_collective(pg, Collective::kBroadcast, bytes);
       break;
     case Kind::kReduce:
+      count_collective(pg, Collective::kReduce, bytes);
       break;
   }
 }

@@ -2,7 +2,7 @@
 
 Every collective of a tpx op (the C++ engine's and the few issued from Python) is counted
 with the size of this rank's message: its input for an all-gather, its output for a
-reduce-scatter, the whole buffer for an all-reduce or a broadcast. Counting is always on; it
+reduce-scatter, the whole buffer for an all-reduce, a broadcast or a reduce to one rank. Counting is always on; it
 costs one map update per collective. The C++ ops count in compiled graphs too; the few
 layout changes issued from Python (edge gathers of the layers, gradient all-reduces of
 replicated parameters) are counted in eager mode only.
@@ -25,7 +25,7 @@ from . import _C
 
 __all__ = ["CommStats", "comm_stats", "count_collective", "KINDS"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce")
 
 Key = Tuple[str, str]
 
