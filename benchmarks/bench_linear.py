@@ -336,8 +336,7 @@ def report_situations(results: list, env: dict, args, world: int) -> None:
     rows = [[r["shape"], r["situation"], f"{r['tpx_median_ms']:.2f}",
              f"{r['dtensor_median_ms']:.2f}", f"{r['ratio_median']:.2f}",
              f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"] for r in results]
-    print(f"
-MLP fwd+bwd, fp32, TP={world} ({env['backend']}), tpx default chunks vs DTensor TP; "
+    print(f"\nMLP fwd+bwd, fp32, TP={world} ({env['backend']}), tpx default chunks vs DTensor TP; "
           "ratio = median over rounds of tpx / DTensor (lower is better)")
     print(format_table(["shape", "situation", "tpx ms", "DTensor ms", "tpx/DTensor",
                         "ratio IQR"], rows, text_columns=2))
@@ -346,8 +345,7 @@ MLP fwd+bwd, fp32, TP={world} ({env['backend']}), tpx default chunks vs DTensor 
                    shapes={n: SHAPES[n] for n in args.shapes},
                    config=dict(vars(args), seed=SEED, tolerance=TOL, dtype="float32"),
                    environment=env, results=results)
-    print(f"
-wrote {write_json(path, payload)}")
+    print(f"\nwrote {write_json(path, payload)}")
 
 
 def add_ratios(results: list, world: int) -> None:
