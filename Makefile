@@ -23,10 +23,19 @@ PYTEST_ARGS ?= -q
 
 .PHONY: demo test test-emulated build cuda-check cuda-build bench clean
 
+# `make demo` trains with 1-D TP on 2 processes; LAYOUT=2d (4 processes), 2.5d or 3d (8) shards
+# the same model over a mesh instead.
 DEMO_ARGS ?=
+LAYOUT ?= 1d
+DEMO_NPROC_1d := 2
+DEMO_NPROC_2d := 4
+DEMO_NPROC_2.5d := 8
+DEMO_NPROC_3d := 8
+DEMO_NPROC := $(DEMO_NPROC_$(LAYOUT))
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --nproc-per-node 2 --master-port 29517 \
-	    examples/train_tp_demo.py $(DEMO_ARGS)
+	@test -n "$(DEMO_NPROC)" || { echo "make demo: LAYOUT must be 1d, 2d, 2.5d or 3d (got '$(LAYOUT)')"; exit 2; }
+	$(PY) -m torch.distributed.run --nproc-per-node $(DEMO_NPROC) --master-port 29517 \
+	    examples/train_tp_demo.py --layout $(LAYOUT) $(DEMO_ARGS)
 
 test: $(STAMP) cuda-check
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -12,6 +12,10 @@ and tokenised byte by byte: nothing is downloaded. Rank 0 shows a progress bar, 
 
     torchrun --nproc-per-node 2 examples/train_tp_demo.py [--steps 600] [--sequence-parallel]
         [--loss-parallel] [--compile] [--device cpu|cuda] [--out demo_out]
+
+Beyond 1-D, ``--layout 2d`` (q x q processes, e.g. 4), ``--layout 2.5d --depth 2`` (2 x q x q,
+e.g. 8) or ``--layout 3d`` (q x q x q, e.g. 8) shards the same model over a mesh from
+``tpx.init_mesh`` with ``tpx.plans.auto(model, layout=...)`` (``make demo LAYOUT=2d``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def parse_args():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="demo_out", help="folder for the plot and the checkpoint")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=["1d", "2d", "2.5d", "3d"], default="1d",
+                   help="1d: TP over all processes; 2d / 2.5d / 3d: a mesh (tpx.init_mesh)")
+    p.add_argument("--depth", type=int, default=2, help="depth of the 2.5d layout")
     args = p.parse_args()
     for name in ("steps", "batch", "seq", "dim", "layers", "heads", "kv_heads"):
         if getattr(args, name) < 1:
@@ -71,6 +78,11 @@ def parse_args():
     if args.tp is not None and args.tp != world:
         p.error(f"--tp {args.tp} differs from the {world} processes torchrun started; "
                 f"use torchrun --nproc-per-node {args.tp}")
+    if args.layout != "1d":
+        if args.sequence_parallel:
+            p.error(f"--sequence-parallel is for --layout 1d; the {args.layout} layout splits "
+                    f"every activation already")
+        return args, world
     if args.kv_heads % world:
         p.error(f"--kv-heads {args.kv_heads} must divide by the TP degree {world}")
     if args.sequence_parallel and args.seq % world:
@@ -103,7 +115,10 @@ def batches(corpus, steps, batch, seq, seed):
         yield rows[:, :-1], rows[:, 1:]
 
 
-def loss_fn(model_out, target, loss_parallel):
+def loss_fn(model_out, target, loss_parallel, mesh=None):
+    if loss_parallel and mesh is not None:  # the layout's blocks of the logits
+        with tpx.loss_parallel(mesh):
+            return F.cross_entropy(model_out.reshape(-1, model_out.shape[-1]), target.reshape(-1))
     if loss_parallel:  # vocab-sharded logits, never gathered
         return tpx.vocab_parallel_cross_entropy(model_out, target, vocab_size=VOCAB)
     return F.cross_entropy(model_out.reshape(-1, VOCAB), target.reshape(-1))
@@ -116,11 +131,20 @@ def build(args, device):
 
 
 @torch.no_grad()
-def sample(model, prompt: bytes, length: int, device, args, gen) -> str:
+def sample(model, prompt: bytes, length: int, device, args, gen, mesh=None) -> str:
     ids = torch.tensor([list(prompt)], device=device)
     world = dist.get_world_size()
     for _ in range(length):
         context = ids[:, -args.seq:]
+        if mesh is not None:  # the batch must fill the layout's batch blocks: repeat the row
+            logits = model(context.expand(args.batch, -1))
+            if args.loss_parallel:
+                kw = {"hidden_mesh_dim": "weight"} if args.layout == "3d" else {}
+                logits = tpx.gather_output(logits, mesh, **kw)
+            probs = torch.softmax(logits[0, -1].float() / 0.8, -1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=gen).to(device)
+            ids = torch.cat([ids, nxt], 1)
+            continue
         if args.sequence_parallel and context.shape[1] % world:  # pad to a multiple of the TP size
             pad = torch.full((1, world - context.shape[1] % world), ord("\n"), device=device)
             context = torch.cat([pad, context], 1)
@@ -150,14 +174,23 @@ def main():
     corpus = load_corpus()
 
     reference = build(args, device)  # identical on every rank (same seed)
-    model = tpx.parallelize_module(copy.deepcopy(reference), None,
-                                   tp_plan(args.sequence_parallel, args.loss_parallel))
+    mesh = None
+    if args.layout == "1d":
+        model = tpx.parallelize_module(copy.deepcopy(reference), None,
+                                       tp_plan(args.sequence_parallel, args.loss_parallel))
+    else:
+        mesh = tpx.init_mesh(args.layout, **({"depth": args.depth} if args.layout == "2.5d"
+                                             else {}), device_type=device.type)
+        model = copy.deepcopy(reference)
+        tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=args.layout,
+                                                           loss_parallel=args.loss_parallel))
     step_fn = torch.compile(model) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     n_params = sum(p.numel() for p in reference.parameters())
     if rank == 0:
         print(f"tpx {tpx.__version__}: Llama-style decoder, {n_params / 1e6:.2f} M parameters, "
-              f"TP={world} over {backend}, sequence_parallel={args.sequence_parallel}, "
+              f"TP={world} ({args.layout}{'' if mesh is None else ' mesh ' + str(tuple(mesh.shape))}"
+              f") over {backend}, sequence_parallel={args.sequence_parallel}, "
               f"loss_parallel={args.loss_parallel}, compile={args.compile}; data: "
               f"{corpus.numel() / 1e6:.1f} MB of the standard library's Python sources")
 
@@ -167,7 +200,7 @@ def main():
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True)
     for step, (x, y) in enumerate(batches(corpus, args.steps, args.batch, args.seq, args.seed)):
         x, y = x.to(device), y.to(device)
-        loss = loss_fn(step_fn(x), y, args.loss_parallel)
+        loss = loss_fn(step_fn(x), y, args.loss_parallel, mesh)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -194,7 +227,7 @@ def main():
 
     full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
     gen = torch.Generator().manual_seed(args.seed)
-    samples = [sample(model, p, 60, device, args, gen)
+    samples = [sample(model, p, 60, device, args, gen, mesh)
                for p in (b"def ", b"import ", b"    return ")]
     if rank == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {elapsed:.0f} s "
@@ -222,7 +255,7 @@ def save_outputs(args, losses, full, device):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, lw=1)
     ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)",
-           title=f"tpx TP={dist.get_world_size()} training loss")
+           title=f"tpx TP={dist.get_world_size()} ({args.layout}) training loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     png = os.path.join(args.out, "loss.png")

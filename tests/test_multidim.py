@@ -2,7 +2,9 @@
 input gradients, every parameter gradient and one SGD step, on fresh random inputs, at 2-D
 with 4 and 9 ranks, 2.5-D with 8 ranks (depth 2), 3-D with 8 ranks; requires_grad
 combinations; a pre-norm MLP block, embedding + vocab-parallel head + loss and the tiny Llama
-decoder of examples/tiny_llama.py (modules swapped by hand); mesh and size errors.
+decoder of examples/tiny_llama.py and Hugging Face Llama (2-D), sharded by
+tpx.parallelize_module with tpx.plans.auto(model, layout=...), with and without loss
+parallelism; mesh and size errors.
 
 The expected blocks are cut from the full tensors here, by hand, from the placements the
 layers document (not with tpx.split_input, which is tested against them)."""
@@ -435,77 +437,181 @@ def _norm_slice(n, layout, c, q):
     return slice(j * n // q, (j + 1) * n // q)
 
 
-def _shard_decoder(model, mesh, layout):
-    """examples/tiny_llama.py's Decoder with every Linear, norm and the embedding swapped for
-    the layout's layers, by hand (3-D: projections into attention / the MLP take the input
-    split by "output", the projections out of them the input split by "weight")."""
-    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
-    lin, norm = getattr(tpx, "Linear" + suffix), getattr(tpx, "RMSNorm" + suffix)
-    emb = getattr(tpx, "Embedding" + suffix)
-    kw_in = dict(hidden_mesh_dim="output") if layout == "3d" else {}
-    kw_mid = dict(hidden_mesh_dim="weight") if layout == "3d" else {}
-    model.tok_embeddings = emb.from_embedding(model.tok_embeddings, mesh, **kw_in)
-    for block in model.layers:
-        block.attention_norm = norm.from_rmsnorm(block.attention_norm, mesh, **kw_in)
-        block.ffn_norm = norm.from_rmsnorm(block.ffn_norm, mesh, **kw_in)
-        att, ffn = block.attention, block.feed_forward
-        att.wq, att.wk, att.wv = (lin.from_linear(m, mesh, **kw_in)
-                                  for m in (att.wq, att.wk, att.wv))
-        att.wo = lin.from_linear(att.wo, mesh, **kw_mid)
-        ffn.w1, ffn.w3 = (lin.from_linear(m, mesh, **kw_in) for m in (ffn.w1, ffn.w3))
-        ffn.w2 = lin.from_linear(ffn.w2, mesh, **kw_mid)
-    model.norm = norm.from_rmsnorm(model.norm, mesh, **kw_in)
-    model.output = lin.from_linear(model.output, mesh, **kw_in)
-    return model
+def _expected_block(model, name, full, layout, c, q):
+    """This rank's block of the full tensor ``full`` of the sharded model's parameter
+    ``name``, from the placements the layers document."""
+    owner, _, pname = name.rpartition(".")
+    mod = model.get_submodule(owner)
+    hidden = getattr(mod, "hidden_mesh_dim", None) or "output"
+    if isinstance(mod, (tpx.Linear2D, tpx.Linear3D)):
+        if pname == "weight":
+            return _weight_block(full, layout, c, q, hidden)
+        return _bias_block(full, layout, c, q, hidden)
+    if isinstance(mod, tpx.Embedding2D):
+        return full[:, _norm_slice(full.shape[1], layout, c, q)]
+    return _norm_block(full, layout, c, q, hidden)
+
+
+def _broadcast_module(module):
+    """Rank 0's values on every rank (the reference model of differently seeded ranks)."""
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            dist.broadcast(t, 0)
+
+
+def _check_grads_and_step(model, ref, layout, c, q, what):
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(ref_params), what
+    for name, p in model.named_parameters():
+        close(p.grad, _expected_block(model, name, ref_params[name].grad, layout, c, q),
+              f"grad {name} ({what})")
+    for m in (ref, model):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for name, p in model.named_parameters():
+        close(p.detach(), _expected_block(model, name, ref_params[name].detach(), layout, c, q),
+              f"{name} after SGD ({what})")
 
 
 def _check_decoder(rank, world, layout):
+    """examples/tiny_llama.py's Decoder sharded by tpx.parallelize_module with
+    tpx.plans.auto(model, layout=...), called as model(ids) like the unsharded one, the ranks
+    seeded differently (rank 0's model is the source): logits, every gradient, one SGD step;
+    then the same with loss_parallel=True and F.cross_entropy under tpx.loss_parallel(mesh)."""
     import copy
 
+    import torch.nn.functional as F
     from tiny_llama import Decoder
 
     q, depth, kw = _layout_args(layout, world)
     mesh = tpx.init_mesh(layout, **kw)
     nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
-    torch.manual_seed(31)
+    c = _coord(mesh)
+    torch.manual_seed(31 + rank)  # different on every rank
     ref = Decoder(vocab=12 * q * q, dim=8 * q, n_layers=2, n_heads=2 * q, n_kv_heads=q,
                   hidden=4 * q * q)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    model = _shard_decoder(copy.deepcopy(ref), mesh, layout)
+    model = copy.deepcopy(ref)
+    _broadcast_module(ref)
+    tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout))
+    vocab = ref.output.out_features
     gen = torch.Generator().manual_seed(400 + world)
-    ids = torch.randint(0, ref.output.out_features, (nb, 5), generator=gen)
-    g = torch.randn(nb, 5, ref.output.out_features, generator=gen)
+    ids = torch.randint(0, vocab, (2 * nb, 5), generator=gen)
+    g = torch.randn(2 * nb, 5, vocab, generator=gen)
     logits_ref = ref(ids)
     (logits_ref * g).sum().backward()
-    out_kw = dict(hidden_mesh_dim=model.output.output_mesh_dim) if layout == "3d" else {}
-    logits = tpx.gather_output(model(tpx.split_input(ids, mesh)), mesh, **out_kw)
+    logits = model(ids)
     close(logits, logits_ref.detach(), f"decoder logits {layout}")
     (logits * g).sum().backward()
-    # Every sharded parameter's gradient is its block of the reference gradient: gather it
-    # back with the same block maps the layers use.
+    _check_grads_and_step(model, ref, layout, c, q, f"decoder {layout}")
+
+    # Loss parallelism: the logits stay in the layout's blocks; the loss of the full batch.
+    torch.manual_seed(77 + rank)
+    ref = Decoder(vocab=vocab, dim=8 * q, n_layers=1, n_heads=2 * q, n_kv_heads=q,
+                  hidden=4 * q * q)
+    model = copy.deepcopy(ref)
+    _broadcast_module(ref)
+    tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout,
+                                                       loss_parallel=True))
+    labels = torch.randint(0, vocab, (2 * nb, 5), generator=gen)
+    labels[0, :2] = -100
+    loss_ref = F.cross_entropy(ref(ids).reshape(-1, vocab), labels.reshape(-1))
+    loss_ref.backward()
+    local_logits = model(ids)
+    assert local_logits.shape[-1] == vocab // q, tuple(local_logits.shape)
+    with tpx.loss_parallel(mesh):
+        loss = F.cross_entropy(local_logits.reshape(-1, local_logits.shape[-1]),
+                               labels.reshape(-1))
+    close(loss, loss_ref.detach(), f"loss_parallel loss {layout}")
+    loss.backward()
+    _check_grads_and_step(model, ref, layout, c, q, f"decoder loss_parallel {layout}")
+
+
+def _check_plan_errors(rank, world):
+    """Plans that cannot apply on a 2 x 2 mesh fail on every rank with the numbers."""
+    from tiny_llama import Decoder
+
+    mesh = tpx.init_mesh("2d")
+    torch.manual_seed(3)
+    with pytest.raises(ValueError, match=r"3 attention heads, which do not divide by the mesh "
+                                         r"side q = 2"):
+        m = Decoder(vocab=24, dim=12, n_layers=1, n_heads=3, n_kv_heads=3, hidden=8)
+        tpx.parallelize_module(m, mesh, tpx.plans.auto(m, layout="2d"))
+    m = Decoder(vocab=25, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, hidden=8)
+    with pytest.raises(ValueError, match=r"'output'.*out_features = 25 must divide by 2"):
+        tpx.parallelize_module(m, mesh, tpx.plans.auto(m, layout="2d"))
+    m = Decoder(vocab=24, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, hidden=8)
+    with pytest.raises(ValueError, match="sequence_parallel=True is for layout='1d'"):
+        tpx.plans.auto(m, layout="2d", sequence_parallel=True)
+    with pytest.raises(ValueError, match="`layout` must be"):
+        tpx.plans.auto(m, layout="2-d")
+    with pytest.raises(TypeError, match="must be a mesh style"):
+        tpx.parallelize_module(m, mesh, {"output": tpx.ColwiseParallel()})
+    with pytest.raises(TypeError, match="must be a dict"):
+        tpx.parallelize_module(m, mesh, tpx.parallel.mesh_styles.MeshParallel())
+    with pytest.raises(ValueError, match="pass a mesh from tpx.init_mesh"):
+        tpx.parallelize_module(m, None, {"output": tpx.parallel.mesh_styles.MeshParallel()})
+    # Ids whose batch does not divide by q: a clear error before any collective.
+    m = Decoder(vocab=24, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, hidden=8)
+    tpx.parallelize_module(m, mesh, tpx.plans.auto(m, layout="2d"))
+    with pytest.raises(ValueError, match=r"batch\) = 3 must divide by 2"):
+        m(torch.zeros(3, 4, dtype=torch.long))
+
+
+def _check_hf_llama(rank, world):
+    """Hugging Face Llama (tiny config, random weights) at 2-D: logits and the model's own
+    loss (labels given), then the loss under tpx.loss_parallel(mesh), every gradient."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    mesh = tpx.init_mesh("2d")
+    q = 2
     c = _coord(mesh)
-    inner = "weight" if layout == "3d" else "output"
-    for name, p in model.named_parameters():
-        rp = dict(ref.named_parameters())[name]
-        if name.endswith("norm.weight"):
-            want = _norm_block(rp.grad, layout, c, q, "output")
-        elif name == "tok_embeddings.weight":
-            want = rp.grad[:, _norm_slice(rp.shape[1], layout, c, q)]
+    vocab = 1002
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=88,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    for lp in (False, True):
+        model = copy.deepcopy(ref)
+        tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout="2d",
+                                                           loss_parallel=lp))
+        gen = torch.Generator().manual_seed(11)
+        ids = torch.randint(0, vocab, (4, 12), generator=gen)
+        labels = ids.clone()
+        labels[1, :4] = -100
+        ref.zero_grad()
+        out_ref = ref(input_ids=ids, labels=labels)
+        out_ref.loss.backward()
+        if lp:
+            with tpx.loss_parallel(mesh):
+                out = model(input_ids=ids, labels=labels)
+            close(out.logits, _act_block(out_ref.logits.detach(), "2d", c, q),
+                  "HF Llama 2-D logits block (loss_parallel)")
         else:
-            hidden = inner if name.split(".")[-2] in ("wo", "w2") else "output"
-            want = _weight_block(rp.grad, layout, c, q, hidden)
-        close(p.grad, want, f"decoder grad {name} {layout}")
+            out = model(input_ids=ids, labels=labels)
+            close(out.logits, out_ref.logits.detach(), "HF Llama 2-D logits")
+        close(out.loss, out_ref.loss.detach(), f"HF Llama 2-D loss (loss_parallel={lp})")
+        out.loss.backward()
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            close(p.grad, _expected_block(model, name, ref_params[name].grad, "2d", c, q),
+                  f"HF Llama 2-D grad {name} (loss_parallel={lp})")
 
 
 def _check_layout(rank, world, layout):
     _check_linear(rank, world, layout)
     _check_mlp_block(rank, world, layout)
     _check_embedding_head(rank, world, layout)
-    if world != 9:
-        _check_decoder(rank, world, layout)
+    _check_decoder(rank, world, layout)
+    if layout == "2d" and world == 4:
+        _check_hf_llama(rank, world)
+        _check_plan_errors(rank, world)
 
 
 # One group of processes per layout and world size (spawning 8-9 ranks costs more than the

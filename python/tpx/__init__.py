@@ -8,6 +8,7 @@ S(d) (sharded on dim d) and P (partial sums).
 from . import autograd, ops, random
 from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
+from .parallel import (MeshAttention, MeshInput, MeshParallel)
 from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                        Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention,
                        loss_parallel, parallelize_module, plans)
@@ -54,6 +55,7 @@ __all__ = [
     "shard_range",
     "__version__",
 ]
+__all__ += ["MeshParallel", "MeshAttention", "MeshInput"]
 __all__ += ["init_mesh", "mesh", "Linear2D", "Linear2p5D", "Linear3D", "gather_output",
             "split_input", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D", "RMSNorm2D",
             "RMSNorm2p5D", "RMSNorm3D", "Embedding2D", "Embedding2p5D", "Embedding3D"]

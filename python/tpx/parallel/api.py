@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..group import (DeviceMesh, GroupLike, broadcast_, check_same_on_ranks, check_src_rank,
                      resolve_group)
+from ..mesh import mesh_layout
 from .style import ParallelStyle, apply_style
 
 __all__ = ["parallelize_module"]
@@ -68,7 +69,15 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
 
     ``tp_mesh_dim`` (deprecated, from earlier PyTorch releases): the dimension of an N-D
     ``device_mesh`` to shard over; pass ``device_mesh["tp"]`` instead.
+
+    Beyond 1-D: with a mesh from ``tpx.init_mesh("2d" | "2.5d" | "3d")`` the plan holds the
+    mesh styles (:class:`~tpx.parallel.mesh_styles.MeshParallel`, ``MeshAttention``,
+    ``MeshInput``; ``tpx.plans.auto(model, layout=...)`` writes it), the key ``""`` naming
+    the model itself. ``src_rank`` is then a rank of the mesh (its index in
+    ``mesh.mesh.flatten()``; the global rank for a mesh from ``tpx.init_mesh``).
     """
+    if mesh_layout(device_mesh) in ("2d", "2.5d", "3d") and tp_mesh_dim is None:
+        return _parallelize_mesh(module, device_mesh, parallelize_plan, src_rank, strict)
     pg = _tp_group(device_mesh, tp_mesh_dim)
     plan = parallelize_plan
     if plan is None:
@@ -185,3 +194,66 @@ def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
                 f"({tuple(keep.shape)} vs {tuple(p.shape)} on this rank); shard the embedding "
                 "rowwise and the LM head colwise (both split the vocabulary), or untie them")
         setattr(module.get_submodule(m), p_name, keep)
+
+
+def _mesh_group(mesh) -> dist.ProcessGroup:
+    """A process group over every rank of ``mesh``."""
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
+
+
+def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
+                      strict: bool) -> nn.Module:
+    """``parallelize_module`` over a 2-D, 2.5-D or 3-D mesh: every entry of the plan is a
+    mesh style (applied with the mesh); parameters outside the replaced modules come from
+    ``src_rank``."""
+    from .mesh_styles import MeshStyle, mesh_info
+
+    info = mesh_info(mesh, "parallelize_module")
+    if not isinstance(plan, dict):
+        raise TypeError("tpx.parallelize_module: over a multi-dimensional mesh the plan must be a "
+                        "dict from module-name patterns to mesh styles (tpx.plans.auto(model, "
+                        f"layout={info.layout!r})); got {type(plan).__name__}")
+    pg = _mesh_group(mesh)
+    check_same_on_ranks(pg, "parallelize_module", dict(
+        src_rank=src_rank, layout=info.layout, mesh=tuple(mesh.shape),
+        plan=[(k, repr(v)) for k, v in plan.items()], module=_structure(module)))
+    check_src_rank("parallelize_module", src_rank, pg.size())
+    names = [name for name, _ in module.named_modules()]
+    work = []
+    for pattern, style in plan.items():
+        if not isinstance(style, MeshStyle):
+            raise TypeError(f"tpx.parallelize_module: over a {info.layout!r} mesh, plan[{pattern!r}] "
+                            f"must be a mesh style (tpx.parallel.mesh_styles.MeshParallel, "
+                            f"MeshAttention, MeshInput); got {style!r}")
+        matches = [n for n in names if (n == pattern if pattern == "" else
+                                         n and fnmatch.fnmatchcase(n, pattern))]
+        if not matches and strict:
+            raise ValueError(f"tpx.parallelize_module: the plan pattern {pattern!r} matches no "
+                             f"module (some module names: {names[1:9]}); fix the pattern or "
+                             "pass strict=False")
+        work += [(n, style) for n in matches]
+    # Modules are replaced deepest first, so that a style on a parent (attention, the model
+    # itself) sees its already-sharded children.
+    work.sort(key=lambda w: -len(w[0].split(".")) if w[0] else 1)
+    if src_rank is not None and pg.size() > 1:
+        # Every rank shards the source rank's values: broadcast the whole module first
+        # (the replaced modules copy their blocks from it).
+        broadcast_(pg, src_rank, _unsharded_tensors(module))
+    for name, style in work:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        old = module if name == "" else getattr(parent, child)
+        try:
+            new = style.apply_mesh(old, mesh, src_rank)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"tpx.parallelize_module: {name!r} ({type(old).__name__}) with "
+                          f"{style!r}: {e}") from e
+        if name == "":
+            if new is not module:
+                raise ValueError("tpx.parallelize_module: the style of the model itself "
+                                 "('') must keep the module")
+        elif new is not old:
+            setattr(parent, child, new)
+    return module

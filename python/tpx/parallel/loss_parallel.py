@@ -21,13 +21,96 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import ops
 from ..group import GroupLike, resolve_group
+from ..mesh import mesh_layout
 from ..nn.functional import vocab_parallel_cross_entropy
 
 __all__ = ["loss_parallel"]
 
 _lock = threading.Lock()
 _active = []  # stack of process groups of the open contexts
+
+
+class _MeshLogits:
+    """Where a multi-dimensional layout's logits live: the vocabulary split over
+    ``vocab_group``, the batch (dim 0) split over ``batch_groups`` into ``blocks`` blocks, this
+    rank's block ``index``."""
+
+    def __init__(self, mesh, hidden_mesh_dim: Optional[str]) -> None:
+        from ..nn.multidim import _block, _splits
+        from .mesh_styles import mesh_info
+
+        info = mesh_info(mesh, "loss_parallel")
+        if info.layout == "3d":
+            hidden = hidden_mesh_dim or "weight"
+            if hidden not in ("weight", "output"):
+                raise ValueError(f"tpx.loss_parallel: `hidden_mesh_dim` must be 'weight' or "
+                                 f"'output'; got {hidden_mesh_dim!r}")
+        elif hidden_mesh_dim is not None:
+            raise ValueError("tpx.loss_parallel: `hidden_mesh_dim` is only for 3-D meshes")
+        else:
+            hidden = None
+        bdims, hdims = _splits(info, hidden)
+        self.vocab_group = info.groups[hdims[0]]
+        self.batch_groups = [info.group_name(d) for d in bdims]
+        self.index, self.blocks = _block(info, bdims)
+
+    def local_target(self, target: Tensor, rows: int) -> Tensor:
+        """This rank's batch block of ``target`` (given whole, or already as the block)."""
+        if target.shape[0] == rows:
+            return target
+        if target.shape[0] == rows * self.blocks:
+            return target.narrow(0, self.index * rows, rows)
+        raise ValueError(f"tpx.loss_parallel: the target has {target.shape[0]} rows in dim 0; "
+                         f"the logits block has {rows} of the {rows * self.blocks} of the full "
+                         f"batch: pass the full target or this rank's block of it")
+
+    def total(self, t: Tensor) -> Tensor:
+        return _SumReplicated.apply(t, self.batch_groups)
+
+
+class _SumReplicated(torch.autograd.Function):
+    """Sum of a per-rank partial over the batch-splitting groups, giving the same value on
+    every rank; every rank calls backward on it, so each partial's gradient is the gradient
+    of the sum (no communication)."""
+
+    @staticmethod
+    def forward(ctx, t, groups):
+        for g in groups:
+            t = ops.mesh_all_reduce(t, g)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _mesh_cross_entropy(spec: _MeshLogits, input: Tensor, target: Tensor, ignore_index: int,
+                        label_smoothing: float, reduction: str,
+                        divide_by: Optional[Tensor] = None) -> Tensor:
+    """Cross-entropy of logits in a multi-dimensional layout (batch rows split, classes
+    split): the exact loss of the full batch and vocabulary, the same on every rank."""
+    target = spec.local_target(target, input.shape[0])
+    rows_in, rows_t = input.reshape(-1, input.shape[-1]), target.reshape(-1)
+    if reduction == "none":
+        return vocab_parallel_cross_entropy(rows_in, rows_t, group=spec.vocab_group,
+                                            ignore_index=ignore_index,
+                                            label_smoothing=label_smoothing,
+                                            reduction="none").reshape(target.shape)
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"tpx.loss_parallel: unknown reduction {reduction!r}")
+    local = vocab_parallel_cross_entropy(rows_in, rows_t, group=spec.vocab_group,
+                                         ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, reduction="sum")
+    loss = spec.total(local)
+    if divide_by is not None:
+        return loss / divide_by
+    if reduction == "mean":
+        with torch.no_grad():
+            count = spec.total((rows_t != ignore_index).sum().to(local.dtype))
+        return loss / count
+    return loss
 
 
 def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None,
@@ -46,6 +129,9 @@ def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
         input = input.movedim(1, -1)
     elif input.dim() == 1:
         input, target = input.unsqueeze(0), target.unsqueeze(0)
+    if isinstance(_active[-1], _MeshLogits):
+        return _mesh_cross_entropy(_active[-1], input, target, ignore_index, label_smoothing,
+                                   reduction)
     return vocab_parallel_cross_entropy(input, target, group=_active[-1],
                                         ignore_index=ignore_index,
                                         label_smoothing=label_smoothing, reduction=reduction)
@@ -60,6 +146,13 @@ def _causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
     logits = logits.float()
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if isinstance(_active[-1], _MeshLogits):
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(logits.device)
+        return _mesh_cross_entropy(_active[-1], logits, shift_labels.to(logits.device),
+                                   ignore_index, 0.0,
+                                   "sum" if num_items_in_batch is not None else "mean",
+                                   divide_by=num_items_in_batch)
     logits = logits.reshape(-1, logits.shape[-1])
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
@@ -79,7 +172,8 @@ def _hf_loss_mapping():
 
 
 @contextlib.contextmanager
-def loss_parallel(group: GroupLike = None) -> Iterator[None]:
+def loss_parallel(group: GroupLike = None, *,
+                  hidden_mesh_dim: Optional[str] = None) -> Iterator[None]:
     """Inside this context, cross-entropy losses take vocab-sharded logits.
 
     Placement: ``logits S(class dim)`` (this rank's ``tpx.shard_range(V)`` block), ``target
@@ -88,11 +182,28 @@ def loss_parallel(group: GroupLike = None) -> Iterator[None]:
     ``ignore_index``, ``label_smoothing`` (over the full vocabulary) and every ``reduction``;
     class weights and probability targets raise. The backward needs no context.
 
+    Beyond 1-D (``group`` a mesh from ``tpx.init_mesh("2d" | "2.5d" | "3d")``): the logits
+    are the LM head's output in the layout's blocks (batch dim 0 split over the
+    batch-splitting mesh dims, classes over the hidden one; ``tpx.plans.auto(model,
+    layout=..., loss_parallel=True)``), the target is the FULL batch (or this rank's batch
+    block), and the loss is the exact loss of the full batch on every rank (``"mean"``
+    divides by the number of non-ignored targets of the whole batch); ``"none"`` returns
+    this rank's batch block of the per-row losses.
+
     Args:
         group: the TP group the logits are sharded over (``None``: the default group; a
-            ``ProcessGroup`` or a 1-D ``DeviceMesh``, e.g. ``mesh["tp"]``).
+            ``ProcessGroup`` or a 1-D ``DeviceMesh``, e.g. ``mesh["tp"]``), or a 2-D / 2.5-D
+            / 3-D mesh.
+        hidden_mesh_dim: 3-D meshes only: the mesh dim splitting the logits' classes
+            (``"weight"``, the default, is the output of a ``Linear3D`` reading the residual
+            stream, as in ``tpx.plans.auto``'s plans).
     """
-    pg = resolve_group(group)
+    if mesh_layout(group) in ("2d", "2.5d", "3d"):
+        pg = _MeshLogits(group, hidden_mesh_dim)
+    elif hidden_mesh_dim is not None:
+        raise ValueError("tpx.loss_parallel: `hidden_mesh_dim` is only for 3-D meshes")
+    else:
+        pg = resolve_group(group)
     with _lock:
         outer = len(_active) == 0
         _active.append(pg)

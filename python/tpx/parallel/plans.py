@@ -21,10 +21,11 @@ With ``loss_parallel=True`` the LM head's output stays sharded over the vocabula
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from torch import nn
 
+from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
 
@@ -252,12 +253,111 @@ _HF_FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "gpt2": gpt2,
                 "gpt_neox": gpt_neox}
 
 
-def auto(model: nn.Module, *, sequence_parallel: bool = False,
+def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
+               layers: str, attention: str, norms: List[str], into: List[str],
+               out_of: List[str], head: Optional[str], final_norm: Optional[str],
+               update, loss_parallel: bool, input_kwargs) -> Plan:
+    """The plan over a 2-D / 2.5-D / 3-D mesh: every Linear, norm and the embedding swapped
+    for the layout's layer (3-D: the projections out of attention and the MLP read the
+    activation split by "weight"), attention told its local heads, the model's inputs split
+    at its entry and the LM head's output gathered (kept sharded with ``loss_parallel``)."""
+    pre = f"{layers}.*."
+    plan: Plan = {"": MeshInput(input_kwargs), embedding: MeshParallel(),
+                  pre + attention: MeshAttention(heads, kv_heads, update=update)}
+    for n in norms:
+        plan[pre + n] = MeshParallel()
+    for n in into:
+        plan[pre + n] = MeshParallel()
+    for n in out_of:
+        plan[pre + n] = MeshParallel(hidden_mesh_dim="weight")
+    if final_norm is not None:
+        plan[final_norm] = MeshParallel()
+    if head is not None:
+        plan[head] = MeshParallel(gather_output=not loss_parallel)
+    elif loss_parallel:
+        raise ValueError("tpx.plans.auto: loss_parallel=True needs a model with an LM head")
+    return plan
+
+
+def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in ("llama", "mistral", "qwen2"):
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        layers = _find(model, "layers") or "layers"
+        base = _prefix(layers, "layers")
+        head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
+        if getattr(cfg, "tie_word_embeddings", False) and head is not None:
+            raise NotImplementedError(
+                f"tpx.plans.auto(layout={layout!r}): tied input and output embeddings are not "
+                "supported beyond 1-D (the embedding table is split by columns, the LM head "
+                "by blocks); untie them (tie_word_embeddings=False) or use layout='1d'")
+        return _mesh_plan(
+            model, heads=heads, kv_heads=kv, embedding=base + "embed_tokens", layers=layers,
+            attention="self_attn", norms=["input_layernorm", "post_attention_layernorm"],
+            into=["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "mlp.gate_proj", "mlp.up_proj"],
+            out_of=["self_attn.o_proj", "mlp.down_proj"], head=head,
+            final_norm=base + "norm",
+            update=_set_attrs(num_heads=lambda h, k, m: h,
+                              num_key_value_heads=lambda h, k, m: k),
+            loss_parallel=loss_parallel, input_kwargs=("input_ids", "attention_mask"))
+    if model_type is not None:
+        raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type={model_type!r} "
+                         f"with layout={layout!r}; beyond 1-D: llama, mistral, qwen2 and the "
+                         "plain decoder (torchtitan's names). Write the plan by hand with "
+                         "tpx.parallel.mesh_styles")
+    attn_name = _find(model, "attention")
+    if attn_name is None or not hasattr(model.get_submodule(attn_name), "wq"):
+        raise ValueError(f"tpx.plans.auto(layout={layout!r}): no `layers.*.attention` with "
+                         "wq/wk/wv/wo found (torchtitan's names); write the plan by hand with "
+                         "tpx.parallel.mesh_styles")
+    attn = model.get_submodule(attn_name)
+    head_dim = getattr(attn, "head_dim", None)
+    heads = getattr(attn, "n_heads", None) or (attn.wq.out_features // head_dim
+                                               if head_dim else None)
+    kv = getattr(attn, "n_kv_heads", None) or (attn.wk.out_features // head_dim
+                                               if head_dim else None)
+    if not heads or not kv:
+        raise ValueError("tpx.plans.auto: cannot read the head counts of "
+                         f"{type(attn).__name__}; give it `n_heads` and `head_dim` attributes "
+                         "or write the plan by hand")
+    return _mesh_plan(
+        model, heads=heads, kv_heads=kv, embedding="tok_embeddings", layers="layers",
+        attention="attention", norms=["attention_norm", "ffn_norm"],
+        into=["attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+              "feed_forward.w3"],
+        out_of=["attention.wo", "feed_forward.w2"],
+        head="output" if _find(model, "output") == "output" else None,
+        final_norm="norm" if _find(model, "norm") == "norm" else None,
+        update=_set_attrs(n_heads=lambda h, k, m: h, n_kv_heads=lambda h, k, m: k),
+        loss_parallel=loss_parallel, input_kwargs=())
+
+
+def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
          loss_parallel: bool = False) -> Plan:
     """The TP plan for ``model``: a Hugging Face model by its ``config.model_type`` (llama,
     mistral, qwen2, gpt2, gpt_neox), otherwise a plain decoder in torchtitan's or gpt-fast's
     names. Head counts are checked against the TP size when the plan is applied: heads that
-    do not divide raise a ``ValueError`` naming the numbers."""
+    do not divide raise a ``ValueError`` naming the numbers.
+
+    ``layout``: ``"1d"`` (the default: Megatron-style column/row parallelism over a TP group)
+    or ``"2d"``, ``"2.5d"``, ``"3d"`` (apply the plan with a mesh from
+    ``tpx.init_mesh(layout)``; Llama / Mistral / Qwen2 and the plain torchtitan-style
+    decoder): every Linear, norm and the embedding become the layout's layers, the model's
+    inputs are split at its entry and the LM head returns the full logits, so ``model(ids)``
+    is called as before. With ``loss_parallel=True`` the logits stay in the layout's blocks:
+    compute the loss inside ``with tpx.loss_parallel(mesh):``. Sequence parallelism is a 1-D
+    notion (multi-dimensional layouts already split the activations)."""
+    if layout not in ("1d", "2d", "2.5d", "3d"):
+        raise ValueError(f"tpx.plans.auto: `layout` must be '1d', '2d', '2.5d' or '3d'; got "
+                         f"{layout!r}")
+    if layout != "1d":
+        if sequence_parallel:
+            raise ValueError(f"tpx.plans.auto: sequence_parallel=True is for layout='1d'; the "
+                             f"{layout!r} layout already splits every activation")
+        return _mesh_auto(model, layout, loss_parallel)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None:
         if model_type not in _HF_FAMILIES:

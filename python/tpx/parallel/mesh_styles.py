@@ -1,0 +1,205 @@
+"""Styles that shard a model over a 2-D, 2.5-D or 3-D mesh (:mod:`tpx.nn.multidim`), for
+``tpx.parallelize_module(model, mesh, plan)`` with a mesh from ``tpx.init_mesh("2d")``
+(``"2.5d"``, ``"3d"``).
+
+The layout is read from the mesh's dimension names, so one plan serves every layout:
+``tpx.plans.auto(model, layout=...)`` writes it. Between the layers, activations stay in the
+layout's blocks (batch and hidden split, see :mod:`tpx.nn.multidim`); :class:`MeshInput`
+splits the model's inputs at its entry and :class:`MeshParallel` with ``gather_output=True``
+makes the LM head return the full logits, so ``model(ids)`` is called as before.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+from torch import Tensor, nn
+
+from ..mesh import MeshInfo, check_mesh, mesh_layout
+from ..nn import multidim as md
+from .style import ParallelStyle
+
+__all__ = ["MeshStyle", "MeshParallel", "MeshInput", "MeshAttention"]
+
+_SUFFIX = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
+
+
+def mesh_info(mesh, who: str) -> MeshInfo:
+    layout = mesh_layout(mesh)
+    if layout not in _SUFFIX:
+        names = getattr(mesh, "mesh_dim_names", None)
+        raise ValueError(f"tpx.{who}: needs a 2-D, 2.5-D or 3-D mesh from tpx.init_mesh (named "
+                         f"('row', 'col'), ('depth', 'row', 'col') or ('input', 'weight', "
+                         f"'output')); got a mesh named {names}")
+    return check_mesh(mesh, layout, who)
+
+
+class MeshStyle(ParallelStyle):
+    """Base of the styles applied over a multi-dimensional mesh: ``apply_mesh(module, mesh,
+    src_rank)`` returns the sharded module."""
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        raise NotImplementedError  # pragma: no cover
+
+    def apply(self, module, pg, src_rank=0):
+        raise ValueError(f"tpx.{type(self).__name__} shards over a 2-D, 2.5-D or 3-D mesh: pass "
+                         "a mesh from tpx.init_mesh('2d' | '2.5d' | '3d') to "
+                         "tpx.parallelize_module, not a process group or a 1-D mesh")
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    if isinstance(module, getattr(nn, "RMSNorm", ())):
+        return True
+    w = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return (isinstance(w, Tensor) and w.dim() == 1 and isinstance(eps, float)
+            and not isinstance(module, (nn.LayerNorm, nn.Linear, nn.Embedding))
+            and sum(1 for _ in module.parameters()) == 1)
+
+
+class _GatherHook:
+    def __init__(self, mesh, hidden_mesh_dim: Optional[str]) -> None:
+        self.mesh, self.hidden = mesh, hidden_mesh_dim
+
+    def __call__(self, module, args, output):
+        kw = {"hidden_mesh_dim": self.hidden} if self.hidden else {}
+        return md.gather_output(output, self.mesh, **kw)
+
+
+class MeshParallel(MeshStyle):
+    """Replaces an ``nn.Linear``, ``nn.LayerNorm``, an RMSNorm (``nn.RMSNorm`` or a module
+    shaped like Hugging Face's ``LlamaRMSNorm``: one 1-D ``weight`` and a float
+    ``variance_epsilon`` or ``eps``) or an ``nn.Embedding`` by the mesh layout's layer
+    (``Linear2D`` / ``Linear2p5D`` / ``Linear3D``, ``LayerNorm*``, ``RMSNorm*``,
+    ``Embedding*``) holding this rank's blocks of the module's values.
+
+    Placement: input and output in the layout's blocks (:mod:`tpx.nn.multidim`); an
+    embedding takes ids split in batch only.
+
+    Args:
+        hidden_mesh_dim: 3-D meshes only (ignored by 2-D and 2.5-D ones, so one plan serves
+            every layout): the mesh dimension splitting the features of the module's INPUT,
+            ``"output"`` (the model's residual stream, the default) or ``"weight"`` (the
+            output of a ``Linear3D`` that read the residual stream: attention's output
+            projection and the MLP's down projection read it).
+        gather_output: the module's output is gathered to the full tensor (``R``) by a
+            forward hook: the LM head of a model whose caller expects full logits.
+        chunks: pipeline depth of ``Linear3D`` (``None``: the default).
+    """
+
+    def __init__(self, *, hidden_mesh_dim: Optional[str] = None, gather_output: bool = False,
+                 chunks: Optional[int] = None) -> None:
+        if hidden_mesh_dim not in (None, "output", "weight"):
+            raise ValueError(f"tpx.MeshParallel: `hidden_mesh_dim` must be None, 'output' or "
+                             f"'weight'; got {hidden_mesh_dim!r}")
+        self.hidden_mesh_dim, self.gather_output, self.chunks = (hidden_mesh_dim, gather_output,
+                                                                 chunks)
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        info = mesh_info(mesh, "MeshParallel")
+        suffix = _SUFFIX[info.layout]
+        three_d = info.layout == "3d"
+        hkw = {"hidden_mesh_dim": self.hidden_mesh_dim or "output"} if three_d else {}
+        if isinstance(module, nn.Linear):
+            kw = dict(hkw)
+            if three_d and self.chunks is not None:
+                kw["chunks"] = self.chunks
+            new = getattr(md, "Linear" + suffix).from_linear(module, mesh, **kw)
+            out_hidden = new.output_mesh_dim if three_d else None
+        else:
+            if self.chunks is not None:
+                raise ValueError(f"tpx.MeshParallel: `chunks` is for nn.Linear; got a "
+                                 f"{type(module).__name__}")
+            if isinstance(module, nn.LayerNorm):
+                new = getattr(md, "LayerNorm" + suffix).from_layernorm(module, mesh, **hkw)
+            elif isinstance(module, nn.Embedding):
+                new = getattr(md, "Embedding" + suffix).from_embedding(module, mesh, **hkw)
+            elif _is_rmsnorm(module):
+                new = getattr(md, "RMSNorm" + suffix).from_rmsnorm(module, mesh, **hkw)
+            else:
+                raise ValueError(f"tpx.MeshParallel applies to nn.Linear, nn.LayerNorm, an "
+                                 f"RMSNorm or nn.Embedding; got {type(module).__name__}")
+            out_hidden = hkw.get("hidden_mesh_dim")
+        for p_old, p_new in zip(module.parameters(), new.parameters()):
+            p_new.requires_grad_(p_old.requires_grad)
+        if self.gather_output:
+            new.register_forward_hook(_GatherHook(mesh, out_hidden))
+        return new
+
+    def __repr__(self) -> str:
+        return (f"MeshParallel(hidden_mesh_dim={self.hidden_mesh_dim!r}, "
+                f"gather_output={self.gather_output})")
+
+
+class MeshInput(MeshStyle):
+    """At a module's entry (the model itself), splits its inputs into the layout's blocks with
+    :func:`tpx.split_input`: token ids and masks (integer or bool tensors ``[B, ...]``) in
+    batch only, float activations ``[B, ..., H]`` in batch and hidden.
+
+    Args:
+        input_kwargs: keyword arguments split as well as the first positional one (e.g.
+            ``("input_ids", "attention_mask")`` of a Hugging Face model). ``labels`` are
+            left whole: the loss reads the full logits, or under ``tpx.loss_parallel(mesh)``
+            slices them itself.
+    """
+
+    def __init__(self, input_kwargs: Sequence[str] = ("input_ids", "attention_mask")) -> None:
+        self.input_kwargs: Tuple[str, ...] = tuple(input_kwargs)
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        mesh_info(mesh, "MeshInput")
+
+        def split(x):
+            return md.split_input(x, mesh) if isinstance(x, Tensor) else x
+
+        def hook(mod, args, kwargs):
+            if args:
+                args = (split(args[0]),) + tuple(args[1:])
+            for key in self.input_kwargs:
+                if key in kwargs:
+                    kwargs[key] = split(kwargs[key])
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"MeshInput(input_kwargs={self.input_kwargs})"
+
+
+class MeshAttention(MeshStyle):
+    """An attention module whose projections are sharded by :class:`MeshParallel`: each rank
+    holds whole heads (``num_heads / q`` query and ``num_kv_heads / q`` KV heads, ``q`` the
+    mesh side splitting the hidden features) of its batch block. Checks that the head counts
+    divide by ``q`` and tells the module its local counts through ``update(module,
+    local_heads, local_kv_heads)`` (attributes such as ``n_heads``, ``num_heads``).
+
+    The module must reshape its projections with ``-1`` heads or read the updated
+    attributes; positions and masks come from the sequence, which is not split.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: Optional[int] = None, *,
+                 update=None) -> None:
+        self.num_heads = int(num_heads)
+        self.num_kv_heads = int(num_kv_heads) if num_kv_heads is not None else self.num_heads
+        self.update = update
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        info = mesh_info(mesh, "MeshAttention")
+        q = info.q
+        for what, n in (("attention heads", self.num_heads),
+                        ("key/value heads", self.num_kv_heads)):
+            if n % q:
+                raise ValueError(
+                    f"tpx.MeshAttention: the model has {n} {what}, which do not divide by the "
+                    f"mesh side q = {q} of the {info.layout!r} layout (each rank holds whole "
+                    f"heads of 1/q of the features); choose a mesh whose side divides {n}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"tpx.MeshAttention: {self.num_heads} query heads and "
+                             f"{self.num_kv_heads} KV heads: not a GQA layout")
+        if self.update is not None:
+            self.update(module, self.num_heads // q, self.num_kv_heads // q)
+        return module
+
+    def __repr__(self) -> str:
+        return f"MeshAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})"
