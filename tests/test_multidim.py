@@ -609,6 +609,25 @@ def _check_initial_weights(rank, world, layout):
     finally:
         del os.environ["TPX_INIT_CHUNK_BYTES"]
 
+    # Peak memory of a non-source rank: its block plus one step's piece (steps of 8 KiB from
+    # the source), far below the full matrix (96 KiB) that the source draws.
+    from memtrack import PeakMemory
+
+    os.environ["TPX_INIT_CHUNK_BYTES"] = str(8 << 10)
+    try:
+        torch.manual_seed(rank)
+        with PeakMemory() as m:
+            big = lin(256, 96, mesh, bias=False)
+    finally:
+        del os.environ["TPX_INIT_CHUNK_BYTES"]
+    full_bytes, block_bytes = 256 * 96 * 4, big.weight.numel() * 4
+    if rank == 0:
+        assert m.peak >= full_bytes, m.peak
+    else:
+        bound = block_bytes + (8 << 10) // world + (4 << 10)
+        assert m.peak <= bound, (rank, m.peak, bound)
+    del big
+
     # src_rank=None with the same seed everywhere: one device's module, no weights moved; the
     # generators stay in step with one device's.
     torch.manual_seed(3000)
