@@ -660,6 +660,22 @@ def _check_initial_weights(rank, world, layout):
                        nn.Embedding(V + (1 if bad else 0), D), mesh)
     _raises_everywhere("`src_rank` must be None or the index of a rank of the mesh", lin, k, n,
                        mesh, src_rank=world)
+    if world == 8:
+        # A 2-D mesh of 4 ranks inside a data-parallel mesh of 8: src_rank is a rank of the
+        # mesh (its first rank by default: global rank 0 or 4), each replica its own.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        outer = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "row", "col"))
+        sub, dp = outer["row", "col"], outer.get_coordinate()[0]
+        torch.manual_seed(4000 + rank)
+        layer = tpx.Linear2D(4, 8, sub)
+        torch.manual_seed(4000 + 4 * dp)
+        ref = nn.Linear(4, 8)
+        cs = _coord(sub)
+        assert torch.equal(layer.weight, _weight_block(ref.weight.detach(), "2d", cs, 2))
+        assert torch.equal(layer.bias, _bias_block(ref.bias.detach(), "2d", cs, 2))
+        full = tpx.checkpoint.full_state_dict(layer)
+        assert torch.equal(full["weight"], ref.weight) and torch.equal(full["bias"], ref.bias)
     t = torch.ones(1)
     dist.all_reduce(t)  # still in step
     assert t.item() == world
@@ -694,8 +710,6 @@ def _check_checkpoint(rank, world, layout, tmp):
     import os
 
     import torch.distributed.checkpoint as dcp
-
-    import tpx.checkpoint
 
     q, depth, kw = _layout_args(layout, world)
     mesh = tpx.init_mesh(layout, **kw)
