@@ -2,7 +2,9 @@
 input gradients, every parameter gradient and one SGD step, on fresh random inputs, at 2-D
 with 4 and 9 ranks, 2.5-D with 8 ranks (depth 2), 3-D with 8 ranks; requires_grad
 combinations; a pre-norm MLP block, embedding + vocab-parallel head + loss and the tiny Llama
-decoder of examples/tiny_llama.py (modules swapped by hand); mesh and size errors.
+decoder of examples/tiny_llama.py (modules swapped by hand); mesh and size errors; initial
+weights from src_rank with differently seeded ranks, and checkpoints across layouts (2-D ->
+1-D / one device, 3-D -> one device, 1-D -> 2-D; state dicts, DCP, safetensors).
 
 The expected blocks are cut from the full tensors here, by hand, from the placements the
 layers document (not with tpx.split_input, which is tested against them)."""
