@@ -4,7 +4,9 @@ with 4 and 9 ranks, 2.5-D with 8 ranks (depth 2), 3-D with 8 ranks; requires_gra
 combinations; a pre-norm MLP block, embedding + vocab-parallel head + loss and the tiny Llama
 decoder of examples/tiny_llama.py and Hugging Face Llama (2-D), sharded by
 tpx.parallelize_module with tpx.plans.auto(model, layout=...), with and without loss
-parallelism; mesh and size errors.
+parallelism; mesh and size errors; initial weights from src_rank with differently seeded
+ranks, and checkpoints across layouts (2-D -> 1-D / one device, 3-D -> one device, 1-D ->
+2-D; state dicts, DCP, safetensors).
 
 The expected blocks are cut from the full tensors here, by hand, from the placements the
 layers document (not with tpx.split_input, which is tested against them)."""
@@ -437,6 +439,42 @@ def _norm_slice(n, layout, c, q):
     return slice(j * n // q, (j + 1) * n // q)
 
 
+def _shard_decoder(model, mesh, layout):
+    """examples/tiny_llama.py's Decoder with every Linear, norm and the embedding swapped for
+    the layout's layers, by hand (3-D: projections into attention / the MLP take the input
+    split by "output", the projections out of them the input split by "weight")."""
+    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
+    lin, norm = getattr(tpx, "Linear" + suffix), getattr(tpx, "RMSNorm" + suffix)
+    emb = getattr(tpx, "Embedding" + suffix)
+    kw_in = dict(hidden_mesh_dim="output") if layout == "3d" else {}
+    kw_mid = dict(hidden_mesh_dim="weight") if layout == "3d" else {}
+    model.tok_embeddings = emb.from_embedding(model.tok_embeddings, mesh, **kw_in)
+    for block in model.layers:
+        block.attention_norm = norm.from_rmsnorm(block.attention_norm, mesh, **kw_in)
+        block.ffn_norm = norm.from_rmsnorm(block.ffn_norm, mesh, **kw_in)
+        att, ffn = block.attention, block.feed_forward
+        att.wq, att.wk, att.wv = (lin.from_linear(m, mesh, **kw_in)
+                                  for m in (att.wq, att.wk, att.wv))
+        att.wo = lin.from_linear(att.wo, mesh, **kw_mid)
+        ffn.w1, ffn.w3 = (lin.from_linear(m, mesh, **kw_in) for m in (ffn.w1, ffn.w3))
+        ffn.w2 = lin.from_linear(ffn.w2, mesh, **kw_mid)
+    model.norm = norm.from_rmsnorm(model.norm, mesh, **kw_in)
+    model.output = lin.from_linear(model.output, mesh, **kw_in)
+    return model
+
+
+def _decoder_block(name, full, layout, c, q):
+    """This rank's block of the full tensor ``full`` of the Decoder's parameter ``name``,
+    sharded as _shard_decoder shards it."""
+    if name.endswith("norm.weight"):
+        return _norm_block(full, layout, c, q, "output")
+    if name == "tok_embeddings.weight":
+        return full[:, _norm_slice(full.shape[1], layout, c, q)]
+    inner = "weight" if layout == "3d" else "output"
+    hidden = inner if name.split(".")[-2] in ("wo", "w2") else "output"
+    return _weight_block(full, layout, c, q, hidden)
+
+
 def _expected_block(model, name, full, layout, c, q):
     """This rank's block of the full tensor ``full`` of the sharded model's parameter
     ``name``, from the placements the layers document."""
@@ -621,3 +659,286 @@ def _check_layout(rank, world, layout):
 @pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
 def test_layout_matches_unsharded(layout, world):
     run_ranks(_check_layout, world, layout)
+
+
+# Checkpoints and initial weights of the multi-dimensional layers -----------------------------
+
+
+def _from_rank(module, src=0):
+    """The test's own copy of rank ``src``'s module on every rank (plain broadcasts)."""
+    import copy
+
+    module = copy.deepcopy(module)
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t, src)
+    return module
+
+
+def _raises_everywhere(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+def _check_initial_weights(rank, world, layout):
+    """src_rank=0 (default): ranks seeded differently build each layer and get their blocks of
+    rank 0's full tensors; src_rank=None: each rank's own (equal seeds match one device,
+    different seeds raise); arguments differing on one rank raise on every rank."""
+    import os
+
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    c = _coord(mesh)
+    suffix = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}[layout]
+    lin, ln, rms, emb = (getattr(tpx, n + suffix)
+                         for n in ("Linear", "LayerNorm", "RMSNorm", "Embedding"))
+    k, n, V, D = 2 * q, 2 * q * q, 5 * q, 2 * q
+    mid = dict(hidden_mesh_dim="weight") if layout == "3d" else {}
+    hid = "weight" if layout == "3d" else "output"
+
+    def same_linear(layer, ref, hidden="output"):
+        assert torch.equal(layer.weight, _weight_block(ref.weight.detach(), layout, c, q, hidden))
+        if ref.bias is not None:
+            assert torch.equal(layer.bias, _bias_block(ref.bias.detach(), layout, c, q, hidden))
+
+    # Constructors, each rank seeded differently: rank 0's draws, in rank 0's order.
+    torch.manual_seed(1000 + rank)
+    layer, table = lin(k, n, mesh), emb(V, D, mesh, padding_idx=1)
+    layer3 = lin(k, n, mesh, bias=False, **mid)
+    norm = ln(D, mesh)
+    torch.manual_seed(1000)
+    ref, ref_table = nn.Linear(k, n), nn.Embedding(V, D, padding_idx=1)
+    ref3 = nn.Linear(k, n, bias=False)
+    same_linear(layer, ref)
+    assert torch.equal(table.weight, ref_table.weight.detach()[:, _norm_slice(D, layout, c, q)])
+    assert layer3.bias is None
+    same_linear(layer3, ref3, hid)
+    assert torch.equal(norm.weight, torch.ones(D // q)) and torch.equal(norm.bias,
+                                                                        torch.zeros(D // q))
+    x = torch.randn(q * q * depth, 3, k, generator=torch.Generator().manual_seed(5))
+    out_kw = dict(hidden_mesh_dim=layer.output_mesh_dim) if layout == "3d" else {}
+    close(tpx.gather_output(layer(tpx.split_input(x, mesh)), mesh, **out_kw), ref(x).detach(),
+          f"{layout} forward of rank 0's layer")
+
+    # from_*: every rank holds its own module; the layer is rank 0's (or rank src's).
+    torch.manual_seed(2000 + rank)
+    lin_m, emb_m = nn.Linear(k, n), nn.Embedding(V, D)
+    ln_m, rms_m = nn.LayerNorm(D), nn.RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        for m in (ln_m, rms_m):
+            for p in m.parameters():
+                p.uniform_(0.5, 1.5)
+    src = world - 1
+    for src_rank in (0, src):
+        refs = [_from_rank(m, src_rank) for m in (lin_m, emb_m, ln_m, rms_m)]
+        same_linear(lin.from_linear(lin_m, mesh, src_rank=src_rank, **mid), refs[0], hid)
+        e = emb.from_embedding(emb_m, mesh, src_rank=src_rank)
+        assert torch.equal(e.weight, refs[1].weight.detach()[:, _norm_slice(D, layout, c, q)])
+        nl = ln.from_layernorm(ln_m, mesh, src_rank=src_rank)
+        for name in ("weight", "bias"):
+            assert torch.equal(getattr(nl, name), _norm_block(getattr(refs[2], name).detach(),
+                                                              layout, c, q, "output"))
+        nr = rms.from_rmsnorm(rms_m, mesh, src_rank=src_rank)
+        assert torch.equal(nr.weight, _norm_block(refs[3].weight.detach(), layout, c, q,
+                                                  "output"))
+    # Blocks scattered in many small steps (a few rows per step) arrive the same.
+    os.environ["TPX_INIT_CHUNK_BYTES"] = str(16 * world)
+    try:
+        same_linear(lin.from_linear(lin_m, mesh), _from_rank(lin_m))
+    finally:
+        del os.environ["TPX_INIT_CHUNK_BYTES"]
+
+    # Peak memory of a non-source rank: its block plus one step's piece (steps of 8 KiB from
+    # the source), far below the full matrix (96 KiB) that the source draws.
+    from memtrack import PeakMemory
+
+    os.environ["TPX_INIT_CHUNK_BYTES"] = str(8 << 10)
+    try:
+        torch.manual_seed(rank)
+        with PeakMemory() as m:
+            big = lin(256, 96, mesh, bias=False)
+    finally:
+        del os.environ["TPX_INIT_CHUNK_BYTES"]
+    full_bytes, block_bytes = 256 * 96 * 4, big.weight.numel() * 4
+    if rank == 0:
+        assert m.peak >= full_bytes, m.peak
+    else:
+        bound = block_bytes + (8 << 10) // world + (4 << 10)
+        assert m.peak <= bound, (rank, m.peak, bound)
+    del big
+
+    # src_rank=None with the same seed everywhere: one device's module, no weights moved; the
+    # generators stay in step with one device's.
+    torch.manual_seed(3000)
+    ref, ref_table = nn.Linear(k, n), nn.Embedding(V, D)
+    after_ref = torch.randn(4)
+    torch.manual_seed(3000)
+    layer = lin(k, n, mesh, src_rank=None)
+    table = emb(V, D, mesh, src_rank=None)
+    assert torch.equal(torch.randn(4), after_ref)
+    same_linear(layer, ref)
+    assert torch.equal(table.weight, ref_table.weight.detach()[:, _norm_slice(D, layout, c, q)])
+    # ... and with src_rank=0 the source's generator state is handed on.
+    torch.manual_seed(3000)
+    lin(k, n, mesh)
+    emb(V, D, mesh)
+    assert torch.equal(torch.randn(4), after_ref), "generator not in step with one device"
+    # src_rank=None with different seeds: the checksum differs, on every rank.
+    torch.manual_seed(rank)
+    _raises_everywhere("initial_weights", lin, k, n, mesh, src_rank=None)
+    _raises_everywhere("initial_weights", emb.from_embedding, nn.Embedding(V, D), mesh,
+                       src_rank=None)
+    # Arguments that differ on one rank raise on every rank, before any weight moves (also
+    # when that rank's arguments would fail a local check).
+    bad = rank == world - 1
+    _raises_everywhere("different arguments", lin, k, n + (q * q if bad else 0), mesh)
+    _raises_everywhere("different arguments", lin, k + (1 if bad else 0), n, mesh)
+    _raises_everywhere("different arguments", lin, k, n, mesh, src_rank=rank)
+    _raises_everywhere("different arguments", ln, D * (2 if bad else 1), mesh)
+    _raises_everywhere("different arguments", emb.from_embedding,
+                       nn.Embedding(V + (1 if bad else 0), D), mesh)
+    _raises_everywhere("`src_rank` must be None or the index of a rank of the mesh", lin, k, n,
+                       mesh, src_rank=world)
+    if world == 8:
+        # A 2-D mesh of 4 ranks inside a data-parallel mesh of 8: src_rank is a rank of the
+        # mesh (its first rank by default: global rank 0 or 4), each replica its own.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        outer = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "row", "col"))
+        sub, dp = outer["row", "col"], outer.get_coordinate()[0]
+        torch.manual_seed(4000 + rank)
+        layer = tpx.Linear2D(4, 8, sub)
+        torch.manual_seed(4000 + 4 * dp)
+        ref = nn.Linear(4, 8)
+        cs = _coord(sub)
+        assert torch.equal(layer.weight, _weight_block(ref.weight.detach(), "2d", cs, 2))
+        assert torch.equal(layer.bias, _bias_block(ref.bias.detach(), "2d", cs, 2))
+        full = tpx.checkpoint.full_state_dict(layer)
+        assert torch.equal(full["weight"], ref.weight) and torch.equal(full["bias"], ref.bias)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # still in step
+    assert t.item() == world
+
+
+def _ckpt_decoder(q, seed):
+    """A tiny Llama decoder whose heads divide at 2-D / 3-D (q = 2) and at 1-D TP 4."""
+    from tiny_llama import Decoder
+
+    torch.manual_seed(seed)
+    model = Decoder(vocab=12 * q * q, dim=8 * q, n_layers=2, n_heads=2 * q, n_kv_heads=2 * q,
+                    hidden=4 * q * q)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _same_state(actual, expected, what):
+    assert list(actual) == list(expected), (what, list(actual), list(expected))
+    for key, value in expected.items():
+        assert actual[key].shape == value.shape, (what, key, actual[key].shape, value.shape)
+        assert torch.equal(actual[key], value), (what, key)
+
+
+def _check_checkpoint(rank, world, layout, tmp):
+    """full_state_dict / load_full_state_dict / DCP save and load / safetensors at 2-D or 3-D:
+    the original model's keys and shapes; a 2-D checkpoint loads at 1-D (TP 4) and on one
+    device, a 3-D one on one device, a 1-D one back at 2-D; same logits everywhere."""
+    import copy
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    q, depth, kw = _layout_args(layout, world)
+    mesh = tpx.init_mesh(layout, **kw)
+    c = _coord(mesh)
+    nb = {"2d": q, "2.5d": depth * q, "3d": q * q}[layout]
+    ref = _ckpt_decoder(q, 31)
+    model = _shard_decoder(copy.deepcopy(ref), mesh, layout)
+    # The original keys and full shapes, exactly, on every rank.
+    _same_state(tpx.checkpoint.full_state_dict(model), ref.state_dict(), "full_state_dict")
+    full0 = tpx.checkpoint.full_state_dict(model, rank0_only=True)
+    assert (full0 == {}) == (rank != 0)
+
+    # A fresh full state dict: each rank keeps its blocks of it.
+    fresh = {k: v.detach().clone() for k, v in _ckpt_decoder(q, 99).state_dict().items()}
+    tpx.checkpoint.load_full_state_dict(model, fresh)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, _decoder_block(name, fresh[name], layout, c, q)), name
+    _same_state(tpx.checkpoint.full_state_dict(model), fresh, "round trip")
+    with pytest.raises(ValueError, match="tok_embeddings.weight has shape"):
+        tpx.checkpoint.load_full_state_dict(
+            model, dict(fresh, **{"tok_embeddings.weight": torch.zeros(3, 3)}))
+    ref.load_state_dict(fresh)
+    gen = torch.Generator().manual_seed(500 + world)
+    ids = torch.randint(0, ref.output.out_features, (nb, 5), generator=gen)
+    out_kw = dict(hidden_mesh_dim=model.output.output_mesh_dim) if layout == "3d" else {}
+    with torch.no_grad():
+        logits_ref = ref(ids)
+        logits = tpx.gather_output(model(tpx.split_input(ids, mesh)), mesh, **out_kw)
+    close(logits, logits_ref, f"{layout} logits of the loaded state")
+
+    ckpt = os.path.join(tmp, f"dcp_{layout}")
+    tpx.checkpoint.save(model, ckpt)
+    # Back into the same layout: a differently initialised model gets the saved blocks.
+    back = _shard_decoder(_ckpt_decoder(q, 7), mesh, layout)
+    tpx.checkpoint.load(back, ckpt)
+    _same_state(tpx.checkpoint.full_state_dict(back), fresh, f"DCP {layout} -> {layout}")
+
+    # On one device: plain torch.distributed.checkpoint into the unsharded Decoder (rank 0
+    # alone, without the process group, at 3-D; every rank at 2-D).
+    def one_device():
+        single = _ckpt_decoder(q, 8)
+        state = single.state_dict()
+        dcp.load(state, checkpoint_id=ckpt, no_dist=layout == "3d")
+        single.load_state_dict(state)
+        with torch.no_grad():
+            close(single(ids), logits, f"{layout} checkpoint on one device")
+
+    if layout == "3d":
+        if rank == 0:
+            one_device()
+        dist.barrier()
+        return
+    one_device()
+
+    # At 1-D (TP 4 over the same ranks): tpx.parallelize_module with the example's plan.
+    from tiny_llama import tp_plan
+
+    one_d = _ckpt_decoder(q, 9)
+    tpx.parallelize_module(one_d, None, tp_plan())
+    tpx.checkpoint.load(one_d, ckpt)
+    with torch.no_grad():
+        close(one_d(ids), logits, "2-D checkpoint loaded at 1-D")
+    # ... and a 1-D checkpoint back at 2-D.
+    ckpt1 = os.path.join(tmp, "dcp_1d")
+    tpx.checkpoint.save(one_d, ckpt1)
+    back = _shard_decoder(_ckpt_decoder(q, 10), mesh, layout)
+    tpx.checkpoint.load(back, ckpt1)
+    _same_state(tpx.checkpoint.full_state_dict(back), fresh, "DCP 1-D -> 2-D")
+
+    # Hugging Face safetensors: each rank reads its blocks.
+    from safetensors.torch import save_file
+
+    path = os.path.join(tmp, "model.safetensors")
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in fresh.items()}, path)
+    dist.barrier()
+    hf = _shard_decoder(_ckpt_decoder(q, 11), mesh, layout)
+    assert tpx.checkpoint.load_hf_checkpoint(hf, path) == []
+    for name, p in hf.named_parameters():
+        assert torch.equal(p, _decoder_block(name, fresh[name], layout, c, q)), name
+
+
+def _check_ckpt_and_init(rank, world, layout, tmp):
+    _check_initial_weights(rank, world, layout)
+    _check_checkpoint(rank, world, layout, tmp)
+
+
+# One group of processes per layout: initial weights from src_rank (and the argument checks),
+# then checkpoints (2-D: full/sliced state dicts, DCP 2-D -> 2-D / 1-D / one device, 1-D ->
+# 2-D, safetensors; 3-D: state dicts, DCP 3-D -> 3-D / one device).
+@pytest.mark.parametrize("layout,world", [("2d", 4), ("3d", 8)])
+def test_checkpoint_and_initial_weights(tmp_path, layout, world):
+    run_ranks(_check_ckpt_and_init, world, layout, str(tmp_path))

@@ -1,14 +1,22 @@
-"""Full <-> sharded state dicts of models sharded by tpx.
+"""Full <-> sharded state dicts of models sharded by tpx, 1-D or multi-dimensional.
 
 ``full_state_dict`` gathers every tpx layer's shards back into the tensors of the ORIGINAL
 model (same keys, same shapes: it loads straight into the unsharded model);
 ``load_full_state_dict`` slices a full state dict into a sharded model. Both are collective:
-every rank of each layer's group must call them.
+every rank of each layer's group (or mesh) must call them.
 
-Every tpx layer describes its parameters with ``_shards()``: (name, sharded dim, for each rank
-the ``(start, end)`` ranges of the full tensor along that dim it holds, concatenated). A
+Every 1-D tpx layer describes its parameters with ``_shards()``: (name, sharded dim, for each
+rank the ``(start, end)`` ranges of the full tensor along that dim it holds, concatenated). A
 layer made from a Hugging Face ``Conv1D`` (weight stored as ``[in, out]``) carries
 ``_transposed_weight = True``: its full weight is the transpose of the gathered one.
+
+Every multi-dimensional layer (2-D, 2.5-D, 3-D: :mod:`tpx.nn.multidim`) describes its
+parameters with ``_param_splits()``: one :class:`tpx.nn.multidim.BlockSpec` per parameter,
+giving for each of the parameter's dims the mesh dimensions that split it, outermost first
+(the block index and count follow from the rank's mesh coordinates), and the full shape. A
+rank's parameter is one rectangular block of the full tensor, replicated over the mesh
+dimensions that split none of its dims; gathering is one mesh all-gather per splitting mesh
+dimension.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .autograd import gather_dim
+from .nn.multidim import BlockSpec, _block_specs
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "save", "load",
            "sharded_state_dict"]
@@ -71,6 +80,94 @@ def _sharded_params(model: nn.Module) -> Iterator[_Sharded]:
             yield _Sharded(pre + name, mod, name, dim, rows, transposed)
 
 
+@dataclass
+class _MeshSharded:
+    """A parameter of a multi-dimensional layer: this rank holds one block of the full
+    tensor (``spec`` says which), in the original orientation."""
+
+    key: str
+    module: nn.Module
+    spec: BlockSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def info(self):
+        return self.module.mesh_info
+
+    def local(self) -> Tensor:
+        return getattr(self.module, self.spec.name)
+
+    def gather(self) -> Tensor:
+        return self.spec.gather(self.local(), self.info)
+
+    def slice_of(self, full: Tensor) -> Tensor:
+        return self.spec.slice_of(full, self.info)
+
+    def index(self) -> Tuple[slice, ...]:
+        return tuple(slice(s, e) for s, e in self.spec.ranges(self.info))
+
+    def check_full_shape(self, where: str, shape) -> None:
+        if tuple(shape) != tuple(self.spec.full_shape):
+            raise ValueError(f"tpx.checkpoint.{where}: {self.key} has shape {tuple(shape)}; the "
+                             f"model expects {tuple(self.spec.full_shape)}")
+
+
+def _mesh_params(model: nn.Module) -> Iterator[_MeshSharded]:
+    """Every parameter of the multi-dimensional layers in ``model``, in module order."""
+    for prefix, mod in model.named_modules():
+        if not hasattr(mod, "_param_splits") or not hasattr(mod, "mesh_info"):
+            continue
+        pre = f"{prefix}." if prefix else ""
+        for spec in _block_specs(mod):
+            yield _MeshSharded(pre + spec.name, mod, spec)
+
+
+_DCP_MESHES: Dict[tuple, tuple] = {}
+
+
+def _mesh_dtensor(sh: _MeshSharded) -> Tensor:
+    """The block as a ``DTensor`` of the full shape over the layer's mesh: mesh dimension ``m``
+    is ``Shard(d)`` when it splits dim ``d``, else ``Replicate()``. A dim split by several
+    mesh dimensions needs them in its order, outermost first (DTensor shards left to right):
+    when the mesh's own order differs (3-D weight rows, split by the output dimension then
+    "input"), the DTensor lives on the same ranks and process groups with its dimensions
+    permuted."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    info, spec = sh.info, sh.spec
+    names = list(info.names)
+    order = names
+    for dims in spec.splits:
+        if [names.index(d) for d in dims] != sorted(names.index(d) for d in dims):
+            lead = [d for dims_ in spec.splits for d in dims_]
+            order = lead + [n for n in names if n not in lead]
+            break
+    local = sh.local().detach()
+    key = (info.ranks, tuple(order), local.device.type)
+    world = dist.group.WORLD
+    cached = _DCP_MESHES.get(key)
+    if cached is not None and cached[0] is world:
+        mesh = cached[1]
+    else:
+        perm = [names.index(n) for n in order]
+        ranks = torch.tensor(info.ranks, dtype=torch.int).view(info.shape).permute(perm)
+        mesh = DeviceMesh.from_group([info.groups[n] for n in order], local.device.type,
+                                     mesh=ranks.contiguous(), mesh_dim_names=tuple(order))
+        _DCP_MESHES[key] = (world, mesh)
+    placements = []
+    for n in order:
+        dims = [d for d, split in enumerate(spec.splits) if n in split]
+        placements.append(Shard(dims[0]) if dims else Replicate())
+    shape = torch.Size(spec.full_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False,
+                              shape=shape, stride=stride)
+
+
 def _gather_full(sh: _Sharded) -> Tensor:
     """The full tensor (original orientation) assembled from every rank's pieces."""
     local = sh.local().detach()
@@ -96,10 +193,14 @@ def _gather_full(sh: _Sharded) -> Tensor:
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, Tensor]:
     """The unsharded state dict of a model sharded by tpx, with the original model's keys and
     shapes (on every rank, or only on the group's rank 0 with ``rank0_only=True``: the
-    others return ``{}`` but must still call)."""
+    others return ``{}`` but must still call). The parameters of the multi-dimensional
+    layers are all-gathered over the mesh dimensions that split them (``nn.Linear`` weight
+    ``[out, in]``, bias ``[out]``, norm weight ``[H]``, embedding ``[V, D]``). Collective."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     for sh in _sharded_params(model):
         state[sh.key] = _gather_full(sh)
+    for ms in _mesh_params(model):
+        state[ms.key] = ms.gather()
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return state
@@ -116,13 +217,19 @@ def _check_full_shape(where: str, sh: _Sharded, full: Tensor) -> None:
 def load_full_state_dict(model: nn.Module, state_dict: Dict[str, Tensor],
                          strict: bool = True) -> None:
     """Loads a full (unsharded) state dict into a model sharded by tpx: each tpx layer keeps
-    its slice, every other tensor is loaded whole."""
+    its slice (a multi-dimensional layer its block), every other tensor is loaded whole. No
+    communication."""
     local = dict(state_dict)
     for sh in _sharded_params(model):
         if sh.key not in local:
             continue
         _check_full_shape("load_full_state_dict", sh, local[sh.key])
         local[sh.key] = sh.slice_of(local[sh.key])
+    for ms in _mesh_params(model):
+        if ms.key not in local:
+            continue
+        ms.check_full_shape("load_full_state_dict", local[ms.key].shape)
+        local[ms.key] = ms.slice_of(local[ms.key])
     model.load_state_dict(local, strict=strict)
 
 
@@ -152,7 +259,8 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     without ``model.safetensors.index.json``, as ``save_pretrained`` writes it) into a model
     sharded by tpx. The files are memory-mapped and each rank reads only its own slices of
     the sharded tensors (``safe_open(...).get_slice``): no rank ever holds a full copy of a
-    sharded weight. Keys are the model's ``state_dict()`` keys. Tied parameters absent from
+    sharded weight (a multi-dimensional layer reads its block). Keys are the model's
+    ``state_dict()`` keys. Tied parameters absent from
     the files (GPT-2's ``lm_head.weight``) are filled through their tie.
 
     With ``strict=True`` a parameter or buffer of the model that the files do not hold (and
@@ -162,6 +270,7 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     from safetensors import safe_open
 
     sharded = {sh.key: sh for sh in _sharded_params(model)}
+    blocks = {ms.key: ms for ms in _mesh_params(model)}
     targets = dict(model.state_dict(keep_vars=True))
     loaded, unused = set(), []
     for file in _safetensors_files(path):
@@ -184,6 +293,11 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
                     value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
                     if sh.transposed:
                         value = value.t()
+                elif key in blocks:
+                    ms = blocks[key]
+                    sl = f.get_slice(key)
+                    ms.check_full_shape(f"load_hf_checkpoint ({file})", sl.get_shape())
+                    value = sl[ms.index()]
                 else:
                     value = f.get_tensor(key)
                 if tuple(value.shape) != tuple(dst.shape):
@@ -226,7 +340,10 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     keys and global shapes: a tensor sharded with ``shard_range`` becomes a ``DTensor`` with
     placement ``Shard(dim)`` over its layer's group (each rank writes only its block); a
     tensor with another layout (per-part fused projections, replicated KV heads) is gathered
-    to its full value; everything else is the replicated tensor itself. Collective."""
+    to its full value; a parameter of a multi-dimensional layer becomes a ``DTensor`` over its
+    mesh, ``Shard(d)`` on each mesh dimension that splits dim ``d`` of the original tensor and
+    ``Replicate()`` on the others (one copy of each block is written); everything else is the
+    replicated tensor itself. Collective."""
     from torch.distributed.tensor import DTensor, Shard
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -247,14 +364,19 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
                                                stride=stride)
         else:
             state[sh.key] = _gather_full(sh)
+    for ms in _mesh_params(model):
+        if ms.key in state:
+            state[ms.key] = _mesh_dtensor(ms)
     return state
 
 
 def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
     """Saves ``model`` (sharded by tpx) with ``torch.distributed.checkpoint``: every rank writes
     its own blocks into the directory ``checkpoint_id``. The checkpoint holds the original
-    model's keys and global shapes, so :func:`load` reads it back at ANY TP degree (TP 2 ->
-    TP 4, TP 2 -> TP 1, ...). Collective over the default group."""
+    model's keys and global shapes, so :func:`load` reads it back at ANY TP degree or layout
+    (TP 2 -> TP 4, TP 2 -> TP 1, 2-D -> 1-D, 3-D -> one device, ...), and
+    ``torch.distributed.checkpoint.load`` into the unsharded model reads it too. Collective
+    over the default group."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(sharded_state_dict(model), checkpoint_id=os.fspath(checkpoint_id))
@@ -264,17 +386,21 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
 def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
     """Loads a checkpoint written by :func:`save` (at any TP degree, or from an unsharded model
     saved with ``torch.distributed.checkpoint``) into ``model``, sharded by tpx at this run's
-    TP degree: each rank reads only the blocks it holds where the layout is ``shard_range``.
-    Collective over the default group."""
+    TP degree, or over a 2-D / 2.5-D / 3-D mesh: each rank reads only the blocks it holds
+    where the layout is ``shard_range`` or a multi-dimensional layer's. Collective over the
+    default group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
     state = sharded_state_dict(model)
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
     sharded = {sh.key: sh for sh in _sharded_params(model)}
+    blocks = {ms.key: ms for ms in _mesh_params(model)}
     own = model.state_dict(keep_vars=True)
     for key, value in state.items():
-        if key in sharded:
+        if key in blocks:
+            blocks[key].local().copy_(value.to_local())
+        elif key in sharded:
             sh = sharded[key]
             if isinstance(value, DTensor):
                 local = value.to_local()

@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
 GroupLike = Union[None, "dist.ProcessGroup", "DeviceMesh"]
 
 __all__ = ["resolve_group", "group_name", "shard_range", "check_same_on_ranks", "scatter_shard",
-           "broadcast_", "load_initial"]
+           "scatter_blocks", "broadcast_", "load_initial"]
 
 
 def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
@@ -278,10 +278,45 @@ def scatter_shard(pg: dist.ProcessGroup, src_rank: int, full: Optional[torch.Ten
     step carrying at most about ``chunk_bytes`` (``init_chunk_bytes()``) from the source. Every
     size is derived from ``ranges``, ``out``'s shape outside ``dim`` and the dtype, which all
     ranks share; ``full`` is read on the source rank only (``None`` elsewhere is fine)."""
+    world = pg.size()
+    shapes = [_shard_shape(out.shape, ranges[r], dim) for r in range(world)]
+
+    def fill(r: int, a: int, b: int, dst: torch.Tensor) -> None:
+        _copy_rows(full, ranges[r], dim, a, b, dst)
+
+    _scatter_rows(pg, src_rank, out, shapes, fill, chunk_bytes)
+
+
+def scatter_blocks(pg: dist.ProcessGroup, src_rank: int, full: Optional[torch.Tensor],
+                   out: torch.Tensor, blocks: Sequence[Sequence[Tuple[int, int]]],
+                   chunk_bytes: Optional[int] = None) -> None:
+    """Fills ``out`` (this rank's block) from ``full`` held by group rank ``src_rank``: rank
+    ``r``'s block is ``full[s0:e0, s1:e1, ...]`` with ``blocks[r] = ((s0, e0), (s1, e1), ...)``,
+    one range per dim of ``full`` (a block of a weight split along several dims, as the
+    multi-dimensional layers hold; several ranks may hold the same block). Sent in steps of
+    whole rows of the blocks' dim 0 as :func:`scatter_shard`, at most about ``chunk_bytes``
+    from the source per step; ``full`` is read on the source rank only."""
+    shapes = [[e - s for s, e in blk] for blk in blocks]
+
+    def fill(r: int, a: int, b: int, dst: torch.Tensor) -> None:
+        (s0, _), rest = blocks[r][0], blocks[r][1:]
+        index = (slice(s0 + a, s0 + b),) + tuple(slice(s, e) for s, e in rest)
+        dst.copy_(full[index])
+
+    _scatter_rows(pg, src_rank, out, shapes, fill, chunk_bytes)
+
+
+def _scatter_rows(pg: dist.ProcessGroup, src_rank: int, out: torch.Tensor,
+                  shapes: Sequence[Sequence[int]],
+                  fill: Callable[[int, int, int, torch.Tensor], None],
+                  chunk_bytes: Optional[int]) -> None:
+    """The scatter of :func:`scatter_shard` / :func:`scatter_blocks`: rank ``r``'s tensor has
+    shape ``shapes[r]``; on the source, ``fill(r, a, b, dst)`` writes rows ``[a, b)`` of rank
+    ``r``'s tensor into ``dst``."""
     world, rank = pg.size(), dist.get_rank(pg)
     chunk_bytes = init_chunk_bytes() if chunk_bytes is None else chunk_bytes
     elem = out.element_size()
-    shapes = [_shard_shape(out.shape, ranges[r], dim) for r in range(world)]
+    shapes = [list(sh) for sh in shapes]
     if list(out.shape) != shapes[rank]:
         raise ValueError(f"tpx: the shard has shape {tuple(out.shape)} but its ranges give "
                          f"{tuple(shapes[rank])}")
@@ -309,7 +344,7 @@ def scatter_shard(pg: dist.ProcessGroup, src_rank: int, full: Optional[torch.Ten
             for r, ((a, b), m) in enumerate(zip(step, nbytes)):
                 if m:
                     view = send[r][:m].view(out.dtype).view([b - a] + shapes[r][1:])
-                    _copy_rows(full, ranges[r], dim, a, b, view)
+                    fill(r, a, b, view)
         recv = recv_all[:n]
         dist.scatter(recv, send, group=pg, group_src=src_rank)
         (a, b), m = step[rank], nbytes[rank]
@@ -406,11 +441,14 @@ def rng_fingerprint(device: torch.device) -> Optional[str]:
 class ShardSpec:
     """One parameter to fill at construction: ``out`` is this rank's tensor; ``ranges`` (per
     rank, the ranges of the full tensor along ``dim`` it holds) or ``None`` for a replicated
-    parameter (the full tensor on every rank)."""
+    parameter (the full tensor on every rank). ``blocks`` instead of ``ranges``: per rank, one
+    ``(start, end)`` per dim of the full tensor (a block split along several dims, as
+    :func:`scatter_blocks` takes it)."""
 
     out: torch.Tensor
     ranges: Optional[Sequence[Sequence[Tuple[int, int]]]] = None
     dim: int = 0
+    blocks: Optional[Sequence[Sequence[Tuple[int, int]]]] = None
 
 
 def load_initial(pg: dist.ProcessGroup, what: str, config: dict, specs: Sequence[ShardSpec],
@@ -436,7 +474,9 @@ def load_initial(pg: dist.ProcessGroup, what: str, config: dict, specs: Sequence
     def keep_local(fulls) -> None:
         with torch.no_grad():
             for spec, full in zip(specs, fulls):
-                if spec.ranges is None:
+                if spec.blocks is not None:
+                    spec.out.copy_(full[tuple(slice(s, e) for s, e in spec.blocks[rank])])
+                elif spec.ranges is None:
                     spec.out.copy_(full)
                 else:
                     _copy_rows(full, spec.ranges[rank], spec.dim, 0, spec.out.shape[0], spec.out)
@@ -463,7 +503,9 @@ def load_initial(pg: dist.ProcessGroup, what: str, config: dict, specs: Sequence
     with torch.no_grad():
         replicated = []
         for spec, full in zip(specs, fulls):
-            if spec.ranges is None:
+            if spec.blocks is not None:
+                scatter_blocks(pg, src_rank, full, spec.out, spec.blocks)
+            elif spec.ranges is None:
                 if full is not None:
                     spec.out.copy_(full)
                 replicated.append(spec.out)

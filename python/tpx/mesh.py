@@ -141,9 +141,22 @@ class MeshInfo:
     depth: int
     coord: Dict[str, int]
     groups: Dict[str, "dist.ProcessGroup"]
+    #: the mesh's global ranks in mesh order (row-major over ``names``), and its shape
+    ranks: Tuple[int, ...] = ()
+    shape: Tuple[int, ...] = ()
+    names: Tuple[str, ...] = ()
+    device_type: str = "cpu"
 
     def group_name(self, dim: str) -> str:
         return self.groups[dim].group_name
+
+    def coord_of(self, index: int) -> Dict[str, int]:
+        """The coordinates of the mesh's ``index``-th rank (in mesh order)."""
+        coord = {}
+        for name, size in reversed(list(zip(self.names, self.shape))):
+            coord[name] = index % size
+            index //= size
+        return {n: coord[n] for n in self.names}
 
     def __deepcopy__(self, memo) -> "MeshInfo":
         # Immutable, and process groups cannot be copied: a copied layer shares its mesh.
@@ -185,4 +198,6 @@ def check_mesh(mesh: object, layout: str, who: str) -> MeshInfo:
     q = sizes["col"] if layout in ("2d", "2.5d") else (sizes["input"] if layout == "3d"
                                                          else sizes["tp"])
     depth = sizes.get("depth", 1)
-    return MeshInfo(layout, q, depth, dict(zip(names, coord)), groups)
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return MeshInfo(layout, q, depth, dict(zip(names, coord)), groups, ranks, shape, names,
+                    mesh.device_type)

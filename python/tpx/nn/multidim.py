@@ -28,12 +28,18 @@ holds ``A_ij`` (in block ``i``, out block ``j``; ``W[out block j, in block i]``)
 over depth; bias block ``j``, replicated over "row" (and "depth"). 3-D rank with coordinates
 ``i`` ("input"), ``h`` (the input's hidden mesh dim), ``o`` (the other) holds ``W[out block
 o*q + i of q^2, in block h of q]`` and bias block ``o`` of ``q``.
+
+Each layer describes its parameters with ``_param_splits()`` (one :class:`BlockSpec` per
+parameter: for each dim, the mesh dims splitting it, outermost first); the initial weights
+(mesh rank ``src_rank``'s full tensors, each rank receiving its block) and
+:mod:`tpx.checkpoint` use it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,7 @@ from torch import Tensor, nn
 
 from .. import autograd_multidim  # noqa: F401  (registers the autograd of the ops)
 from .. import ops
+from ..group import ShardSpec, check_same_on_ranks, load_initial
 from ..mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_input", "gather_output"]
@@ -72,13 +79,147 @@ def _splits(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[List[str], 
     return [], []
 
 
-def _block(info: MeshInfo, dims: Sequence[str]) -> Tuple[int, int]:
-    """(this rank's block index, number of blocks) for a tensor dim split by ``dims``."""
+def _block(info: MeshInfo, dims: Sequence[str], coord: Optional[Dict[str, int]] = None
+           ) -> Tuple[int, int]:
+    """(block index, number of blocks) for a tensor dim split by ``dims`` (outermost first), of
+    this rank or of the rank at ``coord``."""
+    coord = info.coord if coord is None else coord
     idx, count = 0, 1
     for d in dims:
         size = info.q if d != "depth" else info.depth
-        idx, count = idx * size + info.coord[d], count * size
+        idx, count = idx * size + coord[d], count * size
     return idx, count
+
+
+# How a parameter is split over the mesh, for initial weights and checkpoints ------------------
+
+
+@dataclass
+class BlockSpec:
+    """How one parameter of a multi-dimensional layer is split over its mesh.
+
+    ``splits[d]`` lists the mesh dimensions that split dim ``d`` of the parameter, outermost
+    first (block index ``c[splits[d][0]] * size + c[splits[d][1]]`` for a rank at coordinates
+    ``c``); an empty tuple means the dim is whole on every rank. The parameter is replicated
+    over every mesh dimension that splits none of its dims. ``full_shape`` is the shape of
+    the ORIGINAL module's tensor (``nn.Linear`` weight ``[out, in]``, norm weight ``[H]``,
+    embedding ``[V, D]``); the local tensor is this rank's block of it, same orientation."""
+
+    name: str
+    splits: Tuple[Tuple[str, ...], ...]
+    full_shape: Tuple[int, ...]
+
+    def ranges(self, info: MeshInfo, coord: Optional[Dict[str, int]] = None
+               ) -> Tuple[Tuple[int, int], ...]:
+        """Per dim, the ``(start, end)`` of the full tensor held by this rank (or ``coord``)."""
+        out = []
+        for size, dims in zip(self.full_shape, self.splits):
+            idx, count = _block(info, dims, coord)
+            n = size // count
+            out.append((idx * n, (idx + 1) * n))
+        return tuple(out)
+
+    def slice_of(self, full: Tensor, info: MeshInfo) -> Tensor:
+        """This rank's block of the full tensor (a view)."""
+        return full[tuple(slice(s, e) for s, e in self.ranges(info))]
+
+    def gather(self, local: Tensor, info: MeshInfo) -> Tensor:
+        """The full tensor from every rank's block (mesh all-gathers over the splitting dims;
+        collective over them)."""
+        t = local.detach().contiguous()
+        for d, dims in enumerate(self.splits):
+            if dims:
+                t = _gather_dim(t, info, d, dims)
+        return t
+
+
+def _block_specs(module: nn.Module) -> List[BlockSpec]:
+    """The :class:`BlockSpec` of every parameter ``module`` holds (absent ones skipped)."""
+    return [s for s in module._param_splits() if getattr(module, s.name, None) is not None]
+
+
+_MESH_GROUPS: Dict[Tuple[int, ...], Tuple[object, "dist.ProcessGroup"]] = {}
+
+
+def _mesh_group(info: MeshInfo) -> "dist.ProcessGroup":
+    """A process group of all the mesh's ranks: the default group when the mesh spans it
+    (as ``tpx.init_mesh`` builds it), else one group built once per set of ranks (every rank
+    of the mesh takes part in building it)."""
+    world = dist.group.WORLD
+    ranks = tuple(sorted(info.ranks))
+    if ranks == tuple(range(dist.get_world_size())):
+        return world
+    cached = _MESH_GROUPS.get(ranks)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    pg = dist.new_group(list(ranks), use_local_synchronization=True)
+    _MESH_GROUPS[ranks] = (world, pg)
+    return pg
+
+
+def _check_src_rank(who: str, src_rank, info: MeshInfo) -> None:
+    n = len(info.ranks)
+    if src_rank is None:
+        return
+    if not isinstance(src_rank, int) or isinstance(src_rank, bool) or not 0 <= src_rank < n:
+        raise ValueError(f"tpx.{who}: `src_rank` must be None or the index of a rank of the "
+                         f"mesh, an int in [0, {n}) (for a mesh from tpx.init_mesh, the global "
+                         f"rank); got {src_rank!r}. It names the rank whose full initial "
+                         f"weights every rank takes its block of.")
+
+
+class _MeshParams:
+    """Construction of a multi-dimensional layer's parameters from full tensors of one rank.
+
+    ``_begin`` validates the mesh and compares the layer's arguments across the mesh's ranks
+    (one small collective, so that a mismatch raises the same error everywhere instead of
+    hanging a later collective); ``_fill`` gives every rank its block of the full tensors of
+    mesh rank ``src_rank`` (chunked scatters over a group of all the mesh's ranks, see
+    :func:`tpx.group.load_initial`), or with ``src_rank=None`` its block of its own full
+    tensors, with no communication of weights (the ranks' tensors must then agree: a checksum
+    is compared)."""
+
+    def _begin(self, mesh, who: str, args: dict, src_rank) -> MeshInfo:
+        info = check_mesh(mesh, self._layout, who)
+        pg = _mesh_group(info)
+        check_same_on_ranks(pg, who, dict(args, layout=self._layout, mesh=info.ranks,
+                                          src_rank=src_rank))
+        _check_src_rank(who, src_rank, info)
+        self.src_rank = src_rank
+        return info
+
+    def _alloc(self, names: Sequence[str], device, dtype) -> None:
+        """Registers an uninitialised local block for every parameter in ``names`` (the
+        others are None)."""
+        for spec in self._param_splits():
+            if spec.name in names:
+                shape = [e - s for s, e in spec.ranges(self.mesh_info)]
+                setattr(self, spec.name, nn.Parameter(torch.empty(shape, device=device,
+                                                                  dtype=dtype)))
+            else:
+                self.register_parameter(spec.name, None)
+
+    def _fill(self, who: str, config: dict,
+              full_fn: Callable[[], Dict[str, Optional[Tensor]]], *, drawn: bool) -> None:
+        info = self.mesh_info
+        pg = _mesh_group(info)
+        specs = _block_specs(self)
+        if not specs:
+            return
+        ranks = [dist.get_global_rank(pg, g) for g in range(pg.size())]
+        coords = [info.coord_of(info.ranks.index(r)) for r in ranks]
+        shard_specs = [ShardSpec(getattr(self, s.name),
+                                 blocks=[s.ranges(info, c) for c in coords]) for s in specs]
+        src = self.src_rank
+        if src is not None:
+            src = dist.get_group_rank(pg, info.ranks[src])
+
+        def fulls():
+            full = full_fn()
+            return [full[s.name].detach() for s in specs]
+
+        config = dict(config, layout=self._layout, dtype=str(getattr(self, specs[0].name).dtype))
+        load_initial(pg, who, config, shard_specs, fulls, src_rank=src, drawn=drawn)
 
 
 def _mesh_info(mesh, who: str) -> MeshInfo:
@@ -218,42 +359,63 @@ def _check_positive(who: str, **sizes) -> None:
             raise ValueError(f"tpx.{who}: `{name}` must be a positive int; got {v!r}")
 
 
-class _MultiDimLinear(nn.Module):
+class _MultiDimLinear(_MeshParams, nn.Module):
     _layout = ""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True,
-                 device=None, dtype=None, **kw) -> None:
+                 device=None, dtype=None, *, src_rank: Optional[int] = 0, **kw) -> None:
         super().__init__()
         who = type(self).__name__
+        self._begin(mesh, who, dict(in_features=in_features, out_features=out_features,
+                                    bias=bool(bias), **kw), src_rank)
         _check_positive(who, in_features=in_features, out_features=out_features)
         self._configure(in_features, out_features, mesh, **kw)
-        w, b = _full_linear_init(in_features, out_features, bias, device, dtype)
-        self._take(w, b)
+        self._alloc(("weight", "bias") if bias else ("weight",), device, dtype)
+
+        def full():
+            w, b = _full_linear_init(in_features, out_features, bias, device, dtype)
+            return {"weight": w, "bias": b}
+
+        self._fill(who, self._layer_config(), full, drawn=True)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh, **kw):
-        """This rank's blocks of an existing ``nn.Linear`` (its values are copied)."""
+    def from_linear(cls, linear: nn.Linear, mesh, *, src_rank: Optional[int] = 0, **kw):
+        """This rank's blocks of rank ``src_rank``'s ``nn.Linear`` (every rank of the mesh
+        passes one of the same sizes; only the source's values are read, and every rank
+        receives its blocks of them). ``src_rank=None``: each rank copies its blocks of its
+        own layer, with no communication of weights (the layers must be equal on every rank,
+        which is checked). A collective over the mesh's ranks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"tpx.{cls.__name__}.from_linear: expected an nn.Linear; got "
                             f"{type(linear).__name__}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        who = type(self).__name__
+        has_bias = linear.bias is not None
+        self._begin(mesh, who, dict(in_features=linear.in_features,
+                                    out_features=linear.out_features, bias=has_bias,
+                                    dtype=str(linear.weight.dtype), **kw), src_rank)
         self._configure(linear.in_features, linear.out_features, mesh, **kw)
-        b = linear.bias.detach() if linear.bias is not None else None
-        self._take(linear.weight.detach(), b)
+        self._alloc(("weight", "bias") if has_bias else ("weight",), linear.weight.device,
+                    linear.weight.dtype)
+        self._fill(who, self._layer_config(),
+                   lambda: {"weight": linear.weight, "bias": linear.bias}, drawn=False)
         return self
 
     def _configure(self, in_features, out_features, mesh, **kw) -> None:
         raise NotImplementedError
 
-    def _take(self, w: Tensor, b: Optional[Tensor]) -> None:
-        (r0, r1), (c0, c1) = self.weight_rows, self.weight_cols
-        self.weight = nn.Parameter(w[r0:r1, c0:c1].clone())
-        if b is not None:
-            s, e = self.bias_range
-            self.bias = nn.Parameter(b[s:e].clone())
-        else:
-            self.register_parameter("bias", None)
+    def _layer_config(self) -> dict:
+        return dict(in_features=self.in_features, out_features=self.out_features,
+                    bias=self.bias is not None, q=self.q,
+                    hidden_mesh_dim=getattr(self, "hidden_mesh_dim", None),
+                    chunks=getattr(self, "chunks", None))
+
+    def _param_splits(self) -> List[BlockSpec]:
+        """Per parameter, the mesh dims splitting each of its dims (see :class:`BlockSpec`)."""
+        rows, cols = self._weight_splits()
+        return [BlockSpec("weight", (rows, cols), (self.out_features, self.in_features)),
+                BlockSpec("bias", (rows[:1],), (self.out_features,))]
 
     def _check_input(self, x: Tensor) -> None:
         who = type(self).__name__
@@ -283,6 +445,17 @@ class Linear2D(_MultiDimLinear):
     the mesh row and ``A_lj`` along the mesh column (:func:`tpx.ops.linear_2d`).
 
     ``in_features`` and ``out_features`` must divide by q, the batch by q.
+
+    Initial weights: ``nn.Linear``'s distribution over the FULL matrix, then sliced. By
+    default (``src_rank=0``) mesh rank ``src_rank`` (the global rank for a mesh from
+    ``tpx.init_mesh``) draws it (``from_linear``: reads its own ``nn.Linear``) and every
+    rank receives its blocks in steps of bounded size (``TPX_INIT_CHUNK_BYTES``), so the
+    layer equals rank ``src_rank``'s ``nn.Linear`` whatever the other ranks' seeds, and
+    replicated blocks are equal on every replica. ``src_rank=None``: every rank draws (or
+    reads) the full matrix and keeps its blocks, with no communication of weights; the ranks
+    must then be seeded alike, which is checked with a checksum. The arguments are compared
+    across the mesh's ranks first (a mismatch raises the same ``ValueError`` on every rank).
+    Building the layer is a collective over the mesh's ranks.
     """
 
     _layout = "2d"
@@ -295,13 +468,11 @@ class Linear2D(_MultiDimLinear):
         _check_divides(who, "out_features", out_features, q, f"q = {q} blocks along 'col'")
         self.in_features, self.out_features, self.q = in_features, out_features, q
         self.mesh_info = info
-        i, j = info.coord["row"], info.coord["col"]
-        ki, nj = in_features // q, out_features // q
-        self.weight_rows = (j * nj, (j + 1) * nj)
-        self.weight_cols = (i * ki, (i + 1) * ki)
-        self.bias_range = self.weight_rows
         self._groups = (info.group_name("row"), info.group_name("col"),
                         info.group_name("depth") if self._layout == "2.5d" else None)
+
+    def _weight_splits(self):
+        return ("col",), ("row",)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
@@ -315,7 +486,8 @@ class Linear2p5D(Linear2D):
     ``k*q + i``, feature block ``j``) -> output ``[B/(d q), ..., out/q]`` (batch block
     ``k*q + i``, out block ``j``); weight and bias blocks as :class:`Linear2D`, replicated
     over depth (their gradients are summed over depth). Each depth layer runs 2-D SUMMA on its
-    own rows.
+    own rows. Initial weights and ``src_rank`` as :class:`Linear2D` (every depth layer gets
+    the same blocks).
     """
 
     _layout = "2.5d"
@@ -334,7 +506,8 @@ class Linear3D(_MultiDimLinear):
     over "input" and h. Forward: all-gather the input over ``o`` and the weight over "input",
     GEMM, reduce-scatter over h, chunked (``chunks``, as the 1-D ops).
 
-    ``in_features`` must divide by q, ``out_features`` by q^2, the batch by q^2.
+    ``in_features`` must divide by q, ``out_features`` by q^2, the batch by q^2. Initial
+    weights and ``src_rank`` as :class:`Linear2D`.
     """
 
     _layout = "3d"
@@ -354,12 +527,10 @@ class Linear3D(_MultiDimLinear):
         self.in_features, self.out_features, self.q = in_features, out_features, q
         self.mesh_info = info
         self.hidden_mesh_dim, self.output_mesh_dim, self.chunks = h, o, chunks
-        ci, co, ch = info.coord["input"], info.coord[o], info.coord[h]
-        k, nl = in_features // q, out_features // (q * q)
-        self.weight_rows = ((co * q + ci) * nl, (co * q + ci + 1) * nl)
-        self.weight_cols = (ch * k, (ch + 1) * k)
-        self.bias_range = (co * q * nl, (co + 1) * q * nl)
         self._groups = (info.group_name("input"), info.group_name(o), info.group_name(h))
+
+    def _weight_splits(self):
+        return (self.output_mesh_dim, "input"), (self.hidden_mesh_dim,)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
@@ -485,7 +656,7 @@ def _normalized_size(who: str, normalized_shape) -> int:
     return int(shape[0])
 
 
-class _MultiDimNorm(nn.Module):
+class _MultiDimNorm(_MeshParams, nn.Module):
     _layout = ""
 
     def _configure(self, features: int, mesh, hidden_mesh_dim: Optional[str]) -> None:
@@ -504,13 +675,19 @@ class _MultiDimNorm(nn.Module):
         self.mesh_info = info
         hi, _ = _block(info, hdims)
         self._range = (hi * features // q, (hi + 1) * features // q)
+        self._hdims = tuple(hdims)
         self._groups = _norm_groups(info, hidden_mesh_dim)
 
-    def _param(self, full: Optional[Tensor]) -> Optional[nn.Parameter]:
-        if full is None:
-            return None
-        s, e = self._range
-        return nn.Parameter(full.detach()[s:e].clone())
+    def _param_splits(self) -> List[BlockSpec]:
+        """Per parameter, the mesh dims splitting it (see :class:`BlockSpec`)."""
+        full = self.normalized_shape
+        return [BlockSpec("weight", (self._hdims,), full), BlockSpec("bias", (self._hdims,), full)]
+
+    def _layer_config(self) -> dict:
+        return dict(normalized_shape=self.normalized_shape[0], eps=self.eps,
+                    elementwise_affine=self.elementwise_affine,
+                    weight=self.weight is not None, bias=getattr(self, "bias", None) is not None,
+                    hidden_mesh_dim=self.hidden_mesh_dim)
 
     def _check_input(self, x: Tensor) -> None:
         local = self._range[1] - self._range[0]
@@ -525,43 +702,86 @@ class LayerNorm2D(_MultiDimNorm):
     """``nn.LayerNorm`` over the last dimension of a 2-D activation (placement as
     :class:`Linear2D`'s input: ``[B/q, ..., H/q]``, H split by "col"). ``weight`` and ``bias``
     hold block "col" of H, replicated over "row" (their gradients summed over it). The row
-    statistics travel in one collective over "col"."""
+    statistics travel in one collective over "col".
+
+    ``src_rank`` (default 0): the mesh rank whose parameters every rank takes its block of
+    (``from_layernorm``: rank ``src_rank``'s module; the constructor's are ones and zeros);
+    ``None``: each rank slices its own, no communication of weights (checked equal). Building
+    the layer is a collective over the mesh's ranks."""
 
     _layout = "2d"
 
     def __init__(self, normalized_shape, mesh, eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None,
-                 *, hidden_mesh_dim: Optional[str] = None) -> None:
+                 *, hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0) -> None:
         super().__init__()
-        full = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, device=device,
-                            dtype=dtype)
-        self._init_from(full, mesh, hidden_mesh_dim)
+        who = type(self).__name__
+        self._begin(mesh, who, dict(normalized_shape=_shape_arg(normalized_shape), eps=eps,
+                                    elementwise_affine=elementwise_affine, bias=bias,
+                                    hidden_mesh_dim=hidden_mesh_dim,
+                                    dtype=str(dtype)), src_rank)
+        features = _normalized_size(who, normalized_shape)
+        self._configure(features, mesh, hidden_mesh_dim)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        names = (("weight", "bias") if bias else ("weight",)) if elementwise_affine else ()
+        self._alloc(names, device, dtype)
+
+        def full():
+            kw = dict(device=device, dtype=dtype)
+            return {"weight": torch.ones(features, **kw), "bias": torch.zeros(features, **kw)}
+
+        self._fill(who, self._layer_config(), full, drawn=False)
 
     @classmethod
     def from_layernorm(cls, layernorm: nn.LayerNorm, mesh, *,
-                       hidden_mesh_dim: Optional[str] = None):
-        """This rank's block of an existing ``nn.LayerNorm`` (values copied)."""
+                       hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0):
+        """This rank's block of rank ``src_rank``'s ``nn.LayerNorm`` (``None``: of its own,
+        no communication; the modules must then be equal, which is checked)."""
         if not isinstance(layernorm, nn.LayerNorm):
             raise TypeError(f"tpx.{cls.__name__}.from_layernorm: expected an nn.LayerNorm; "
                             f"got {type(layernorm).__name__}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._init_from(layernorm, mesh, hidden_mesh_dim)
-        return self
-
-    def _init_from(self, ln: nn.LayerNorm, mesh, hidden_mesh_dim) -> None:
-        self._configure(_normalized_size(type(self).__name__, ln.normalized_shape), mesh,
-                        hidden_mesh_dim)
+        who = cls.__name__
+        ln = layernorm
+        self._begin(mesh, who, dict(normalized_shape=tuple(ln.normalized_shape), eps=ln.eps,
+                                    weight=ln.weight is not None, bias=ln.bias is not None,
+                                    hidden_mesh_dim=hidden_mesh_dim,
+                                    dtype=str(_param_dtype(ln))), src_rank)
+        self._configure(_normalized_size(who, ln.normalized_shape), mesh, hidden_mesh_dim)
         self.eps = ln.eps
         self.elementwise_affine = ln.elementwise_affine
-        self.weight = self._param(ln.weight)
-        self.bias = self._param(ln.bias)
+        names = [n for n in ("weight", "bias") if getattr(ln, n) is not None]
+        self._alloc(names, *_param_device_dtype(ln))
+        self._fill(who, self._layer_config(), lambda: {"weight": ln.weight, "bias": ln.bias},
+                   drawn=False)
+        return self
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         hidden, batch = self._groups
         return _LayerNormFn.apply(x, self.weight, self.bias, self.eps,
                                   self.normalized_shape[0], hidden, batch)
+
+
+def _shape_arg(normalized_shape):
+    """``normalized_shape`` in a form that compares across ranks."""
+    if isinstance(normalized_shape, int):
+        return normalized_shape
+    try:
+        return tuple(normalized_shape)
+    except TypeError:
+        return repr(normalized_shape)
+
+
+def _param_device_dtype(module: nn.Module):
+    for p in module.parameters():
+        return p.device, p.dtype
+    return None, None
+
+
+def _param_dtype(module: nn.Module):
+    return _param_device_dtype(module)[1]
 
 
 class LayerNorm2p5D(LayerNorm2D):
@@ -582,28 +802,41 @@ class LayerNorm3D(LayerNorm2D):
 class RMSNorm2D(_MultiDimNorm):
     """``nn.RMSNorm`` (or Hugging Face's ``LlamaRMSNorm``: ``weight`` and
     ``variance_epsilon``) on a 2-D activation ``[B/q, ..., H/q]``; ``weight`` holds block
-    "col" of H, its gradient summed over "row". The row sum of squares travels in one
-    all-reduce over "col". ``eps=None`` is ``torch.finfo(x.dtype).eps`` as in torch."""
+    "col" of H, replicated over "row", its gradient summed over "row". The row sum of squares
+    travels in one all-reduce over "col". ``eps=None`` is ``torch.finfo(x.dtype).eps`` as in
+    torch. ``src_rank`` as in :class:`LayerNorm2D`."""
 
     _layout = "2d"
 
     def __init__(self, normalized_shape, mesh, eps: Optional[float] = None,
                  elementwise_affine: bool = True, device=None, dtype=None, *,
-                 hidden_mesh_dim: Optional[str] = None) -> None:
+                 hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0) -> None:
         super().__init__()
-        features = _normalized_size(type(self).__name__, normalized_shape)
+        who = type(self).__name__
+        self._begin(mesh, who, dict(normalized_shape=_shape_arg(normalized_shape), eps=eps,
+                                    elementwise_affine=elementwise_affine,
+                                    hidden_mesh_dim=hidden_mesh_dim, dtype=str(dtype)),
+                    src_rank)
+        features = _normalized_size(who, normalized_shape)
         self._configure(features, mesh, hidden_mesh_dim)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        w = torch.ones(features, device=device, dtype=dtype) if elementwise_affine else None
-        self.weight = self._param(w)
+        self._alloc(("weight",) if elementwise_affine else (), device, dtype)
+        self._fill(who, self._layer_config(),
+                   lambda: {"weight": torch.ones(features, device=device, dtype=dtype)},
+                   drawn=False)
+
+    def _param_splits(self) -> List[BlockSpec]:
+        return super()._param_splits()[:1]
 
     @classmethod
-    def from_rmsnorm(cls, module: nn.Module, mesh, *, hidden_mesh_dim: Optional[str] = None):
-        """This rank's block of ``nn.RMSNorm`` or of a module shaped like Hugging Face's
-        ``LlamaRMSNorm`` (a 1-D ``weight`` and ``variance_epsilon``; a float ``eps`` is
-        accepted in its place). The module must compute ``x * rsqrt(mean(x^2) + eps) *
-        weight`` over the last dimension."""
+    def from_rmsnorm(cls, module: nn.Module, mesh, *, hidden_mesh_dim: Optional[str] = None,
+                     src_rank: Optional[int] = 0):
+        """This rank's block of rank ``src_rank``'s ``nn.RMSNorm`` or of a module shaped like
+        Hugging Face's ``LlamaRMSNorm`` (a 1-D ``weight`` and ``variance_epsilon``; a float
+        ``eps`` is accepted in its place). The module must compute ``x * rsqrt(mean(x^2) +
+        eps) * weight`` over the last dimension. ``src_rank=None``: of its own module, no
+        communication (the modules must then be equal, which is checked)."""
         if isinstance(module, getattr(nn, "RMSNorm", ())):
             features = _normalized_size(cls.__name__, module.normalized_shape)
             eps, weight = module.eps, module.weight
@@ -618,10 +851,19 @@ class RMSNorm2D(_MultiDimNorm):
                             f"or `eps`; got {type(module).__name__}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        who = cls.__name__
+        self._begin(mesh, who, dict(normalized_shape=features, eps=eps,
+                                    weight=weight is not None, hidden_mesh_dim=hidden_mesh_dim,
+                                    dtype=str(None if weight is None else weight.dtype)),
+                    src_rank)
         self._configure(features, mesh, hidden_mesh_dim)
         self.eps = eps
         self.elementwise_affine = weight is not None
-        self.weight = self._param(weight)
+        if weight is None:
+            self._alloc((), None, None)
+        else:
+            self._alloc(("weight",), weight.device, weight.dtype)
+        self._fill(who, self._layer_config(), lambda: {"weight": weight}, drawn=False)
         return self
 
     def forward(self, x: Tensor) -> Tensor:
@@ -629,7 +871,6 @@ class RMSNorm2D(_MultiDimNorm):
         hidden, batch = self._groups
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return _RMSNormFn.apply(x, self.weight, eps, self.normalized_shape[0], hidden, batch)
-
 
 class RMSNorm2p5D(RMSNorm2D):
     """:class:`RMSNorm2D` on a 2.5-D activation (``[B/(d q), ..., H/q]``); the weight
@@ -665,27 +906,45 @@ class _SumGradOver(torch.autograd.Function):
         return _sum_over(grad.contiguous(), ctx.groups), None
 
 
-class Embedding2D(nn.Module):
+class Embedding2D(_MeshParams, nn.Module):
     """``nn.Embedding`` producing a 2-D activation: ids ``[B/q, ...]`` (batch block "row",
     replicated over "col"; ``tpx.split_input(ids, mesh)``) -> ``[B/q, ..., D/q]`` (D block
     "col"). The table holds all rows and block "col" of the columns (``[V, D/q]``), replicated
     over "row": the lookup needs no communication; the gradient is summed over "row".
-    Initialised like ``nn.Embedding`` over the full table, then sliced."""
+
+    Initialised like ``nn.Embedding`` over the full table, then sliced: by default
+    (``src_rank=0``) mesh rank ``src_rank`` draws the table and every rank receives its
+    columns, so the layer equals rank 0's ``nn.Embedding`` whatever the other ranks' seeds;
+    ``src_rank=None``: every rank draws and keeps its columns, no communication of weights
+    (ranks seeded alike, checked). Building the layer is a collective over the mesh's ranks."""
 
     _layout = "2d"
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh,
                  padding_idx: Optional[int] = None, device=None, dtype=None, *,
-                 hidden_mesh_dim: Optional[str] = None) -> None:
+                 hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0) -> None:
         super().__init__()
-        full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device,
-                            dtype=dtype)
-        self._init_from(full, mesh, hidden_mesh_dim)
+        who = type(self).__name__
+        self._begin(mesh, who, dict(num_embeddings=num_embeddings, embedding_dim=embedding_dim,
+                                    padding_idx=padding_idx, hidden_mesh_dim=hidden_mesh_dim,
+                                    dtype=str(dtype)), src_rank)
+        # Validates the sizes and normalises padding_idx as nn.Embedding does, without a draw.
+        shape = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device="meta")
+        self._configure(shape, mesh, hidden_mesh_dim)
+        self._alloc(("weight",), device, dtype)
+
+        def full():
+            emb = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device,
+                               dtype=dtype)
+            return {"weight": emb.weight}
+
+        self._fill(who, self._layer_config(), full, drawn=True)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, mesh, *,
-                       hidden_mesh_dim: Optional[str] = None):
-        """This rank's columns of an existing ``nn.Embedding`` (values copied)."""
+                       hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0):
+        """This rank's columns of rank ``src_rank``'s ``nn.Embedding`` (``None``: of its own,
+        no communication; the tables must then be equal, which is checked)."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"tpx.{cls.__name__}.from_embedding: expected an nn.Embedding; got "
                             f"{type(embedding).__name__}")
@@ -696,10 +955,18 @@ class Embedding2D(nn.Module):
             raise ValueError(f"tpx.{cls.__name__}.from_embedding: {unsupported} not supported")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._init_from(embedding, mesh, hidden_mesh_dim)
+        who = cls.__name__
+        self._begin(mesh, who, dict(num_embeddings=embedding.num_embeddings,
+                                    embedding_dim=embedding.embedding_dim,
+                                    padding_idx=embedding.padding_idx,
+                                    hidden_mesh_dim=hidden_mesh_dim,
+                                    dtype=str(embedding.weight.dtype)), src_rank)
+        self._configure(embedding, mesh, hidden_mesh_dim)
+        self._alloc(("weight",), embedding.weight.device, embedding.weight.dtype)
+        self._fill(who, self._layer_config(), lambda: {"weight": embedding.weight}, drawn=False)
         return self
 
-    def _init_from(self, emb: nn.Embedding, mesh, hidden_mesh_dim) -> None:
+    def _configure(self, emb: nn.Embedding, mesh, hidden_mesh_dim) -> None:
         who = type(self).__name__
         info = check_mesh(mesh, self._layout, who)
         if self._layout == "3d":
@@ -709,13 +976,21 @@ class Embedding2D(nn.Module):
         bdims, hdims = _splits(info, hidden_mesh_dim)
         q, d = info.q, emb.embedding_dim
         _check_divides(who, "embedding_dim", d, q, f"split over mesh dim {hdims}")
-        hi, _ = _block(info, hdims)
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, d
         self.padding_idx = emb.padding_idx
         self.hidden_mesh_dim = hidden_mesh_dim
         self.mesh_info = info
-        self.weight = nn.Parameter(emb.weight.detach()[:, hi * d // q:(hi + 1) * d // q].clone())
+        self._hdims = tuple(hdims)
         self._batch_groups = [info.group_name(b) for b in bdims]
+
+    def _param_splits(self) -> List[BlockSpec]:
+        """The table's rows are whole, its columns split (see :class:`BlockSpec`)."""
+        return [BlockSpec("weight", ((), self._hdims),
+                          (self.num_embeddings, self.embedding_dim))]
+
+    def _layer_config(self) -> dict:
+        return dict(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
+                    padding_idx=self.padding_idx, hidden_mesh_dim=self.hidden_mesh_dim)
 
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.is_floating_point():

@@ -122,17 +122,17 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter]) 
         setattr(owner, attr, old)
 
 
-def _unsharded_tensors(module: nn.Module) -> List[Tensor]:
+def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Tensor]:
     """Parameters and buffers of ``module`` outside tpx's sharded modules (whose weights came
     from the source rank when they were built), each once, in a fixed order."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
         DTensor = ()  # type: ignore[assignment,misc]
-    skip = {id(p) for m in module.modules() if hasattr(m, "_shards") for p in m.parameters()}
+    skip = {id(p) for m in module.modules() if hasattr(m, skip_attr) for p in m.parameters()}
     out: List[Tensor] = []
     for m in module.modules():
-        if hasattr(m, "_shards"):
+        if hasattr(m, skip_attr):
             continue
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
             if (t is None or id(t) in skip or t.device.type == "meta"
@@ -237,10 +237,6 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
     # Modules are replaced deepest first, so that a style on a parent (attention, the model
     # itself) sees its already-sharded children.
     work.sort(key=lambda w: -len(w[0].split(".")) if w[0] else 1)
-    if src_rank is not None and pg.size() > 1:
-        # Every rank shards the source rank's values: broadcast the whole module first
-        # (the replaced modules copy their blocks from it).
-        broadcast_(pg, src_rank, _unsharded_tensors(module))
     for name, style in work:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -256,4 +252,8 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
                                  "('') must keep the module")
         elif new is not old:
             setattr(parent, child, new)
+    if src_rank is not None and pg.size() > 1:
+        # The replaced layers took their blocks from the source rank; everything else (a
+        # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.
+        broadcast_(pg, src_rank, _unsharded_tensors(module, skip_attr="_param_splits"))
     return module

@@ -101,7 +101,7 @@ class MeshParallel(MeshStyle):
         three_d = info.layout == "3d"
         hkw = {"hidden_mesh_dim": self.hidden_mesh_dim or "output"} if three_d else {}
         if isinstance(module, nn.Linear):
-            kw = dict(hkw)
+            kw = dict(hkw, src_rank=src_rank)
             if three_d and self.chunks is not None:
                 kw["chunks"] = self.chunks
             new = getattr(md, "Linear" + suffix).from_linear(module, mesh, **kw)
@@ -110,12 +110,13 @@ class MeshParallel(MeshStyle):
             if self.chunks is not None:
                 raise ValueError(f"tpx.MeshParallel: `chunks` is for nn.Linear; got a "
                                  f"{type(module).__name__}")
+            kw = dict(hkw, src_rank=src_rank)
             if isinstance(module, nn.LayerNorm):
-                new = getattr(md, "LayerNorm" + suffix).from_layernorm(module, mesh, **hkw)
+                new = getattr(md, "LayerNorm" + suffix).from_layernorm(module, mesh, **kw)
             elif isinstance(module, nn.Embedding):
-                new = getattr(md, "Embedding" + suffix).from_embedding(module, mesh, **hkw)
+                new = getattr(md, "Embedding" + suffix).from_embedding(module, mesh, **kw)
             elif _is_rmsnorm(module):
-                new = getattr(md, "RMSNorm" + suffix).from_rmsnorm(module, mesh, **hkw)
+                new = getattr(md, "RMSNorm" + suffix).from_rmsnorm(module, mesh, **kw)
             else:
                 raise ValueError(f"tpx.MeshParallel applies to nn.Linear, nn.LayerNorm, an "
                                  f"RMSNorm or nn.Embedding; got {type(module).__name__}")
