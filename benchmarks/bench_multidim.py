@@ -693,14 +693,22 @@ MODEL_LAYOUTS = [("1d", None), ("2d", None), ("2.5d", 2), ("3d", None)]
 
 
 def model_worlds(layout: str, depth, max_world: int = 1024) -> list:
-    """The world sizes up to ``max_world`` that fit a layout, in powers: 1-D 2^k, 2-D 4^k,
-    2.5-D d * 4^k, 3-D 8^k."""
-    base = {"1d": 2, "2d": 4, "2.5d": 4, "3d": 8}[layout]
-    out, p = [], _min_world(layout, depth)
-    while p <= max_world:
-        out.append(p)
-        p *= base
+    """The world sizes up to ``max_world`` that fit a layout: 2-D q^2, 2.5-D d q^2, 3-D q^3
+    (q >= 2); 1-D every power of two and every size of the others."""
+    if layout == "1d":
+        sizes = {2 ** k for k in range(1, 11)}
+        for other, d in MODEL_LAYOUTS[1:]:
+            sizes |= set(model_worlds(other, d, max_world))
+        return sorted(p for p in sizes if p <= max_world)
+    power, mult = {"2d": (2, 1), "2.5d": (2, depth or 1), "3d": (3, 1)}[layout]
+    out, q = [], 2
+    while mult * q ** power <= max_world:
+        out.append(mult * q ** power)
+        q += 1
     return out
+
+
+TABLE_WORLDS = (4, 8, 9, 16, 27, 32, 64, 128, 256, 512, 1024)
 
 
 def model_point(layout: str, depth, block: str, world, shape: dict) -> dict:
@@ -779,17 +787,17 @@ def plot(model: dict, rows: list, path: Path) -> Path:
         for key, curves in model[sname]["curves"].items():
             pts = curves["mlp"]
             ps = [p["world"] for p in pts]
-            ax.plot(ps, [p["ring_bytes"] for p in pts], "-o", color=colors[key], ms=3,
+            ax.plot(ps, [p["ring_bytes"] for p in pts], "-o", color=colors[key], ms=2.5,
                     label=f"{key}: ring-model bytes")
             ax.plot(ps, [p["bytes"] for p in pts], "--", color=colors[key], lw=1, alpha=0.7,
                     label=f"{key}: counted payload")
-        if sname == "benchmark":
+        if sname == "benchmark":  # measured points on the model's curves (2.5-D: d = 2 only)
             for r in rows:
-                if r.get("block") != "mlp" or "bytes" not in r:
+                key = r.get("layout", "") + ("" if r.get("depth") is None
+                                             else f" d={r['depth']}")
+                if r.get("block") != "mlp" or "bytes" not in r or key not in colors:
                     continue
-                key = r["layout"] if r["depth"] is None else f"{r['layout']} d={r['depth']}"
-                ax.plot([r["world"]], [r["bytes"]], "x", color=colors.get(key, "k"), ms=9,
-                        mew=2)
+                ax.plot([r["world"]], [r["bytes"]], "x", color=colors[key], ms=9, mew=2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("P (ranks)")
@@ -857,7 +865,7 @@ def print_tables(rows: list, model: dict, cpus: int) -> None:
         s = m["shape"]
         print(f"\nderived model, {sname} shape (N={s['batch'] * s['seq']}, H={s['hidden']}): "
               "MLP block bytes per rank (ring model | counted payload)")
-        worlds = sorted({p["world"] for c in m["curves"].values() for p in c["mlp"]})
+        worlds = TABLE_WORLDS
         head = ["layout"] + [str(p) for p in worlds]
         trows = []
         for key, c in m["curves"].items():
@@ -878,7 +886,9 @@ def _from(c: dict) -> str:
     if p is None:
         return "never (P < 1e7)"
     lo = max(_min_world(*_split_label(c["layout"])), _min_world(*_split_label(c["beats"])))
-    return f"always (P >= {lo})" if p <= lo * 1.0001 else f"{p:.0f}"
+    if p <= lo * 1.0001:
+        return f"always (P >= {lo})"
+    return f"{p:.0f}" if p < 1e5 else f"{p:.1e}"
 
 
 def _split_label(label: str) -> tuple:
