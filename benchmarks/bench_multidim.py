@@ -799,6 +799,8 @@ def plot(model: dict, rows: list, path: Path) -> Path:
                     continue
                 ax.plot([r["world"]], [r["bytes"]], "x", color=colors[key], ms=9, mew=2)
         ax.set_xscale("log", base=2)
+        ax.set_xticks([2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
+        ax.set_xticklabels(["2", "4", "8", "16", "32", "64", "128", "256", "512", "1024"])
         ax.set_yscale("log")
         ax.set_xlabel("P (ranks)")
         ax.set_ylabel("bytes per rank per fwd+bwd (MLP block)")
