@@ -832,11 +832,12 @@ def _label(r) -> str:
 
 def print_tables(rows: list, model: dict, cpus: int) -> None:
     ok = [r for r in rows if "bytes" in r]
-    table = []
+    table, notes = [], []
     for r in rows:
         if "not_applicable" in r:
-            table.append([r["world"], _label(r), r["block"], "n/a", "", "", "", "", "", "", "",
-                          "", "", r["not_applicable"]])
+            table.append([r["world"], _label(r), r["block"], "n/a"] + [""] * 10)
+            notes.append(f"n/a: {_label(r)} {r['block']} at P={r['world']}: "
+                         f"{r['not_applicable']}")
             continue
         med = "" if r["median_ms"] is None else f"{r['median_ms']:.2f}"
         note = "oversubscribed" if r.get("oversubscribed") else ""
@@ -855,6 +856,8 @@ def print_tables(rows: list, model: dict, cpus: int) -> None:
                         "ring KiB",
                         "params KiB", "act KiB", "saved KiB", "ms/step", "unsharded ms",
                         "note"], table, text_columns=3))
+    for n in notes:
+        print(n)
     detail = []
     for r in ok:
         for key, (c, b) in r["measured_comm"].items():
