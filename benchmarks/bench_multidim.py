@@ -144,7 +144,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -714,7 +713,8 @@ TABLE_WORLDS = (4, 8, 9, 16, 27, 32, 64, 128, 256, 512, 1024)
 def model_point(layout: str, depth, block: str, world, shape: dict) -> dict:
     d = derive(layout, block, world, depth, chunks=1, exact=False, **shape)
     calls, nbytes = totals(d["comm"])
-    return dict(world=world, calls=calls, bytes=nbytes, ring_bytes=ring_bytes(d["comm"], d["sizes"]),
+    return dict(world=world, calls=calls, bytes=nbytes,
+                ring_bytes=ring_bytes(d["comm"], d["sizes"]),
                 params=d["params"], activations=d["activations"])
 
 
@@ -963,7 +963,8 @@ def main(argv=None) -> None:
     rows, env = [], None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for world in args.worlds:
-        print(f"running P={world} ({', '.join(_label(dict(layout=l, depth=d)) for l, d in CONFIGS[world])}; "
+        layouts = ", ".join(_label(dict(layout=lay, depth=d)) for lay, d in CONFIGS[world])
+        print(f"running P={world} ({layouts}; "
               f"{'oversubscribed: ' if world > cpus else ''}{world} ranks on {cpus} cores) ...",
               flush=True)
         fd, partial = tempfile.mkstemp(prefix=f"bench_multidim_p{world}_", suffix=".json")
@@ -974,7 +975,7 @@ def main(argv=None) -> None:
             data = json.loads(Path(partial).read_text())
         finally:
             os.unlink(partial)
-        env = env or data["environment"]
+        env = env or dict(data["environment"], world_size=args.worlds)
         rows += data["rows"]
     print_env(env)
     model = extrapolate({"benchmark": args.shape, "large": LARGE_SHAPE})

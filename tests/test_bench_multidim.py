@@ -66,8 +66,8 @@ def test_closed_forms(q):
     assert bm.totals(d["comm"]) == (2, 2 * n * h * f)
     # 2-D: (4N + 3N(H+F) + 6HF + 3H + F) f / q bytes in 12q + 5 collectives.
     d = bm.derive("2d", "mlp", q * q, **shape)
-    assert bm.totals(d["comm"]) == (12 * q + 5,
-                                    (4 * n + 3 * n * (h + ffn) + 6 * h * ffn + 3 * h + ffn) * f // q)
+    want = (4 * n + 3 * n * (h + ffn) + 6 * h * ffn + 3 * h + ffn) * f // q
+    assert bm.totals(d["comm"]) == (12 * q + 5, want)
     # 2.5-D with depth 2: 2-D on N/2 rows per layer, plus the depth all-reduces.
     d = bm.derive("2.5d", "mlp", 2 * q * q, 2, **shape)
     m = n // (2 * q)
