@@ -141,7 +141,7 @@ def sample(model, prompt: bytes, length: int, device, args, gen, mesh=None) -> s
             if args.loss_parallel:
                 kw = {"hidden_mesh_dim": "weight"} if args.layout == "3d" else {}
                 logits = tpx.gather_output(logits, mesh, **kw)
-            probs = torch.softmax(logits[0, -1].float() / 0.8, -1).cpu()
+            probs = torch.softmax(logits[:1, -1].float() / 0.8, -1).cpu()
             nxt = torch.multinomial(probs, 1, generator=gen).to(device)
             ids = torch.cat([ids, nxt], 1)
             continue
