@@ -16,7 +16,8 @@ def environment(device: torch.device, world: int, backend: str) -> dict:
     """What the numbers were measured on (stored in every JSON result)."""
     env = dict(torch=torch.__version__, python=platform.python_version(),
                platform=platform.platform(), cpu_count=os.cpu_count(),
-               cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               # The cores this (rank) process may run on: 1 when each rank is pinned.
+               cpus_per_rank=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(),
                cpu_capability=torch.backends.cpu.get_cpu_capability(),
                threads_per_rank=torch.get_num_threads(),
@@ -35,7 +36,7 @@ def environment(device: torch.device, world: int, backend: str) -> dict:
 def print_env(env: dict) -> None:
     print("environment: " + ", ".join(f"{k}={env[k]}" for k in (
         "torch", "tpx", "device", "backend", "world_size", "threads_per_rank", "cpu_count",
-        "cpus_usable", "cpu_capability", "gpu") if k in env))
+        "cpus_per_rank", "cpu_capability", "gpu") if k in env))
 
 
 def format_table(headers: list, rows: list, text_columns: int = 1) -> str:
