@@ -448,9 +448,11 @@ def expected_param_grads(ref: Block, blk: Block, layout: str, mesh) -> list:
                     getattr(ref.norm, name).grad[j * hl:(j + 1) * hl]))
     for lname in ("fc1", "fc2"):
         layer, full = getattr(blk, lname), getattr(ref, lname)
-        (r0, r1), (c0, c1), (b0, b1) = layer.weight_rows, layer.weight_cols, layer.bias_range
-        out += [(f"{lname}.weight", layer.weight.grad, full.weight.grad[r0:r1, c0:c1]),
-                (f"{lname}.bias", layer.bias.grad, full.bias.grad[b0:b1])]
+        # The layer's own description of its blocks (the same one its checkpoints use).
+        specs = {sp.name: sp for sp in layer._param_splits()}
+        out += [(f"{lname}.{n}", getattr(layer, n).grad,
+                 specs[n].slice_of(getattr(full, n).grad, layer.mesh_info))
+                for n in ("weight", "bias")]
     return out
 
 
