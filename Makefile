@@ -19,7 +19,7 @@ CUDA_SRCS := $(wildcard csrc/cuda/*.cu)
 EXT_INPUTS := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/cuda/*.cu csrc/cuda/*.cuh) \
               setup.py pyproject.toml
 STAMP := build/.installed-$(subst /,_,$(PY))
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q --durations=15
 
 .PHONY: demo test test-emulated build cuda-check cuda-build bench clean
 

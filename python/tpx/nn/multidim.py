@@ -223,6 +223,8 @@ class _MeshParams:
 
 
 def _mesh_info(mesh, who: str) -> MeshInfo:
+    if isinstance(mesh, MeshInfo):  # validated when it was made (the styles' hooks pass it)
+        return mesh
     layout = mesh_layout(mesh) if hasattr(mesh, "mesh_dim_names") else None
     if layout is None:
         names = getattr(mesh, "mesh_dim_names", None)

@@ -58,8 +58,10 @@ def _is_rmsnorm(module: nn.Module) -> bool:
 
 
 class _GatherHook:
-    def __init__(self, mesh, hidden_mesh_dim: Optional[str]) -> None:
-        self.mesh, self.hidden = mesh, hidden_mesh_dim
+    def __init__(self, info: MeshInfo, hidden_mesh_dim: Optional[str]) -> None:
+        # The validated MeshInfo, not the DeviceMesh: nothing is re-checked per call (no host
+        # read, nothing torch.compile must break on).
+        self.mesh, self.hidden = info, hidden_mesh_dim
 
     def __call__(self, module, args, output):
         kw = {"hidden_mesh_dim": self.hidden} if self.hidden else {}
@@ -124,7 +126,7 @@ class MeshParallel(MeshStyle):
         for p_old, p_new in zip(module.parameters(), new.parameters()):
             p_new.requires_grad_(p_old.requires_grad)
         if self.gather_output:
-            new.register_forward_hook(_GatherHook(mesh, out_hidden))
+            new.register_forward_hook(_GatherHook(info, out_hidden))
         return new
 
     def __repr__(self) -> str:
@@ -148,10 +150,10 @@ class MeshInput(MeshStyle):
         self.input_kwargs: Tuple[str, ...] = tuple(input_kwargs)
 
     def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
-        mesh_info(mesh, "MeshInput")
+        info = mesh_info(mesh, "MeshInput")
 
         def split(x):
-            return md.split_input(x, mesh) if isinstance(x, Tensor) else x
+            return md.split_input(x, info) if isinstance(x, Tensor) else x
 
         def hook(mod, args, kwargs):
             if args:
