@@ -47,14 +47,19 @@ def _check_compile_decoder(rank, world):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
     torch.manual_seed(0)
     # The hand-written plan, and tpx.plans.auto's (with its ShardedAttention hooks).
+    # One decoder layer: the traced graph (and the compile time) grows with every layer, and
+    # the layers are alike.
     plans = [lambda sp, lp: tp_plan(sp, lp),
-             lambda sp, lp: tpx.plans.auto(Decoder(vocab=1003), sequence_parallel=sp,
+             lambda sp, lp: tpx.plans.auto(Decoder(vocab=1003, n_layers=1), sequence_parallel=sp,
                                            loss_parallel=lp)]
-    for (sp, lp), plan in zip([(False, False), (True, True)], plans):
-        ref = Decoder(vocab=1003)
+    # The first through AOT autograd only (the graph traced through the ops' fakes), the
+    # second (sequence and loss parallel) through inductor's code generation too.
+    for (sp, lp), plan, backend in zip([(False, False), (True, True)], plans,
+                                       ["aot_eager", "inductor"]):
+        ref = Decoder(vocab=1003, n_layers=1)
         eager = tpx.parallelize_module(copy.deepcopy(ref), None, plan(sp, lp))
         compiled = torch.compile(tpx.parallelize_module(copy.deepcopy(ref), None, plan(sp, lp)),
-                                 fullgraph=True)
+                                 fullgraph=True, backend=backend)
         ids = torch.randint(0, 1003, (2, 8))
         y, y_ref = compiled(ids), eager(ids)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
