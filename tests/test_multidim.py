@@ -672,7 +672,8 @@ def _check_layout(rank, world, layout):
 # One group of processes per layout and world size (spawning 8-9 ranks costs more than the
 # checks): Linear (all requires_grad combinations, 3-D chunkings, constructor, split/gather,
 # errors), the pre-norm MLP block with LayerNorm / nn.RMSNorm / a LlamaRMSNorm-shaped norm,
-# embedding -> vocab-parallel head -> loss, and (but at 9 ranks) the tiny Llama decoder.
+# embedding -> vocab-parallel head -> loss, the tiny Llama decoder through tpx.plans.auto (with
+# and without loss parallelism), and at 2-D on 4 ranks Hugging Face Llama and the plan errors.
 @pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
 def test_layout_matches_unsharded(layout, world):
     run_ranks(_check_layout, world, layout)
