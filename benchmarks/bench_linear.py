@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -61,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import environment, format_table, print_env, spawn_ranks
+from common import environment, format_table, print_env, spawn_ranks, write_json
 
 SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
 REPEATS = {"small": 60, "large": 10}
@@ -365,11 +364,6 @@ def add_ratios(results: list, world: int) -> None:
 
 
 
-
-def write_json(path: Path, payload: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
 
 
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -64,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import environment, format_table, print_env, spawn_ranks
+from common import environment, format_table, print_env, spawn_ranks, write_json
 
 FULL = dict(tokens=8192, vocab=32000, d=256, chunk=512, gpu_tokens=16384, gpu_vocab=32064)
 QUICK = dict(tokens=512, vocab=2000, d=64, chunk=128, gpu_tokens=1024, gpu_vocab=2000)
@@ -398,15 +397,13 @@ def print_section(title: str, results: list, key: str, name: str, extra=()) -> N
 
 
 
-def write_json(args, world: int, cfg: dict, env: dict, sections: dict) -> None:
+def write_results(args, world: int, cfg: dict, env: dict, sections: dict) -> None:
     path = Path(args.out or RESULTS_DIR / f"bench_loss_{args.device}_tp{world}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = dict(benchmark="bench_loss: vocab-parallel cross-entropy and fused LM head + loss",
                    config=dict(vars(args), sizes=cfg, seed=SEED, ignore_index=IGNORE,
                                tolerance=dict(ce=TOL_CE, lce=TOL_LCE)),
                    environment=env, results=sections)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_json(path, payload)}")
 
 
 # --- entry points -----------------------------------------------------------------------------
@@ -444,7 +441,7 @@ def run_cpu(rank: int, world: int, args, init_method: str, local_rank: int) -> N
             worst = max(r["peak_vs_unfused"] or 0.0 for r in lce if r["variant"].startswith("f"))
             print(f"target fused/unfused extra peak <= 1/8 = 0.125: worst fused {worst:.3f} -> "
                   f"{'met' if worst <= 0.125 else 'NOT met'}")
-            write_json(args, world, cfg, env, dict(cross_entropy=ce, lm_head_loss=lce))
+            write_results(args, world, cfg, env, dict(cross_entropy=ce, lm_head_loss=lce))
     finally:
         dist.destroy_process_group()
 
@@ -464,7 +461,7 @@ def run_gpu(args) -> None:
         print_section(f"cross-entropy fwd+bwd, one GPU, one shard N={cfg['gpu_tokens']} "
                       f"V_local={cfg['gpu_vocab']} bf16; CUDA events", results, "torch",
                       "torch", extra=[("fwd_median_ms", "fwd ms", 3), ("fwd_gbps", "fwd GB/s", 0)])
-        write_json(args, 1, cfg, env, dict(cross_entropy_gpu=results))
+        write_results(args, 1, cfg, env, dict(cross_entropy_gpu=results))
     finally:
         dist.destroy_process_group()
         shutil.rmtree(tmpdir, ignore_errors=True)

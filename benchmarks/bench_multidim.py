@@ -136,7 +136,7 @@ after warm-up is reported. Ranks > cores: "oversubscribed" (on 2 cores every P h
 Run:
     python benchmarks/bench_multidim.py            # P = 4, 8, 9, 16; writes results + plot
     python benchmarks/bench_multidim.py --quick    # P = 4 only, few repeats
-    python benchmarks/bench_multidim.py --worlds 4,8 --out /tmp/md.json
+    python benchmarks/bench_multidim.py --worlds 4,8 --out md.json
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import environment, format_table, print_env, spawn_ranks
+from common import environment, format_table, print_env, spawn_ranks, write_json
 
 SHAPE = dict(batch=24, seq=3, hidden=144, heads=24)
 # Extrapolation only: a block of a large model (8 sequences of 2048 tokens, H = 8192).
@@ -909,11 +909,6 @@ def _human(b: float) -> str:
             return f"{b / div:.3g}{unit}"
     return f"{b:.3g}"
 
-
-def write_json(path: Path, payload: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -3,10 +3,12 @@ spawning one process per rank."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -60,3 +62,20 @@ def spawn_ranks(fn, world: int, args, name: str) -> None:
         raise SystemExit(f"{name} aborted: {e}") from None
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# Options that say where results go, not what was measured: not recorded in the JSON (they
+# would carry the path of the machine that ran the benchmark).
+OUTPUT_OPTIONS = ("out", "plot", "partial")
+
+
+def write_json(path, payload: dict) -> Path:
+    """Writes ``payload`` as indented JSON to ``path`` (parents created), without the output
+    options in ``payload["config"]``; returns the path."""
+    path = Path(path)
+    config = payload.get("config")
+    if isinstance(config, dict):
+        payload = dict(payload, config={k: v for k, v in config.items() if k not in OUTPUT_OPTIONS})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
