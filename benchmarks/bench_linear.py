@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import environment, format_table, print_env, spawn_ranks, write_json
+from common import environment, format_table, print_env, spawn_ranks, step, write_json
 
 SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
 REPEATS = {"small": 60, "large": 10}
@@ -84,15 +84,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
-
-
-def step(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """One timed unit of work: zero_grad + forward + backward."""
-    model.zero_grad(set_to_none=True)
-    x.grad = None
-    y = model(x)
-    (y * g).sum().backward()
-    return y
 
 
 def synchronize(device: torch.device) -> None:
@@ -223,14 +214,6 @@ def _configure(model: nn.Module, situation: str) -> None:
         p.requires_grad_(situation != "frozen")
 
 
-def _situation_step(model, x, g):
-    model.zero_grad(set_to_none=True)
-    x.grad = None
-    y = model(x)
-    (y * g).sum().backward()
-    return y
-
-
 def _check_situation(label: str, situation: str, model, x, g, expect: dict, rows: tuple,
                      device) -> None:
     """Output and gradients against the unsharded reference; gradients nobody asked for
@@ -238,7 +221,7 @@ def _check_situation(label: str, situation: str, model, x, g, expect: dict, rows
     from torch.distributed.tensor import DTensor
 
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    y = _situation_step(model, x, g)
+    y = step(model, x, g)
     error = ""
     try:
         y_full = y.full_tensor() if isinstance(y, DTensor) else y
@@ -276,7 +259,7 @@ def bench_situations(name: str, args, device, world: int) -> list:
     x_data = torch.randn(shape["tokens"], shape["d"], device=device)
     g = torch.randn(shape["tokens"], shape["d"], device=device)
     x_ref = x_data.clone().requires_grad_(True)
-    y = _situation_step(ref, x_ref, g)
+    y = step(ref, x_ref, g)
     expect = {"y": y.detach().clone(), "x_grad": x_ref.grad.clone(),
               "w1_grad": ref.fc1.weight.grad.clone()}
     rows = tpx.shard_range(shape["h"])
@@ -294,7 +277,7 @@ def bench_situations(name: str, args, device, world: int) -> list:
             _configure(model, situation)
             _check_situation(label, situation, model, x, g, expect, rows, device)
             for _ in range(warmup):
-                _situation_step(model, x, g)
+                step(model, x, g)
         runs[situation] = (models, x)
 
     def sample(model, x) -> float:
@@ -302,7 +285,7 @@ def bench_situations(name: str, args, device, world: int) -> list:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(block):
-            _situation_step(model, x, g)
+            step(model, x, g)
         synchronize(device)
         t = torch.tensor([(time.perf_counter() - t0) * 1e3 / block], dtype=torch.float64,
                          device=device)

@@ -155,7 +155,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import environment, format_table, print_env, spawn_ranks, write_json
+from common import environment, format_table, print_env, spawn_ranks, step, write_json
 
 SHAPE = dict(batch=24, seq=3, hidden=144, heads=24)
 # Extrapolation only: a block of a large model (8 sequences of 2048 tokens, H = 8192).
@@ -454,15 +454,6 @@ def expected_param_grads(ref: Block, blk: Block, layout: str, mesh) -> list:
                  specs[n].slice_of(getattr(full, n).grad, layer.mesh_info))
                 for n in ("weight", "bias")]
     return out
-
-
-def step(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """One timed unit: zero_grad, forward, backward of ``(y * g).sum()``."""
-    model.zero_grad(set_to_none=True)
-    x.grad = None
-    y = model(x)
-    (y * g).sum().backward()
-    return y
 
 
 def _nbytes(t) -> int:

@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmark scripts: the environment record, plain-text tables, and
-spawning one process per rank."""
+"""Helpers shared by the benchmark scripts: the environment record, plain-text tables,
+spawning one process per rank, the timed training step and the JSON results."""
 
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ def spawn_ranks(fn, world: int, args, name: str) -> None:
         raise SystemExit(f"{name} aborted: {e}") from None
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def step(model: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """One timed unit of work: zero_grad, forward, backward of ``(y * g).sum()``."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    y = model(x)
+    (y * g).sum().backward()
+    return y
 
 
 # Options that say where results go, not what was measured: not recorded in the JSON (they

@@ -103,3 +103,19 @@ def _now() -> float:
     import time
 
     return time.monotonic()
+
+
+def from_rank(module, src=0):
+    """The test's own copy of rank ``src``'s module on every rank of the default group, by plain
+    broadcasts of its parameters and buffers (what tpx's ``src_rank`` initialisation must
+    reproduce)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    module = copy.deepcopy(module)
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t, src)
+    return module

@@ -5,7 +5,6 @@ keeps the checksum check; arguments are still compared across ranks; the same se
 rank keeps the generators in step; peak memory of a non-source rank stays one shard plus one
 step; ``tensor_checksum`` needs no full-size temporary."""
 
-import copy
 import os
 
 import pytest
@@ -15,21 +14,12 @@ from torch import nn
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import from_rank, run_ranks
 from memtrack import PeakMemory
 
 
 def close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
-
-
-def _from_rank(module, src=0):
-    """The test's own copy of rank ``src``'s module on every rank (plain broadcasts)."""
-    module = copy.deepcopy(module)
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t, src)
-    return module
 
 
 def _differs_across_ranks(t):
@@ -56,7 +46,7 @@ def _check_layers(rank, world):
     torch.manual_seed(100 + rank)
     local = nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, d_out))
     assert _differs_across_ranks(local[0].weight)  # the ranks really hold different models
-    ref = _from_rank(local)
+    ref = from_rank(local)
     torch.manual_seed(100 + rank)
     col = tpx.ColumnParallelLinear(d_in, h)
     row = tpx.RowParallelLinear(h, d_out)
@@ -81,7 +71,7 @@ def _check_layers(rank, world):
     # from_linear: every rank's own layer; the result is rank 0's.
     torch.manual_seed(200 + rank)
     lin1, lin2 = nn.Linear(d_in, h), nn.Linear(h, d_out, bias=False)
-    ref1, ref2 = _from_rank(lin1), _from_rank(lin2)
+    ref1, ref2 = from_rank(lin1), from_rank(lin2)
     col = tpx.ColumnParallelLinear.from_linear(lin1, gather_output=True)
     row = tpx.RowParallelLinear.from_linear(lin2, input_is_parallel=False)
     close(col(x_full), ref1(x_full), "from_linear column forward (gathered)")
@@ -89,7 +79,7 @@ def _check_layers(rank, world):
     close(row(z), ref2(z), "from_linear row forward")
     # src_rank=1: rank 1's layer.
     if world > 1:
-        ref1b = _from_rank(lin1, 1)
+        ref1b = from_rank(lin1, 1)
         colb = tpx.ColumnParallelLinear.from_linear(lin1, gather_output=True, src_rank=1)
         close(colb(x_full), ref1b(x_full), "from_linear src_rank=1")
 
@@ -98,7 +88,7 @@ def _check_layers(rank, world):
     out_rows[0] = [(0, 2), (2, 4)]
     torch.manual_seed(300 + rank)
     lin = nn.Linear(d_in, 5)
-    ref_l = _from_rank(lin)
+    ref_l = from_rank(lin)
     fused = tpx.ColumnParallelLinear.from_linear(lin, out_rows=out_rows)
     expect = torch.cat([ref_l.weight[s:e] for s, e in out_rows[rank]])
     assert torch.equal(fused.weight, expect)
@@ -107,7 +97,7 @@ def _check_layers(rank, world):
     V, D = 4 * world + 1, 2 * world + 1
     torch.manual_seed(400 + rank)
     emb_local = nn.Embedding(V, D, padding_idx=2)
-    emb_ref = _from_rank(emb_local)
+    emb_ref = from_rank(emb_local)
     torch.manual_seed(400 + rank)
     vocab = tpx.VocabParallelEmbedding(V, D, padding_idx=2)
     assert torch.equal(vocab.weight, emb_ref.weight[vocab.vocab_start:vocab.vocab_end])
@@ -128,7 +118,7 @@ def _check_layers(rank, world):
         close(m.weight.grad, expected, f"{what} embedding grad")
     torch.manual_seed(500 + rank)
     e2 = nn.Embedding(V, D)
-    e2_ref = _from_rank(e2)
+    e2_ref = from_rank(e2)
     fv = tpx.VocabParallelEmbedding.from_embedding(e2)
     fc = tpx.ColumnParallelEmbedding.from_embedding(e2)
     close(fv(ids), e2_ref(ids), "from_embedding vocab")
@@ -136,7 +126,7 @@ def _check_layers(rank, world):
 
     # reset_parameters redraws on rank 0 and hands out the shards again.
     torch.manual_seed(600 + rank)
-    full = _from_rank(nn.Linear(d_in, h))
+    full = from_rank(nn.Linear(d_in, h))
     torch.manual_seed(600 + rank)
     col.reset_parameters()
     assert torch.equal(col.weight, full.weight[col.out_start:col.out_end])
@@ -168,7 +158,7 @@ def _check_parallelize(rank, world):
     with torch.no_grad():  # make the replicated parameters differ across ranks too
         model.norm.weight.uniform_(0.5, 1.5)
         model.norm.bias.uniform_(-0.5, 0.5)
-    ref = _from_rank(model)
+    ref = from_rank(model)
     plan = {"emb": tpx.RowwiseParallel(), "fc1": tpx.ColwiseParallel(),
             "fc2": tpx.RowwiseParallel(), "head": tpx.ColwiseParallel(output_layouts=tpx.Replicate())}
     model = tpx.parallelize_module(model, None, plan)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tpx
-from harness import run_ranks
+from harness import from_rank, run_ranks
 
 
 def close(actual, expected, what):
@@ -682,17 +682,6 @@ def test_layout_matches_unsharded(layout, world):
 # Checkpoints and initial weights of the multi-dimensional layers -----------------------------
 
 
-def _from_rank(module, src=0):
-    """The test's own copy of rank ``src``'s module on every rank (plain broadcasts)."""
-    import copy
-
-    module = copy.deepcopy(module)
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t, src)
-    return module
-
-
 def _raises_everywhere(match, fn, *args, **kwargs):
     with pytest.raises(ValueError, match=match):
         fn(*args, **kwargs)
@@ -748,7 +737,7 @@ def _check_initial_weights(rank, world, layout):
                 p.uniform_(0.5, 1.5)
     src = world - 1
     for src_rank in (0, src):
-        refs = [_from_rank(m, src_rank) for m in (lin_m, emb_m, ln_m, rms_m)]
+        refs = [from_rank(m, src_rank) for m in (lin_m, emb_m, ln_m, rms_m)]
         same_linear(lin.from_linear(lin_m, mesh, src_rank=src_rank, **mid), refs[0], hid)
         e = emb.from_embedding(emb_m, mesh, src_rank=src_rank)
         assert torch.equal(e.weight, refs[1].weight.detach()[:, _norm_slice(D, layout, c, q)])
@@ -762,7 +751,7 @@ def _check_initial_weights(rank, world, layout):
     # Blocks scattered in many small steps (a few rows per step) arrive the same.
     os.environ["TPX_INIT_CHUNK_BYTES"] = str(16 * world)
     try:
-        same_linear(lin.from_linear(lin_m, mesh), _from_rank(lin_m))
+        same_linear(lin.from_linear(lin_m, mesh), from_rank(lin_m))
     finally:
         del os.environ["TPX_INIT_CHUNK_BYTES"]
 
