@@ -37,7 +37,6 @@ parameter: for each dim, the mesh dims splitting it, outermost first); the initi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -49,6 +48,7 @@ from .. import autograd_multidim  # noqa: F401  (registers the autograd of the o
 from .. import ops
 from ..group import ShardSpec, check_same_on_ranks, load_initial
 from ..mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
+from .linear import _full_linear_init
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_input", "gather_output"]
 
@@ -341,18 +341,6 @@ def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> 
         raise ValueError(f"tpx.gather_output: `y` must be [batch, ..., hidden]; got shape "
                          f"{tuple(y.shape)}")
     return _GatherOutput.apply(y, info, bdims, hdims)
-
-
-def _full_linear_init(in_features: int, out_features: int, bias: bool, device, dtype):
-    """The full weight and bias drawn exactly as ``nn.Linear(in, out)`` draws them."""
-    w = torch.empty(out_features, in_features, device=device, dtype=dtype)
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-    b = None
-    if bias:
-        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-        b = torch.empty(out_features, device=device, dtype=dtype)
-        nn.init.uniform_(b, -bound, bound)
-    return w, b
 
 
 def _check_positive(who: str, **sizes) -> None:
