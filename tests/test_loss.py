@@ -285,3 +285,46 @@ def _check_default_chunks_uneven(rank, world, vocab, tokens):
 @pytest.mark.parametrize("world,vocab,tokens", [(8, 50257, 2700), (6, 32000, 3200)])
 def test_linear_cross_entropy_default_chunks_uneven_vocab(world, vocab, tokens):
     run_ranks(_check_default_chunks_uneven, world, vocab, tokens)
+
+
+def _check_loss_parallel_context(rank, world):
+    """``F.cross_entropy`` and ``nn.CrossEntropyLoss`` inside ``tpx.loss_parallel()`` on this
+    rank's block of the classes equal the unsharded loss and logits gradient, with and without
+    ``vocab_size``; with it, no host read (no all-gather of widths) happens per call."""
+    from test_host_sync import count_host_reads
+
+    gen = torch.Generator().manual_seed(11)
+    v0, v1 = tpx.shard_range(V)
+    for reduction, smoothing, pass_vocab, module in itertools.product(
+            ("mean", "sum", "none"), (0.0, 0.2), (False, True), (False, True)):
+        case = f"reduction={reduction} smoothing={smoothing} vocab_size={pass_vocab} nn={module}"
+        full = 3 * torch.randn(4, 6, V, generator=gen)          # [N, d1, C]: classes last
+        target = torch.randint(0, V, (4, 6), generator=gen)
+        target[0, :2] = -100
+        kw = dict(reduction=reduction, label_smoothing=smoothing)
+        ref_in = full.movedim(-1, 1).clone().requires_grad_(True)   # [N, C, d1]
+        ref = F.cross_entropy(ref_in, target, **kw)
+        grad = torch.randn(ref.shape, generator=gen)
+        ref.backward(grad)
+        local = full[..., v0:v1].movedim(-1, 1).clone().requires_grad_(True)
+        with tpx.loss_parallel(vocab_size=V if pass_vocab else None):
+            fn = torch.nn.CrossEntropyLoss(**kw) if module else (
+                lambda a, b: F.cross_entropy(a, b, **kw))
+            fn(local, target)  # warm-up
+            with count_host_reads() as reads:
+                loss = fn(local, target)
+        # Without vocab_size the widths are all-gathered and read per call (none at world 1).
+        assert (sum(reads.values()) == 0) == (pass_vocab or world == 1), f"{case}: {reads}"
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"loss ({case}): {m}")
+        loss.backward(grad)
+        torch.testing.assert_close(local.grad, ref_in.grad[:, v0:v1], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"logits grad ({case}): {m}")
+    with pytest.raises(ValueError, match="`vocab_size` must be a positive int"):
+        with tpx.loss_parallel(vocab_size=0):
+            pass
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_loss_parallel_context_matches_torch(world):
+    run_ranks(_check_loss_parallel_context, world)

@@ -29,7 +29,8 @@ from ..nn.functional import vocab_parallel_cross_entropy
 __all__ = ["loss_parallel"]
 
 _lock = threading.Lock()
-_active = []  # stack of process groups of the open contexts
+# Stack of the open contexts: a _MeshLogits, or (process group, full vocabulary size or None).
+_active = []
 
 
 class _MeshLogits:
@@ -93,16 +94,21 @@ def _mesh_cross_entropy(spec: _MeshLogits, input: Tensor, target: Tensor, ignore
     split): the exact loss of the full batch and vocabulary, the same on every rank."""
     target = spec.local_target(target, input.shape[0])
     rows_in, rows_t = input.reshape(-1, input.shape[-1]), target.reshape(-1)
+    # The layouts split the classes evenly (the layers require it), so the full vocabulary is
+    # known without asking the other ranks.
+    vocab_size = rows_in.shape[-1] * spec.vocab_group.size()
     if reduction == "none":
         return vocab_parallel_cross_entropy(rows_in, rows_t, group=spec.vocab_group,
                                             ignore_index=ignore_index,
                                             label_smoothing=label_smoothing,
-                                            reduction="none").reshape(target.shape)
+                                            reduction="none",
+                                            vocab_size=vocab_size).reshape(target.shape)
     if reduction not in ("sum", "mean"):
         raise ValueError(f"tpx.loss_parallel: unknown reduction {reduction!r}")
     local = vocab_parallel_cross_entropy(rows_in, rows_t, group=spec.vocab_group,
                                          ignore_index=ignore_index,
-                                         label_smoothing=label_smoothing, reduction="sum")
+                                         label_smoothing=label_smoothing, reduction="sum",
+                                         vocab_size=vocab_size)
     loss = spec.total(local)
     if divide_by is not None:
         return loss / divide_by
@@ -132,9 +138,10 @@ def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
     if isinstance(_active[-1], _MeshLogits):
         return _mesh_cross_entropy(_active[-1], input, target, ignore_index, label_smoothing,
                                    reduction)
-    return vocab_parallel_cross_entropy(input, target, group=_active[-1],
-                                        ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, reduction=reduction)
+    pg, vocab_size = _active[-1]
+    return vocab_parallel_cross_entropy(input, target, group=pg, ignore_index=ignore_index,
+                                        label_smoothing=label_smoothing, reduction=reduction,
+                                        vocab_size=vocab_size)
 
 
 def _causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
@@ -156,7 +163,7 @@ def _causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
     logits = logits.reshape(-1, logits.shape[-1])
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = vocab_parallel_cross_entropy(logits, shift_labels, group=_active[-1],
+    loss = vocab_parallel_cross_entropy(logits, shift_labels, group=_active[-1][0],
                                         ignore_index=ignore_index, reduction=reduction,
                                         vocab_size=vocab_size)
     if reduction == "sum":
@@ -172,8 +179,8 @@ def _hf_loss_mapping():
 
 
 @contextlib.contextmanager
-def loss_parallel(group: GroupLike = None, *,
-                  hidden_mesh_dim: Optional[str] = None) -> Iterator[None]:
+def loss_parallel(group: GroupLike = None, *, hidden_mesh_dim: Optional[str] = None,
+                  vocab_size: Optional[int] = None) -> Iterator[None]:
     """Inside this context, cross-entropy losses take vocab-sharded logits.
 
     Placement: ``logits S(class dim)`` (this rank's ``tpx.shard_range(V)`` block), ``target
@@ -197,13 +204,27 @@ def loss_parallel(group: GroupLike = None, *,
         hidden_mesh_dim: 3-D meshes only: the mesh dim splitting the logits' classes
             (``"weight"``, the default, is the output of a ``Linear3D`` reading the residual
             stream, as in ``tpx.plans.auto``'s plans).
+        vocab_size: 1-D only: the full number of classes, when the logits are split as
+            ``tpx.shard_range(vocab_size)`` (as tpx's column layers and plans split them).
+            Without it, every ``F.cross_entropy`` call all-gathers the ranks' widths and reads
+            them on the host (on a GPU, a synchronisation per call). Hugging Face's causal-LM
+            loss passes the model's vocabulary size itself; the multi-dimensional layouts
+            need no exchange.
     """
     if mesh_layout(group) in ("2d", "2.5d", "3d"):
+        if vocab_size is not None:
+            raise ValueError("tpx.loss_parallel: `vocab_size` is for 1-D groups; a 2-D / 2.5-D "
+                             "/ 3-D layout splits the classes evenly and needs no size")
         pg = _MeshLogits(group, hidden_mesh_dim)
     elif hidden_mesh_dim is not None:
         raise ValueError("tpx.loss_parallel: `hidden_mesh_dim` is only for 3-D meshes")
     else:
         pg = resolve_group(group)
+        if vocab_size is not None and (not isinstance(vocab_size, int)
+                                       or isinstance(vocab_size, bool) or vocab_size < 1):
+            raise ValueError(f"tpx.loss_parallel: `vocab_size` must be a positive int (the full "
+                             f"number of classes) or None; got {vocab_size!r}")
+        pg = (pg, vocab_size)
     with _lock:
         outer = len(_active) == 0
         _active.append(pg)
