@@ -14,9 +14,11 @@ replicated_matmul          grad_a = all_reduce(grad @ b.T), issued before the we
                            GEMM and waited after it (``tpx::replicated_matmul_backward``)
 =========================  ==================================================================
 
-The registration goes through ``torch.library.register_autograd`` so the operators stay
-single nodes for ``torch.compile``. The module also holds the two layout changes the linear
-layers need at their edges (gather / split of the last dimension, sizes may be uneven).
+Each pair is registered twice by :func:`register`: with ``torch.library.register_autograd``,
+so the operators stay single nodes for ``torch.compile``, and as a plain
+``torch.autograd.Function`` that the op wrappers use in eager mode. The module also holds the
+two layout changes the linear layers need at their edges (gather / split of the last
+dimension, sizes may be uneven).
 """
 
 from __future__ import annotations
@@ -32,6 +34,30 @@ from . import ops  # noqa: F401  (registers the operators and their fakes)
 from .comm import count_collective
 
 __all__ = ["all_reduce_grad", "gather_dim", "gather_last_dim", "split_dim", "split_last_dim"]
+
+
+def register(op: str, backward, setup_context) -> None:
+    """The autograd of ``torch.ops.tpx.<op>``: ``backward(ctx, *grads)`` and
+    ``setup_context(ctx, inputs, output)`` become both the operator's own registration
+    (``torch.library.register_autograd``: direct calls, ``torch.compile``) and one
+    ``torch.autograd.Function`` that the op wrappers use in eager mode (see
+    ``tpx.ops.register_eager_function``); the Function runs the operator below the autograd
+    key, so both paths compute the same thing."""
+    torch.library.register_autograd(f"tpx::{op}", backward, setup_context=setup_context)
+    overload = getattr(torch.ops.tpx, op).default
+
+    # forward(ctx, ...) rather than a separate setup_context: Function.apply then binds no
+    # signature per call (inspect.signature costs as much as the dispatch work saved).
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = overload(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    function = type(f"{op}_function", (torch.autograd.Function,), dict(
+        forward=staticmethod(forward), backward=staticmethod(backward), __module__=__name__,
+        __doc__=f"Eager autograd of ``torch.ops.tpx.{op}`` (see :func:`register`)."))
+    ops.register_eager_function(op, function)
 
 
 def _grad_or_zeros(grad, like: Tensor) -> Tensor:
@@ -60,8 +86,7 @@ def _all_gather_matmul_backward(ctx, grad_a_gathered, grad_out):
     return grad_a, grad_b, None, None, None, grad_bias
 
 
-torch.library.register_autograd(
-    "tpx::all_gather_matmul", _all_gather_matmul_backward, setup_context=_all_gather_matmul_setup)
+register("all_gather_matmul", _all_gather_matmul_backward, _all_gather_matmul_setup)
 
 
 # matmul_reduce_scatter -----------------------------------------------------------------------
@@ -83,9 +108,7 @@ def _matmul_reduce_scatter_backward(ctx, grad_out):
     return grad_a, grad_b, None, None, None, grad_bias
 
 
-torch.library.register_autograd(
-    "tpx::matmul_reduce_scatter", _matmul_reduce_scatter_backward,
-    setup_context=_matmul_reduce_scatter_setup)
+register("matmul_reduce_scatter", _matmul_reduce_scatter_backward, _matmul_reduce_scatter_setup)
 
 
 # matmul_all_reduce: the output is replicated, so the gradients are local ---------------------
@@ -107,8 +130,7 @@ def _matmul_all_reduce_backward(ctx, grad_out):
     return grad_a, grad_b, None, None, grad_bias
 
 
-torch.library.register_autograd(
-    "tpx::matmul_all_reduce", _matmul_all_reduce_backward, setup_context=_matmul_all_reduce_setup)
+register("matmul_all_reduce", _matmul_all_reduce_backward, _matmul_all_reduce_setup)
 
 
 # replicated_matmul ---------------------------------------------------------------------------
@@ -130,8 +152,7 @@ def _replicated_matmul_backward(ctx, grad_out):
     return grad_a, grad_b, None, None, grad_bias
 
 
-torch.library.register_autograd(
-    "tpx::replicated_matmul", _replicated_matmul_backward, setup_context=_replicated_matmul_setup)
+register("replicated_matmul", _replicated_matmul_backward, _replicated_matmul_setup)
 
 
 # vocab_parallel_cross_entropy: backward is one fused pass, optionally over the logits -------
@@ -155,8 +176,7 @@ def _vocab_ce_backward(ctx, grad_loss, grad_lse):
     return grad, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "tpx::vocab_parallel_cross_entropy", _vocab_ce_backward, setup_context=_vocab_ce_setup)
+register("vocab_parallel_cross_entropy", _vocab_ce_backward, _vocab_ce_setup)
 
 
 # linear_cross_entropy: the backward recomputes each chunk's logits ---------------------------
@@ -177,8 +197,7 @@ def _linear_ce_backward(ctx, grad_loss, grad_lse):
     return (grad_hidden, grad_weight, grad_bias) + (None,) * 7
 
 
-torch.library.register_autograd(
-    "tpx::linear_cross_entropy", _linear_ce_backward, setup_context=_linear_ce_setup)
+register("linear_cross_entropy", _linear_ce_backward, _linear_ce_setup)
 
 
 # vocab_parallel_embedding -------------------------------------------------------------------
@@ -196,8 +215,7 @@ def _embedding_backward(ctx, grad_out):
     return grad_weight, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "tpx::vocab_parallel_embedding", _embedding_backward, setup_context=_embedding_setup)
+register("vocab_parallel_embedding", _embedding_backward, _embedding_setup)
 
 
 # Layout changes along one dimension (shards may be uneven: `sizes` per rank) -----------------

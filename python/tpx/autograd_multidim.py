@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers the operators and their fakes)
+from .autograd import register
 
 __all__: list = []
 
@@ -42,8 +43,7 @@ def _linear_2d_backward(ctx, grad_out):
     return grad_x, grad_w, grad_b, None, None, None
 
 
-torch.library.register_autograd("tpx::linear_2d", _linear_2d_backward,
-                                setup_context=_linear_2d_setup)
+register("linear_2d", _linear_2d_backward, _linear_2d_setup)
 
 
 # linear_3d: the gathered input and weight are kept from the forward ---------------------------
@@ -70,8 +70,7 @@ def _linear_3d_backward(ctx, grad_out, _grad_xg, _grad_wg):
     return grad_x, grad_w, grad_b, None, None, None, None
 
 
-torch.library.register_autograd("tpx::linear_3d", _linear_3d_backward,
-                                setup_context=_linear_3d_setup)
+register("linear_3d", _linear_3d_backward, _linear_3d_setup)
 
 
 # mesh_all_reduce ------------------------------------------------------------------------------
@@ -85,5 +84,4 @@ def _mesh_all_reduce_backward(ctx, grad):
     return torch.ops.tpx.mesh_all_reduce(grad, ctx.group), None
 
 
-torch.library.register_autograd("tpx::mesh_all_reduce", _mesh_all_reduce_backward,
-                                setup_context=_mesh_all_reduce_setup)
+register("mesh_all_reduce", _mesh_all_reduce_backward, _mesh_all_reduce_setup)

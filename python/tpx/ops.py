@@ -80,7 +80,7 @@ def all_gather_matmul(
     """
     # b (and bias) may hold a different number of columns on each rank; a may not differ.
     name = _group_name("all_gather_matmul", group, a, gather_dim=gather_dim, k=b.shape[0])
-    staged, out = torch.ops.tpx.all_gather_matmul(a, b, gather_dim, name, chunks, bias)
+    staged, out = _call("all_gather_matmul", a, b, gather_dim, name, chunks, bias)
     if not return_gathered:
         return None, out
     return _rank_major(staged, a, gather_dim, _world(name), chunks), out
@@ -136,7 +136,7 @@ def matmul_reduce_scatter(
     """
     name = _group_name("matmul_reduce_scatter", group, bias, scatter_dim=scatter_dim,
                        out_shape=(*a.shape[:-1], b.shape[1]))
-    return torch.ops.tpx.matmul_reduce_scatter(a, b, scatter_dim, name, chunks, bias)
+    return _call("matmul_reduce_scatter", a, b, scatter_dim, name, chunks, bias)
 
 
 def matmul_all_reduce(
@@ -160,7 +160,7 @@ def matmul_all_reduce(
     """
     # The contraction width (b.shape[0]) may differ by rank; the output shape may not.
     name = _group_name("matmul_all_reduce", group, bias, out_shape=(*a.shape[:-1], b.shape[1]))
-    return torch.ops.tpx.matmul_all_reduce(a, b, name, chunks, bias)
+    return _call("matmul_all_reduce", a, b, name, chunks, bias)
 
 
 def replicated_matmul(
@@ -178,7 +178,7 @@ def replicated_matmul(
     Placement: ``a R, b S(1) -> out S(-1)``; ``grad_a`` is R (summed over ranks).
     """
     name = _group_name("replicated_matmul", group, a)
-    return torch.ops.tpx.replicated_matmul(a, b, name, chunks, bias)
+    return _call("replicated_matmul", a, b, name, chunks, bias)
 
 
 def vocab_parallel_cross_entropy_rows(
@@ -200,9 +200,8 @@ def vocab_parallel_cross_entropy_rows(
     ``logits`` (which must not be used afterwards).
     """
     name = _group_name("vocab_parallel_cross_entropy", group, target, vocab_size=vocab_size)
-    return torch.ops.tpx.vocab_parallel_cross_entropy(
-        logits, target, vocab_start, vocab_size, name, ignore_index, label_smoothing,
-        inplace_backward)
+    return _call("vocab_parallel_cross_entropy", logits, target, vocab_start, vocab_size, name,
+                 ignore_index, label_smoothing, inplace_backward)
 
 
 def vocab_parallel_embedding(
@@ -223,8 +222,8 @@ def vocab_parallel_embedding(
     """
     name = _group_name("vocab_parallel_embedding", group, ids, scatter_dim=scatter_dim,
                        dim=weight.shape[-1])
-    return torch.ops.tpx.vocab_parallel_embedding(weight, ids, vocab_start, name, scatter_dim,
-                                                  padding_idx)
+    return _call("vocab_parallel_embedding", weight, ids, vocab_start, name, scatter_dim,
+                 padding_idx)
 
 
 def linear_cross_entropy_rows(
@@ -248,9 +247,29 @@ def linear_cross_entropy_rows(
     """
     name = _group_name("linear_cross_entropy", group, hidden, target, vocab_size=vocab_size,
                        chunk_size=chunk_size)
-    return torch.ops.tpx.linear_cross_entropy(hidden, weight, bias, target, vocab_start,
-                                              vocab_size, name, chunk_size, ignore_index,
-                                              label_smoothing)
+    return _call("linear_cross_entropy", hidden, weight, bias, target, vocab_start, vocab_size,
+                 name, chunk_size, ignore_index, label_smoothing)
+
+
+# Eager calls of the differentiable operators go through a plain ``torch.autograd.Function``
+# per operator, registered here by the autograd layer (:mod:`tpx.autograd`) with the same
+# forward and backward as the operator's own autograd registration. The operator is then
+# called below the autograd dispatch key, which skips the generic per-call work of
+# ``torch.library``'s autograd kernel (about 40 us a call on a CPU). ``torch.compile`` and
+# direct ``torch.ops.tpx.*`` calls use the operator's registration: one graph node per op.
+_EAGER_FUNCTIONS: dict = {}
+
+
+def register_eager_function(op: str, function: type) -> None:
+    """Makes ``function.apply(*args)`` the eager path of ``torch.ops.tpx.<op>(*args)``."""
+    _EAGER_FUNCTIONS[op] = function
+
+
+def _call(op: str, *args):
+    function = _EAGER_FUNCTIONS.get(op)
+    if function is None or torch.compiler.is_compiling():
+        return getattr(torch.ops.tpx, op)(*args)
+    return function.apply(*args)
 
 
 def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
@@ -422,7 +441,7 @@ def linear_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], row_group: str,
     ``depth_group`` (2.5-D): the weight is replicated over it, so the backward sums the weight
     and bias gradients over it; the forward does not use it.
     """
-    return torch.ops.tpx.linear_2d(x, weight, bias, row_group, col_group, depth_group)
+    return _call("linear_2d", x, weight, bias, row_group, col_group, depth_group)
 
 
 def linear_3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], input_group: str,
@@ -439,13 +458,12 @@ def linear_3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], input_group: st
     returns ``x_gathered [B/q, ..., k/q]`` and ``weight_gathered [n/q, k/q]`` (kept for the
     backward).
     """
-    return torch.ops.tpx.linear_3d(x, weight, bias, input_group, batch_group, hidden_group,
-                                   chunks)
+    return _call("linear_3d", x, weight, bias, input_group, batch_group, hidden_group, chunks)
 
 
 def mesh_all_reduce(x: Tensor, group: str) -> Tensor:
     """Out-of-place sum of ``x`` over the group named ``group``: ``P -> R``."""
-    return torch.ops.tpx.mesh_all_reduce(x, group)
+    return _call("mesh_all_reduce", x, group)
 
 
 def mesh_all_gather(x: Tensor, group: str) -> Tensor:
