@@ -270,3 +270,23 @@ def _check_gather_memory(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_matmul_peak_memory(world):
     run_ranks(_check_gather_memory, world)
+
+
+def test_engine_issues_only_flat_gathers_and_scatters():
+    """Every all-gather and reduce-scatter in the C++ engine is the flat form
+    (``_allgather_base`` / ``_reduce_scatter_base``) into one contiguous block, chunked or not.
+    The list-of-views forms make NCCL allocate a temporary of the whole message per call and
+    copy it into the views on its stream; on gloo both forms flatten through a temporary, so
+    the memory test above cannot tell them apart and this check of the sources does."""
+    import pathlib
+    import re
+
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    pattern = re.compile(r"(\.|->)(allgather|reduce_scatter|allgather_coalesced)\s*\(")
+    found = []
+    for path in sorted(csrc.rglob("*.cpp")) + sorted(csrc.rglob("*.h")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            if pattern.search(code):
+                found.append(f"{path.relative_to(csrc.parent)}:{n}: {line.strip()}")
+    assert not found, "list-of-views collectives in the engine:\n" + "\n".join(found)

@@ -124,14 +124,6 @@ WorkPtr md_all_gather_base(ProcessGroup& pg, const at::Tensor& out, const at::Te
   return pg._allgather_base(o, i);
 }
 
-// Gathers `in` of every rank into row pieces of `out` that need not be contiguous together.
-WorkPtr md_all_gather_pieces(ProcessGroup& pg, std::vector<at::Tensor> pieces, const at::Tensor& in) {
-  std::vector<at::Tensor> ins{in};
-  std::vector<std::vector<at::Tensor>> outs{std::move(pieces)};
-  note_collective(pg, Kind::kAllGather, nbytes(in));
-  return pg.allgather(outs, ins);
-}
-
 WorkPtr md_reduce_scatter_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
   at::Tensor o = out, i = in;
   note_collective(pg, Kind::kReduceScatter, nbytes(out));
@@ -381,6 +373,15 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
   return {grad_x, grad_w, grad_b};
 }
 
+// The row chunks of linear_3d's pipeline, from values every rank shares (the op's `chunks`,
+// the local batch rows m, the input features k, the element size): the forward and its
+// backward derive the same spans, so the backward can read the chunk-major x_gathered
+// (chunk c's block at rows [q * lo, q * (lo + len)), rank r's rows at q * lo + r * len).
+static std::vector<Span> chunk_spans_3d(std::optional<int64_t> chunks, int64_t m, int64_t k,
+                                        int64_t element_size) {
+  return split_even(m, pick_chunks(chunks, m, m * k * element_size));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
     const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
     const std::string& input_group, const std::string& batch_group,
@@ -427,36 +428,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
     }
   };
   std::vector<WorkPtr> wgather{md_all_gather_base(*inpg, wg, w)};
-  const auto spans = split_even(m, pick_chunks(chunks, m, nbytes(x2)));
+  // The gathered input is chunk-major (see chunk_spans_3d): chunk c's block holds every
+  // rank's rows [lo, lo + len) in rank order, so each chunk is one flat all-gather (no
+  // list-of-views collective: no temporary, no copies on NCCL) and one GEMM whose output
+  // block is exactly what the chunk's reduce-scatter sends to each destination.
+  const auto spans = chunk_spans_3d(chunks, m, k, x.element_size());
   std::vector<WorkPtr> gathers;
-  if (spans.size() == 1) {
-    gathers.push_back(md_all_gather_base(*batchpg, xg2, x2));
-  } else {
-    for (const auto& sp : spans) {
-      std::vector<at::Tensor> pieces;
-      for (int64_t r = 0; r < q; ++r) pieces.push_back(xg2.narrow(0, r * m + sp.lo, sp.len));
-      gathers.push_back(md_all_gather_pieces(*batchpg, std::move(pieces), x2.narrow(0, sp.lo, sp.len)));
-    }
+  for (const auto& sp : spans) {
+    gathers.push_back(md_all_gather_base(*batchpg, xg2.narrow(0, q * sp.lo, q * sp.len),
+                                         x2.narrow(0, sp.lo, sp.len)));
   }
   wait_all(wgather);
   at::Tensor staging = at::empty({q * m, nq}, x.options());
   std::vector<WorkPtr> scatters;
-  if (spans.size() == 1) {
-    gathers[0]->wait();
-    gemm(staging, xg2);
-    scatters.push_back(md_reduce_scatter_base(*hidpg, out2, staging));
-  } else {
-    // Chunk c's staging block holds, for every destination d, the rows [lo, lo + len) of the
-    // d-th row block of the product, contiguously, so one reduce-scatter serves the chunk.
-    for (size_t c = 0; c < spans.size(); ++c) {
-      const auto& sp = spans[c];
-      gathers[c]->wait();
-      at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
-      for (int64_t d = 0; d < q; ++d) {
-        gemm(stage.narrow(0, d * sp.len, sp.len), xg2.narrow(0, d * m + sp.lo, sp.len));
-      }
-      scatters.push_back(md_reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
-    }
+  for (size_t c = 0; c < spans.size(); ++c) {
+    const auto& sp = spans[c];
+    gathers[c]->wait();
+    at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
+    gemm(stage, xg2.narrow(0, q * sp.lo, q * sp.len));
+    scatters.push_back(md_reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
   }
   wait_all(scatters);
   return {out, xg, wg};
@@ -503,36 +493,28 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
     if (need_weight) grad_w = gw_full;
     return {grad_x, grad_w, grad_b};
   }
+  // The forward's chunks (the same spans, from the same shapes): the gathered gradient is
+  // staged chunk-major like x_gathered, so chunk c's rows of both line up block for block.
   at::Tensor gg = at::empty({mq, nq}, x_gathered.options());
-  const auto spans = split_even(m, pick_chunks(chunks, m, nbytes(g2)));
+  const auto spans = chunk_spans_3d(chunks, m, k, x_gathered.element_size());
   std::vector<WorkPtr> gathers, scatters;
-  if (spans.size() == 1) {
-    gathers.push_back(md_all_gather_base(*hidpg, gg, g2));
-  } else {
-    for (const auto& sp : spans) {
-      std::vector<at::Tensor> pieces;
-      for (int64_t r = 0; r < q; ++r) pieces.push_back(gg.narrow(0, r * m + sp.lo, sp.len));
-      gathers.push_back(md_all_gather_pieces(*hidpg, std::move(pieces), g2.narrow(0, sp.lo, sp.len)));
-    }
+  for (const auto& sp : spans) {
+    gathers.push_back(md_all_gather_base(*hidpg, gg.narrow(0, q * sp.lo, q * sp.len),
+                                         g2.narrow(0, sp.lo, sp.len)));
   }
   at::Tensor staging;
   if (need_x) staging = at::empty({mq, k}, x_gathered.options());
   for (size_t c = 0; c < spans.size(); ++c) {
     const auto& sp = spans[c];
     gathers[c]->wait();
+    at::Tensor gp = gg.narrow(0, q * sp.lo, q * sp.len);
     if (need_x) {
       at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
-      for (int64_t d = 0; d < q; ++d) {
-        at::Tensor dst = stage.narrow(0, d * sp.len, sp.len);
-        at::mm_out(dst, gg.narrow(0, d * m + sp.lo, sp.len), wg);
-      }
+      at::mm_out(stage, gp, wg);
       scatters.push_back(md_reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
     }
-    for (int64_t d = 0; d < q; ++d) {
-      at::Tensor gp = gg.narrow(0, d * m + sp.lo, sp.len);
-      if (need_weight) gw_full.addmm_(gp.t(), xg2.narrow(0, d * m + sp.lo, sp.len));
-      if (need_bias) grad_b->add_(gp.sum(0));
-    }
+    if (need_weight) gw_full.addmm_(gp.t(), xg2.narrow(0, q * sp.lo, q * sp.len));
+    if (need_bias) grad_b->add_(gp.sum(0));
   }
   if (need_weight) {
     grad_w = at::empty({nl, k}, x_gathered.options());
