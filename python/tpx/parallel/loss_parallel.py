@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,16 @@ from ..nn.functional import vocab_parallel_cross_entropy
 __all__ = ["loss_parallel"]
 
 _lock = threading.Lock()
-# Stack of the open contexts: a _MeshLogits, or (process group, full vocabulary size or None).
-_active = []
+
+class _Logits1D(NamedTuple):
+    """Where 1-D logits live: their classes split over ``group`` as
+    ``shard_range(vocab_size)`` (``vocab_size`` None: any split, widths exchanged per call)."""
+
+    group: torch.distributed.ProcessGroup
+    vocab_size: Optional[int]
+
+
+_active = []  # the open contexts, innermost last: _Logits1D or _MeshLogits
 
 
 class _MeshLogits:
@@ -138,10 +146,11 @@ def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
     if isinstance(_active[-1], _MeshLogits):
         return _mesh_cross_entropy(_active[-1], input, target, ignore_index, label_smoothing,
                                    reduction)
-    pg, vocab_size = _active[-1]
-    return vocab_parallel_cross_entropy(input, target, group=pg, ignore_index=ignore_index,
+    spec = _active[-1]
+    return vocab_parallel_cross_entropy(input, target, group=spec.group,
+                                        ignore_index=ignore_index,
                                         label_smoothing=label_smoothing, reduction=reduction,
-                                        vocab_size=vocab_size)
+                                        vocab_size=spec.vocab_size)
 
 
 def _causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
@@ -163,7 +172,7 @@ def _causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
     logits = logits.reshape(-1, logits.shape[-1])
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = vocab_parallel_cross_entropy(logits, shift_labels, group=_active[-1][0],
+    loss = vocab_parallel_cross_entropy(logits, shift_labels, group=_active[-1].group,
                                         ignore_index=ignore_index, reduction=reduction,
                                         vocab_size=vocab_size)
     if reduction == "sum":
@@ -224,7 +233,7 @@ def loss_parallel(group: GroupLike = None, *, hidden_mesh_dim: Optional[str] = N
                                        or isinstance(vocab_size, bool) or vocab_size < 1):
             raise ValueError(f"tpx.loss_parallel: `vocab_size` must be a positive int (the full "
                              f"number of classes) or None; got {vocab_size!r}")
-        pg = (pg, vocab_size)
+        pg = _Logits1D(pg, vocab_size)
     with _lock:
         outer = len(_active) == 0
         _active.append(pg)
