@@ -243,6 +243,31 @@ def _check_situation(label: str, situation: str, model, x, g, expect: dict, rows
         raise RuntimeError(error or f"{label} ({situation}): another rank disagrees")
 
 
+def gemm_floor_step(ref: MLP, situation: str, world: int, device):
+    """The GEMMs of one rank's step in ``situation`` and nothing else, at this rank's shard
+    shapes, in the layouts ``nn.Linear`` uses: 2 forward GEMMs, then the backward's input
+    gradient GEMMs (the first layer's only when the input needs a gradient) and weight
+    gradient GEMMs (only when the weights train). No collective, no elementwise op. Both
+    libraries run these same GEMMs through ATen, so neither's step can take less time than
+    this on the same cores."""
+    h, d = ref.fc1.weight.shape
+    width = -(-h // world)  # the widest shard
+    w1, w2 = torch.randn(width, d, device=device), torch.randn(d, width, device=device)
+    b1 = torch.randn(width, device=device)
+
+    @torch.no_grad()
+    def run(x: torch.Tensor) -> None:
+        hid = torch.addmm(b1, x, w1.t())
+        out = torch.mm(hid, w2.t())
+        grad_hid = torch.mm(out, w2)              # row layer: input gradient
+        if situation != "frozen":
+            torch.mm(out.t(), hid)                 # row layer: weight gradient
+            torch.mm(grad_hid.t(), x)              # column layer: weight gradient
+        if situation != "no-xgrad":
+            torch.mm(grad_hid, w1)                 # column layer: input gradient
+    return run
+
+
 def bench_situations(name: str, args, device, world: int) -> list:
     """tpx (default chunks) / DTensor per situation, round robin, per-round ratios."""
     import tpx
@@ -278,6 +303,7 @@ def bench_situations(name: str, args, device, world: int) -> list:
             _check_situation(label, situation, model, x, g, expect, rows, device)
             for _ in range(warmup):
                 step(model, x, g)
+        models["GEMMs alone"] = gemm_floor_step(ref, situation, world, device)
         runs[situation] = (models, x)
 
     def sample(model, x) -> float:
@@ -285,14 +311,17 @@ def bench_situations(name: str, args, device, world: int) -> list:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(block):
-            step(model, x, g)
+            if isinstance(model, nn.Module):
+                step(model, x, g)
+            else:  # the GEMM floor
+                model(x)
         synchronize(device)
         t = torch.tensor([(time.perf_counter() - t0) * 1e3 / block], dtype=torch.float64,
                          device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
-    samples = {s: {"tpx": [], "DTensor": []} for s in args.situations}
+    samples = {s: {"tpx": [], "DTensor": [], "GEMMs alone": []} for s in args.situations}
     for _ in range(repeats):
         for situation, (models, x) in runs.items():
             for label, model in models.items():
@@ -304,24 +333,30 @@ def bench_situations(name: str, args, device, world: int) -> list:
                             steps_per_sample=block,
                             tpx_median_ms=statistics.median(by["tpx"]),
                             dtensor_median_ms=statistics.median(by["DTensor"]),
+                            gemm_floor_median_ms=statistics.median(by["GEMMs alone"]),
+                            floor_over_dtensor=statistics.median(
+                                [a / b for a, b in zip(by["GEMMs alone"], by["DTensor"])]),
                             ratio_median=statistics.median(ratios),
                             ratio_q1=statistics.quantiles(ratios, n=4)[0] if len(ratios) > 1
                             else ratios[0],
                             ratio_q3=statistics.quantiles(ratios, n=4)[2] if len(ratios) > 1
                             else ratios[0],
                             tpx_times_ms=by["tpx"], dtensor_times_ms=by["DTensor"],
+                            gemm_floor_times_ms=by["GEMMs alone"],
                             ratios=ratios))
     return results
 
 
 def report_situations(results: list, env: dict, args, world: int) -> None:
     rows = [[r["shape"], r["situation"], f"{r['tpx_median_ms']:.2f}",
-             f"{r['dtensor_median_ms']:.2f}", f"{r['ratio_median']:.2f}",
-             f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"] for r in results]
+             f"{r['dtensor_median_ms']:.2f}", f"{r['gemm_floor_median_ms']:.2f}",
+             f"{r['ratio_median']:.2f}", f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}",
+             f"{r['floor_over_dtensor']:.2f}"] for r in results]
     print(f"\nMLP fwd+bwd, fp32, TP={world} ({env['backend']}), tpx default chunks vs DTensor TP; "
-          "ratio = median over rounds of tpx / DTensor (lower is better)")
-    print(format_table(["shape", "situation", "tpx ms", "DTensor ms", "tpx/DTensor",
-                        "ratio IQR"], rows, text_columns=2))
+          "ratio = median over rounds of tpx / DTensor (lower is better); GEMMs alone = the "
+          "step's GEMMs on each rank with no communication (the floor)")
+    print(format_table(["shape", "situation", "tpx ms", "DTensor ms", "GEMMs alone ms",
+                        "tpx/DTensor", "ratio IQR", "floor/DTensor"], rows, text_columns=2))
     path = Path(args.out or RESULTS_DIR / f"bench_linear_situations_{args.device}_tp{world}.json")
     payload = dict(benchmark="bench_linear --situations: MLP column->ReLU->row, fwd+bwd",
                    shapes={n: SHAPES[n] for n in args.shapes},

@@ -35,8 +35,11 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 WorkPtr all_gather_base(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in);
 // out = this rank's block of the sum over ranks of in ([world * out.size(0), ...]).
 WorkPtr reduce_scatter_base(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in);
-// In-place sum over ranks.
+// In-place sum over ranks. On a two-rank gloo group (CPU tensors) this is one send/recv
+// exchange and a local add (see process_group.cpp; TPX_GLOO_ALLREDUCE=gloo opts out).
 WorkPtr all_reduce(c10d::ProcessGroup& pg, const at::Tensor& buf);
+// In-place sum over ranks into `root`'s buffer (root = rank within pg).
+WorkPtr reduce_to(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 // In-place copy of `root`'s buffer (root = rank within pg).
 WorkPtr broadcast(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 

@@ -49,7 +49,6 @@
 // reduce-scatter runs while chunk c+1 is computed.
 #include "overlap/multidim.h"
 
-#include "common/comm_stats.h"
 #include "common/process_group.h"
 #include "overlap/collective_matmul.h"
 
@@ -57,78 +56,12 @@
 #include <array>
 #include <vector>
 
-// ProcessGroup::_allgather_base/_reduce_scatter_base are the spelling every supported torch
-// release has (>= 2.5); newer releases mark them deprecated in favour of *_single.
-#if defined(__GNUC__)
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-#endif
-
 namespace tpx {
 namespace {
 
 using c10d::ProcessGroup;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using OptTensor = std::optional<at::Tensor>;
-
-enum class Kind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
-
-int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-
-// Every collective these ops issue goes through here (one call per collective) into
-// tpx.comm_stats().
-void note_collective(const ProcessGroup& pg, Kind kind, int64_t bytes) {
-  switch (kind) {
-    case Kind::kAllGather:
-      count_collective(pg, Collective::kAllGather, bytes);
-      break;
-    case Kind::kReduceScatter:
-      count_collective(pg, Collective::kReduceScatter, bytes);
-      break;
-    case Kind::kAllReduce:
-      count_collective(pg, Collective::kAllReduce, bytes);
-      break;
-    case Kind::kBroadcast:
-      count_collective(pg, Collective::kBroadcast, bytes);
-      break;
-    case Kind::kReduce:
-      count_collective(pg, Collective::kReduce, bytes);
-      break;
-  }
-}
-
-WorkPtr md_broadcast(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
-  std::vector<at::Tensor> v{t};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = root;
-  note_collective(pg, Kind::kBroadcast, nbytes(t));
-  return pg.broadcast(v, opts);
-}
-
-WorkPtr md_reduce_to(ProcessGroup& pg, const at::Tensor& t, int64_t root) {
-  std::vector<at::Tensor> v{t};
-  c10d::ReduceOptions opts;
-  opts.rootRank = root;
-  note_collective(pg, Kind::kReduce, nbytes(t));
-  return pg.reduce(v, opts);
-}
-
-WorkPtr md_all_reduce(ProcessGroup& pg, const at::Tensor& t) {
-  std::vector<at::Tensor> v{t};
-  note_collective(pg, Kind::kAllReduce, nbytes(t));
-  return pg.allreduce(v);
-}
-
-WorkPtr md_all_gather_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
-  at::Tensor o = out, i = in;
-  note_collective(pg, Kind::kAllGather, nbytes(in));
-  return pg._allgather_base(o, i);
-}
-
-WorkPtr md_reduce_scatter_base(ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
-  at::Tensor o = out, i = in;
-  note_collective(pg, Kind::kReduceScatter, nbytes(out));
-  return pg._reduce_scatter_base(o, i);
-}
 
 void wait_all(std::vector<WorkPtr>& works) {
   for (auto& w : works) w->wait();
@@ -251,8 +184,8 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTen
     Step s;
     s.xl = j == l ? x2 : xb.take(l);
     s.wl = i == l ? w : wb.take(l);
-    s.works.push_back(md_broadcast(*colpg, s.xl, l));
-    s.works.push_back(md_broadcast(*rowpg, s.wl, l));
+    s.works.push_back(broadcast(*colpg, s.xl, l));
+    s.works.push_back(broadcast(*rowpg, s.wl, l));
     return s;
   };
   Step cur = issue(0);
@@ -300,7 +233,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
   std::vector<WorkPtr> bias_works, tail;
   if (need_bias) {
     grad_b = g2.sum(0);
-    if (q > 1) bias_works.push_back(md_all_reduce(*rowpg, *grad_b));
+    if (q > 1) bias_works.push_back(all_reduce(*rowpg, *grad_b));
   }
   at::Tensor gx2, gw;
   if (need_x) {
@@ -331,11 +264,11 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
       Step s;
       if (need_x) {
         s.wl = i == l ? w : wb.take(l);
-        s.works.push_back(md_broadcast(*rowpg, s.wl, l));
+        s.works.push_back(broadcast(*rowpg, s.wl, l));
       }
       if (need_weight) {
         s.xl = j == l ? x2 : xb.take(l);
-        s.works.push_back(md_broadcast(*colpg, s.xl, l));
+        s.works.push_back(broadcast(*colpg, s.xl, l));
       }
       return s;
     };
@@ -348,14 +281,14 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
         // dY_ij W_lj, summed over j at rank (i, l): written straight into dX there.
         at::Tensor dst = j == l ? gx2 : px.take(l);
         at::mm_out(dst, g2, cur.wl);
-        WorkPtr r = md_reduce_to(*colpg, dst, l);
+        WorkPtr r = reduce_to(*colpg, dst, l);
         (j == l ? tail : px.busy[l % 2]).push_back(r);
       }
       if (need_weight) {
         // dY_ij^T X_il, summed over i at rank (l, j).
         at::Tensor dst = i == l ? gw : pw.take(l);
         at::mm_out(dst, g2.t(), cur.xl);
-        WorkPtr r = md_reduce_to(*rowpg, dst, l);
+        WorkPtr r = reduce_to(*rowpg, dst, l);
         (i == l ? tail : pw.busy[l % 2]).push_back(r);
       }
       cur = std::move(next);
@@ -366,9 +299,9 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
     wait_all(pw.busy[1]);
   }
   wait_all(tail);
-  if (depth && need_weight) tail.push_back(md_all_reduce(*depthpg, gw));
+  if (depth && need_weight) tail.push_back(all_reduce(*depthpg, gw));
   wait_all(bias_works);
-  if (depth && need_bias) tail.push_back(md_all_reduce(*depthpg, *grad_b));
+  if (depth && need_bias) tail.push_back(all_reduce(*depthpg, *grad_b));
   wait_all(tail);
   return {grad_x, grad_w, grad_b};
 }
@@ -427,7 +360,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
       at::mm_out(d, a, wg.t());
     }
   };
-  std::vector<WorkPtr> wgather{md_all_gather_base(*inpg, wg, w)};
+  std::vector<WorkPtr> wgather{all_gather_base(*inpg, wg, w)};
   // The gathered input is chunk-major (see chunk_spans_3d): chunk c's block holds every
   // rank's rows [lo, lo + len) in rank order, so each chunk is one flat all-gather (no
   // list-of-views collective: no temporary, no copies on NCCL) and one GEMM whose output
@@ -435,7 +368,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
   const auto spans = chunk_spans_3d(chunks, m, k, x.element_size());
   std::vector<WorkPtr> gathers;
   for (const auto& sp : spans) {
-    gathers.push_back(md_all_gather_base(*batchpg, xg2.narrow(0, q * sp.lo, q * sp.len),
+    gathers.push_back(all_gather_base(*batchpg, xg2.narrow(0, q * sp.lo, q * sp.len),
                                          x2.narrow(0, sp.lo, sp.len)));
   }
   wait_all(wgather);
@@ -446,7 +379,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
     gathers[c]->wait();
     at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
     gemm(stage, xg2.narrow(0, q * sp.lo, q * sp.len));
-    scatters.push_back(md_reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
+    scatters.push_back(reduce_scatter_base(*hidpg, out2.narrow(0, sp.lo, sp.len), stage));
   }
   wait_all(scatters);
   return {out, xg, wg};
@@ -499,7 +432,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
   const auto spans = chunk_spans_3d(chunks, m, k, x_gathered.element_size());
   std::vector<WorkPtr> gathers, scatters;
   for (const auto& sp : spans) {
-    gathers.push_back(md_all_gather_base(*hidpg, gg.narrow(0, q * sp.lo, q * sp.len),
+    gathers.push_back(all_gather_base(*hidpg, gg.narrow(0, q * sp.lo, q * sp.len),
                                          g2.narrow(0, sp.lo, sp.len)));
   }
   at::Tensor staging;
@@ -511,16 +444,16 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
     if (need_x) {
       at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
       at::mm_out(stage, gp, wg);
-      scatters.push_back(md_reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
+      scatters.push_back(reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
     }
     if (need_weight) gw_full.addmm_(gp.t(), xg2.narrow(0, q * sp.lo, q * sp.len));
     if (need_bias) grad_b->add_(gp.sum(0));
   }
   if (need_weight) {
     grad_w = at::empty({nl, k}, x_gathered.options());
-    scatters.push_back(md_reduce_scatter_base(*inpg, *grad_w, gw_full));
+    scatters.push_back(reduce_scatter_base(*inpg, *grad_w, gw_full));
   }
-  if (need_bias) scatters.push_back(md_all_reduce(*inpg, *grad_b));
+  if (need_bias) scatters.push_back(all_reduce(*inpg, *grad_b));
   wait_all(scatters);
   return {grad_x, grad_w, grad_b};
 }
@@ -528,7 +461,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
 at::Tensor mesh_all_reduce(const at::Tensor& x, const std::string& group) {
   auto pg = resolve_group(group);
   at::Tensor out = x.contiguous().clone();
-  if (pg->getSize() > 1) md_all_reduce(*pg, out)->wait();
+  if (pg->getSize() > 1) all_reduce(*pg, out)->wait();
   return out;
 }
 
@@ -541,7 +474,7 @@ at::Tensor mesh_all_gather(const at::Tensor& x, const std::string& group) {
   if (pg->getSize() == 1) {
     out[0].copy_(in);
   } else {
-    md_all_gather_base(*pg, out.view({-1}), in.view({-1}))->wait();
+    all_gather_base(*pg, out.view({-1}), in.view({-1}))->wait();
   }
   return out;
 }

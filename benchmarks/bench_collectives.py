@@ -1,0 +1,131 @@
+"""Benchmark of tpx's all-reduce on the CPU against gloo's own.
+
+On a two-rank gloo group tpx sums a buffer over the group with one exchange (each rank sends
+its buffer to the other with ``send``/``recv`` and adds the one it receives) instead of gloo's
+all-reduce, which runs a reduce-scatter step and an all-gather step on gloo's worker thread.
+``TPX_GLOO_ALLREDUCE=gloo`` switches tpx back to gloo's all-reduce; this benchmark flips that
+switch between samples, so both are timed in one run, round robin, through the same op
+(``tpx.ops.mesh_all_reduce``, an out-of-place sum over a group), beside a plain
+``torch.distributed.all_reduce`` of a copy of the buffer.
+
+Each variant is first checked: the result equals the sum of every rank's input (computed
+locally from the ranks' seeds) and is the same on every rank. A timed sample is ``--block``
+calls back to back after one barrier; its time per call is the maximum over ranks. The table
+gives the median over samples; the JSON keeps every sample.
+
+Run:
+    python benchmarks/bench_collectives.py              # 2 gloo ranks, 1 pinned core each
+    python benchmarks/bench_collectives.py --world 3    # any other size: both tpx rows use gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import environment, format_table, print_env, spawn_ranks, write_json
+
+SIZES_KIB = (4, 256, 8192)
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VARIANTS = {  # label -> (TPX_GLOO_ALLREDUCE, use tpx)
+    "tpx (exchange)": ("exchange", True),
+    "tpx (gloo all-reduce)": ("gloo", True),
+    "torch.distributed.all_reduce": ("exchange", False),
+}
+
+
+def rank_input(rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def run(rank: int, world: int, args, init_method: str) -> None:
+    import tpx
+
+    torch.set_num_threads(1)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) >= world:
+        os.sched_setaffinity(0, {cpus[rank]})
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    group = dist.group.WORLD.group_name
+    env = environment(torch.device("cpu"), world, "gloo")
+    if rank == 0:
+        print_env(env)
+
+    def call(label: str, x: torch.Tensor) -> torch.Tensor:
+        os.environ["TPX_GLOO_ALLREDUCE"] = VARIANTS[label][0]
+        if VARIANTS[label][1]:
+            return tpx.ops.mesh_all_reduce(x, group)
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    results = []
+    try:
+        for kib in args.sizes:
+            numel = kib * 1024 // 4
+            x = rank_input(rank, numel)
+            want = sum(rank_input(r, numel) for r in range(world))
+            for label in VARIANTS:  # checked before timing
+                got = call(label, x)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+                everyone = [torch.empty_like(got) for _ in range(world)]
+                dist.all_gather(everyone, got)
+                if not all(torch.equal(e, got) for e in everyone):
+                    raise RuntimeError(f"{label}: ranks hold different sums")
+            samples = {label: [] for label in VARIANTS}
+            for i in range(args.warmup + args.repeats):
+                for label in VARIANTS:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(args.block):
+                        call(label, x)
+                    t = torch.tensor([(time.perf_counter() - t0) * 1e6 / args.block],
+                                     dtype=torch.float64)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    if i >= args.warmup:
+                        samples[label].append(t.item())
+            base = samples["tpx (gloo all-reduce)"]
+            for label, s in samples.items():
+                ratios = [a / b for a, b in zip(s, base)]
+                results.append(dict(size_kib=kib, variant=label, median_us=statistics.median(s),
+                                    min_us=min(s), ratio_vs_gloo=statistics.median(ratios),
+                                    samples_us=s))
+    finally:
+        os.environ.pop("TPX_GLOO_ALLREDUCE", None)
+    if rank == 0:
+        rows = [[f"{r['size_kib']} KiB", r["variant"], f"{r['median_us']:.0f}",
+                 f"{r['min_us']:.0f}", f"{r['ratio_vs_gloo']:.2f}"] for r in results]
+        print(format_table(["size", "variant", "median us", "min us", "vs gloo all-reduce"],
+                           rows, text_columns=2))
+        if world != 2:
+            print("(the exchange applies to two-rank groups only: both tpx rows use gloo here)")
+        path = Path(args.out or RESULTS_DIR / f"bench_collectives_cpu_tp{world}.json")
+        write_json(path, dict(benchmark="bench_collectives: sum over a gloo group, CPU",
+                              config=vars(args), environment=env, results=results))
+        print(f"wrote {path}")
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_KIB),
+                   help="message sizes in KiB (fp32)")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--block", type=int, default=20, help="calls per timed sample")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    args = p.parse_args(argv)
+    if args.world < 2:
+        p.error("--world must be >= 2")
+    spawn_ranks(run, args.world, args, "bench_collectives")
+
+
+if __name__ == "__main__":
+    main()
