@@ -38,9 +38,13 @@ DTensor per situation; the reported ratio is the median over rounds of tpx / DTe
 * ``no-xgrad``  the input needs no gradient (the first layer over raw features); weights train.
 
 Each situation is checked first: outputs, the gradients that exist equal the unsharded
-reference, and the ones nobody asked for are ``None``.
+reference, and the ones nobody asked for are ``None``. Each round also times ``GEMMs alone``:
+the GEMMs of this rank's step and nothing else (the floor of any TP implementation that runs
+them through ATen). ``--gloo-allreduce`` adds tpx timed with gloo's all-reduce instead of its
+two-rank exchange (``TPX_GLOO_ALLREDUCE=gloo``), the same model, in the same rounds.
 
     python benchmarks/bench_linear.py --situations train,frozen,no-xgrad
+    python benchmarks/bench_linear.py --situations train,frozen,no-xgrad --shapes small --gloo-allreduce
 
 With ``--device cuda`` and a single GPU the TP block is not run; instead one monolithic bf16 GEMM
 is compared with the row-chunked decomposition tpx uses (M split into 2/4/8 chunks, each written
@@ -207,6 +211,7 @@ def bench_shape(name: str, args, device, world: int) -> list:
 
 
 SITUATIONS = ("train", "frozen", "no-xgrad")
+GLOO_AR = "tpx (gloo all-reduce)"  # --gloo-allreduce: tpx with TPX_GLOO_ALLREDUCE=gloo
 
 
 def _configure(model: nn.Module, situation: str) -> None:
@@ -304,6 +309,8 @@ def bench_situations(name: str, args, device, world: int) -> list:
             for _ in range(warmup):
                 step(model, x, g)
         models["GEMMs alone"] = gemm_floor_step(ref, situation, world, device)
+        if args.gloo_allreduce:  # the same tpx model, timed with gloo's all-reduce
+            models[GLOO_AR] = models["tpx"]
         runs[situation] = (models, x)
 
     def sample(model, x) -> float:
@@ -321,11 +328,15 @@ def bench_situations(name: str, args, device, world: int) -> list:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
-    samples = {s: {"tpx": [], "DTensor": [], "GEMMs alone": []} for s in args.situations}
+    samples = {s: {label: [] for label in runs[s][0]} for s in args.situations}
     for _ in range(repeats):
         for situation, (models, x) in runs.items():
             for label, model in models.items():
+                if args.gloo_allreduce:
+                    os.environ["TPX_GLOO_ALLREDUCE"] = "gloo" if label == GLOO_AR else "exchange"
                 samples[situation][label].append(sample(model, x))
+    if args.gloo_allreduce:
+        os.environ.pop("TPX_GLOO_ALLREDUCE", None)
     results = []
     for situation, by in samples.items():
         ratios = [a / b for a, b in zip(by["tpx"], by["DTensor"])]
@@ -343,6 +354,11 @@ def bench_situations(name: str, args, device, world: int) -> list:
                             else ratios[0],
                             tpx_times_ms=by["tpx"], dtensor_times_ms=by["DTensor"],
                             gemm_floor_times_ms=by["GEMMs alone"],
+                            **({} if GLOO_AR not in by else dict(
+                                tpx_gloo_allreduce_median_ms=statistics.median(by[GLOO_AR]),
+                                exchange_over_gloo_allreduce=statistics.median(
+                                    [a / b for a, b in zip(by["tpx"], by[GLOO_AR])]),
+                                tpx_gloo_allreduce_times_ms=by[GLOO_AR])),
                             ratios=ratios))
     return results
 
@@ -357,6 +373,13 @@ def report_situations(results: list, env: dict, args, world: int) -> None:
           "step's GEMMs on each rank with no communication (the floor)")
     print(format_table(["shape", "situation", "tpx ms", "DTensor ms", "GEMMs alone ms",
                         "tpx/DTensor", "ratio IQR", "floor/DTensor"], rows, text_columns=2))
+    if any("exchange_over_gloo_allreduce" in r for r in results):
+        print("\ntpx with its two-rank exchange / tpx with gloo's all-reduce (median over rounds)")
+        print(format_table(["shape", "situation", "tpx ms", "tpx gloo all-reduce ms", "ratio"],
+                           [[r["shape"], r["situation"], f"{r['tpx_median_ms']:.2f}",
+                             f"{r['tpx_gloo_allreduce_median_ms']:.2f}",
+                             f"{r['exchange_over_gloo_allreduce']:.2f}"] for r in results],
+                           text_columns=2))
     path = Path(args.out or RESULTS_DIR / f"bench_linear_situations_{args.device}_tp{world}.json")
     payload = dict(benchmark="bench_linear --situations: MLP column->ReLU->row, fwd+bwd",
                    shapes={n: SHAPES[n] for n in args.shapes},
@@ -639,6 +662,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", default="",
                    help="comma-separated op-level overlap shapes instead of the MLP block: "
                         f"{','.join(OVERLAP_SHAPES)} (flux: GPUs; tiny: a CPU smoke test)")
+    p.add_argument("--gloo-allreduce", action="store_true",
+                   help="with --situations: also time tpx with gloo's all-reduce instead of "
+                        "its two-rank exchange (TPX_GLOO_ALLREDUCE=gloo), round robin")
     p.add_argument("--situations", default="",
                    help="comma-separated subset of train,frozen,no-xgrad: tpx vs DTensor with "
                         "everything trained, frozen weights, or an input without gradient")

@@ -101,6 +101,30 @@ def report():
                       ("vs DTensor", num("vs_dtensor")), ("vs ideal", num("vs_ideal")),
                       ("vs chunks=1", num("vs_tpx_chunks1"))]),
                   "", "![MLP block](bench_linear.png)", ""]
+    for size in ("small", "large"):
+        sit = load(f"bench_linear_situations_cpu_tp2_{size}.json")
+        if sit:
+            lines += [f"## Situations (train / frozen weights / no input gradient), {size} shape, "
+                      "CPU, TP=2 over gloo", "",
+                      f"`python benchmarks/bench_linear.py --situations train,frozen,no-xgrad "
+                      f"--shapes {size} --repeats {sit['config']['repeats']}`", "",
+                      table(sit["results"], [
+                          ("situation", lambda r: r["situation"]),
+                          ("tpx ms", num("tpx_median_ms")),
+                          ("DTensor ms", num("dtensor_median_ms")),
+                          ("GEMMs alone ms", num("gemm_floor_median_ms")),
+                          ("tpx/DTensor", num("ratio_median")),
+                          ("ratio IQR", lambda r: f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"),
+                          ("floor/DTensor", num("floor_over_dtensor"))]), ""]
+    coll = load("bench_collectives_cpu_tp2.json")
+    if coll:
+        lines += ["## Sum over a two-rank gloo group: tpx's exchange against gloo's all-reduce",
+                  "", "`python benchmarks/bench_collectives.py`", "",
+                  table(coll["results"], [
+                      ("size KiB", lambda r: str(r["size_kib"])),
+                      ("variant", lambda r: r["variant"]), ("median us", num("median_us", 0)),
+                      ("min us", num("min_us", 0)),
+                      ("vs gloo all-reduce", num("ratio_vs_gloo"))]), ""]
     loss = load("bench_loss_cpu_tp2.json")
     if loss:
         plot_loss(loss, RESULTS / "bench_loss.png")
@@ -133,6 +157,11 @@ def main():
     if not args.no_run:
         py = sys.executable
         run([py, str(HERE / "bench_linear.py")])
+        for size, repeats in (("small", "60"), ("large", "30")):
+            run([py, str(HERE / "bench_linear.py"), "--situations", "train,frozen,no-xgrad",
+                 "--shapes", size, "--repeats", repeats, "--out",
+                 str(RESULTS / f"bench_linear_situations_cpu_tp2_{size}.json")])
+        run([py, str(HERE / "bench_collectives.py")])
         run([py, str(HERE / "bench_loss.py")])
         if torch.cuda.is_available():
             run([py, str(HERE / "bench_linear.py"), "--device", "cuda"])
