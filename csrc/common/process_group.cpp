@@ -53,10 +53,10 @@ constexpr int kExchangeTag = 0x7470;
 
 // An all-reduce of a two-rank group done as one exchange: each rank sends its buffer to the
 // other and adds the one it receives. Gloo's all-reduce takes two steps (reduce-scatter,
-// then all-gather) through its worker thread for the same bytes; on the CPU machines tpx is
-// measured on, one exchange takes 1/3 of the time for 4 KiB - 256 KiB and 4/5 at 8 MiB
-// (benchmarks/bench_collectives.py). IEEE addition is commutative, so a + b on one rank and
-// b + a on the other are the same bits.
+// then all-gather) through its worker thread for the same bytes; the exchange was faster at
+// every size benchmarks/bench_collectives.py measures (4 KiB - 8 MiB), and posting the send
+// before the receive was measured faster than the reverse. IEEE addition is commutative, so
+// a + b on one rank and b + a on the other are the same bits.
 class PairSumWork : public c10d::Work {
  public:
   PairSumWork(at::Tensor buf, at::Tensor peer, WorkPtr send, WorkPtr recv)
