@@ -18,24 +18,6 @@ namespace {
 using c10d::ProcessGroup;
 using OptTensor = std::optional<at::Tensor>;
 
-struct Span {
-  int64_t lo;
-  int64_t len;
-};
-
-// Splits [0, n) into `parts` contiguous spans whose lengths differ by at most one.
-std::vector<Span> split_even(int64_t n, int64_t parts) {
-  std::vector<Span> spans;
-  const int64_t base = n / parts, extra = n % parts;
-  int64_t lo = 0;
-  for (int64_t i = 0; i < parts; ++i) {
-    const int64_t len = base + (i < extra ? 1 : 0);
-    spans.push_back({lo, len});
-    lo += len;
-  }
-  return spans;
-}
-
 void check_chunks(std::optional<int64_t> chunks) {
   TORCH_CHECK_VALUE(!chunks.has_value() || *chunks >= 1,
                     "tpx: chunks must be >= 1 (or None for the default); got ", *chunks);
@@ -238,6 +220,18 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 }
 
 }  // namespace
+
+std::vector<Span> split_even(int64_t n, int64_t parts) {
+  std::vector<Span> spans;
+  const int64_t base = n / parts, extra = n % parts;
+  int64_t lo = 0;
+  for (int64_t i = 0; i < parts; ++i) {
+    const int64_t len = base + (i < extra ? 1 : 0);
+    spans.push_back({lo, len});
+    lo += len;
+  }
+  return spans;
+}
 
 int64_t pipeline_depth(std::optional<int64_t> chunks, int64_t extent, int64_t bytes) {
   check_chunks(chunks);

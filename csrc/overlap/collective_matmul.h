@@ -19,6 +19,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace tpx {
 
@@ -85,5 +86,15 @@ int64_t pipeline_depth(std::optional<int64_t> chunks, int64_t extent, int64_t by
 
 // The pipeline depth used when the caller passes chunks=None.
 int64_t default_chunks();
+
+// Rows [lo, lo + len) of a pipelined dimension.
+struct Span {
+  int64_t lo;
+  int64_t len;
+};
+
+// Splits [0, n) into `parts` contiguous spans whose lengths differ by at most one (callers
+// clamp `parts` to n with pipeline_depth, so no span is empty unless n is 0).
+std::vector<Span> split_even(int64_t n, int64_t parts);
 
 }  // namespace tpx

@@ -80,36 +80,6 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
   return v;
 }
 
-struct Span {
-  int64_t lo;
-  int64_t len;
-};
-
-std::vector<Span> split_even(int64_t n, int64_t parts) {
-  std::vector<Span> spans;
-  const int64_t base = n / parts, extra = n % parts;
-  int64_t lo = 0;
-  for (int64_t i = 0; i < parts; ++i) {
-    const int64_t len = base + (i < extra ? 1 : 0);
-    if (len > 0) spans.push_back({lo, len});
-    lo += len;
-  }
-  return spans;
-}
-
-// As in the 1-D engine: below this many bytes per chunk a collective is mostly latency.
-constexpr int64_t kMinDefaultChunkBytes = int64_t{1} << 20;
-
-// `rows` and `bytes` describe a buffer whose shape every rank of the groups shares, so all
-// ranks pick the same depth and issue matching collectives.
-int64_t pick_chunks(std::optional<int64_t> chunks, int64_t rows, int64_t bytes) {
-  TORCH_CHECK_VALUE(!chunks.has_value() || *chunks >= 1,
-                    "tpx: chunks must be >= 1 (or None for the default); got ", *chunks);
-  int64_t c = chunks.has_value() ? *chunks : default_chunks();
-  if (!chunks.has_value()) c = std::min(c, std::max<int64_t>(1, bytes / kMinDefaultChunkBytes));
-  return std::max<int64_t>(1, std::min(c, rows));
-}
-
 void check_linear(const char* op, const at::Tensor& x, const at::Tensor& w,
                   const OptTensor& bias) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "tpx.", op, ": `x` must have at least 2 dimensions "
@@ -312,7 +282,9 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
 // (chunk c's block at rows [q * lo, q * (lo + len)), rank r's rows at q * lo + r * len).
 static std::vector<Span> chunk_spans_3d(std::optional<int64_t> chunks, int64_t m, int64_t k,
                                         int64_t element_size) {
-  return split_even(m, pick_chunks(chunks, m, m * k * element_size));
+  const int64_t depth = pipeline_depth(chunks, m, m * k * element_size);
+  if (m == 0) return {};  // no rows: no chunk and no collective
+  return split_even(m, depth);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
