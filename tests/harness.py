@@ -42,9 +42,12 @@ def _worker(fn, rank, world_size, init_file, results, args, backend):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
-              backend: str = "gloo") -> None:
+              backend: str = "gloo", crashes: tuple = ()) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; raises ``AssertionError``
-    naming the failing rank (or ``TimeoutError`` naming the stuck ones)."""
+    naming the failing rank (or ``TimeoutError`` naming the stuck ones).
+
+    ``crashes``: ranks that must die with a non-zero exit code (a process abort the test
+    expects) instead of finishing; every other rank must still finish without error."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="tpx_pg_")
@@ -58,17 +61,21 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
     name = getattr(fn, "__qualname__", repr(fn))
     done: set = set()
     deadline = _now() + timeout
+    crashed: set = set()
     try:
-        while len(done) < world_size:
+        while len(done) + len(crashed) < world_size:
             try:
                 rank, err = results.get(timeout=0.2)
             except queue.Empty:
                 if _now() > deadline:
-                    missing = sorted(set(range(world_size)) - done)
+                    missing = sorted(set(range(world_size)) - done - crashed)
                     raise TimeoutError(f"{name} (world size {world_size}): ranks {missing} did "
                                        f"not finish within {timeout:.0f} s; all ranks killed")
                 for r, p in enumerate(procs):
                     if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                        if r in crashes:
+                            crashed.add(r)
+                            continue
                         _drain(results, done)
                         if r not in done:
                             raise AssertionError(f"{name} (world size {world_size}): rank {r} "
@@ -77,6 +84,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
             if err is not None:
                 raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
                                      f"\n{err}")
+            if rank in crashes:
+                raise AssertionError(f"{name} (world size {world_size}): rank {rank} finished; "
+                                     "the test expected it to die")
             done.add(rank)
     finally:
         for p in procs:

@@ -344,3 +344,54 @@ def _check_two_rank_exchange(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_two_rank_all_reduce_is_an_exact_exchange(world):
     run_ranks(_check_two_rank_exchange, world)
+
+
+def _check_exchange_dtype_mismatch(rank, world):
+    """Ranks whose all-reduce buffers have the same byte count but different dtypes both raise
+    a ValueError naming both, for the one-message (small) and the two-message (large) exchange,
+    and the group still works afterwards."""
+    pg = dist.group.WORLD
+    for elements in (6, 400_000):  # 24 B / 48 B and 1.6 MB / 3.2 MB: both exchange forms
+        x = (torch.ones(2 * elements) if rank == 0 else
+             torch.ones(elements, dtype=torch.float64))
+        try:
+            tpx.ops.mesh_all_reduce(x, pg.group_name)
+        except ValueError as e:
+            msg = str(e)
+            assert "different buffers" in msg and "Float" in msg and "Double" in msg, msg
+            assert f"{x.numel() * x.element_size()} bytes" in msg, msg
+        else:
+            raise AssertionError(f"{elements} elements: mismatched dtypes were summed")
+        ok = tpx.ops.mesh_all_reduce(torch.full((5,), float(rank + 1)), pg.group_name)
+        assert torch.equal(ok, torch.full((5,), 3.0)), ok
+
+
+def test_two_rank_exchange_rejects_dtype_mismatch():
+    run_ranks(_check_exchange_dtype_mismatch, 2)
+
+
+def _check_exchange_size_mismatch(rank, world, rows):
+    """Rank 1 all-reduces one row more than rank 0. Rank 0 stops on gloo's own check of the
+    longer message it received (the harness expects that rank to die). Rank 1 received a
+    shorter message, and adding it would be a wrong answer: it raises the ValueError that
+    names both sizes, or gloo's connection error when rank 0 died before its message was
+    through. It must never return a sum."""
+    a = torch.ones(rows + rank, 4)
+    b = torch.ones(4, 3)
+    try:
+        out = tpx.ops.matmul_all_reduce(a, b, dist.group.WORLD, 1)
+    except ValueError as e:
+        assert rank == 1, f"rank {rank}: {e}"
+        msg = str(e)
+        assert "different buffers" in msg and f"{(rows + 1) * 3 * 4} bytes of Float" in msg, msg
+        assert "rank 0's" in msg and "same shape" in msg, msg
+        return
+    except RuntimeError as e:
+        assert rank == 1 and "Connection" in str(e), f"rank {rank}: {e}"
+        return
+    raise AssertionError(f"rank {rank} returned a sum of mismatched buffers: {out[:, 0]}")
+
+
+@pytest.mark.parametrize("rows", [5, 100_000])  # 60 B, one message; 1.2 MB, two messages
+def test_two_rank_exchange_rejects_size_mismatch(rows):
+    run_ranks(_check_exchange_size_mismatch, 2, rows, crashes=(0,))

@@ -4,6 +4,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -47,9 +48,28 @@ WorkPtr reduce_scatter_base(c10d::ProcessGroup& pg, const at::Tensor& out, const
 
 namespace {
 
-// The tag of tpx's pairwise exchanges (gloo matches a receive to the sends of the same tag in
+// The tags of tpx's pairwise exchanges (gloo matches a receive to the sends of the same tag in
 // the order they were posted; every rank posts its exchanges in the same order).
 constexpr int kExchangeTag = 0x7470;
+constexpr int kStampTag = 0x7471;
+
+// Each exchange carries a stamp: a constant, the sender's byte count and its dtype. Gloo
+// accepts a message shorter than the posted receive, so without it a rank whose buffer is
+// larger than its peer's would add a partly received buffer: a wrong answer. With it, that
+// rank raises a ValueError; its peer, whose buffer is the smaller one, stops on gloo's own
+// check ("Received data size doesn't match expected size"), as gloo's all-reduce does for the
+// same mistake. Up to kPackedStampMaxBytes the stamp travels after the payload in one message
+// (a copy of the payload costs less than a second message, which doubles the exchange's
+// latency at a few KiB); above, it is a second, 24-byte message sent in parallel.
+constexpr int64_t kStampMagic = 0x7470'7375'6d5f'7631;  // "tpxsum_v1"
+constexpr int64_t kStampBytes = 3 * sizeof(int64_t);
+constexpr int64_t kPackedStampMaxBytes = int64_t{1} << 20;
+
+void write_stamp(int64_t* dst, const at::Tensor& buf) {
+  dst[0] = kStampMagic;
+  dst[1] = nbytes(buf);
+  dst[2] = static_cast<int64_t>(buf.scalar_type());
+}
 
 // An all-reduce of a two-rank group done as one exchange: each rank sends its buffer to the
 // other and adds the one it receives. Gloo's all-reduce takes two steps (reduce-scatter,
@@ -59,28 +79,113 @@ constexpr int kExchangeTag = 0x7470;
 // a + b on one rank and b + a on the other are the same bits.
 class PairSumWork : public c10d::Work {
  public:
-  PairSumWork(at::Tensor buf, at::Tensor peer, WorkPtr send, WorkPtr recv)
-      : buf_(std::move(buf)), peer_(std::move(peer)), send_(std::move(send)),
-        recv_(std::move(recv)) {}
+  // `peer` holds the peer's payload; `peer_stamp` (a view into `peer`'s storage when packed)
+  // the stamp it sent; `keep` the buffers the sends read.
+  PairSumWork(std::string group, int peer_rank, at::Tensor buf, at::Tensor peer,
+              at::Tensor peer_stamp, std::vector<at::Tensor> keep, std::vector<WorkPtr> sends,
+              std::vector<WorkPtr> recvs)
+      : group_(std::move(group)), peer_rank_(peer_rank), buf_(std::move(buf)),
+        peer_(std::move(peer)), peer_stamp_(std::move(peer_stamp)), keep_(std::move(keep)),
+        sends_(std::move(sends)), recvs_(std::move(recvs)) {}
 
   bool wait(std::chrono::milliseconds timeout) override {
-    if (!summed_) {
-      recv_->wait(timeout);
-      send_->wait(timeout);  // buf_ is read by the send until it completes
-      buf_.add_(peer_);
-      summed_ = true;
-      peer_ = at::Tensor();
+    if (summed_) return true;
+    summed_ = true;
+    for (auto& w : recvs_) w->wait(timeout);
+    recvs_.clear();
+    int64_t mine[3];
+    write_stamp(mine, buf_);
+    const int64_t* theirs = peer_stamp_.const_data_ptr<int64_t>();
+    const bool match = std::equal(mine, mine + 3, theirs);
+    // The sends read buf_ and keep_ until they complete. After a mismatch the peer may already
+    // have stopped, failing our send: the mismatch is the error to report.
+    for (auto& w : sends_) {
+      if (match) {
+        w->wait(timeout);
+      } else {
+        try {
+          w->wait(timeout);
+        } catch (const std::exception&) {
+        }
+      }
     }
+    sends_.clear();
+    keep_.clear();
+    if (!match) {
+      const bool stamped = theirs[0] == kStampMagic;
+      peer_ = peer_stamp_ = at::Tensor();
+      TORCH_CHECK_VALUE(false, "tpx: the two ranks of process group '", group_, "' all-reduce "
+                        "different buffers: this rank's has ", mine[1], " bytes of ",
+                        buf_.scalar_type(), ", rank ", peer_rank_, "'s ",
+                        stamped ? "has " + std::to_string(theirs[1]) + " bytes of " +
+                                      std::string(c10::toString(c10::ScalarType(theirs[2])))
+                                : std::string("is smaller"),
+                        ". Every rank must call a tpx op with tensors of the same shape and "
+                        "dtype (for example the same batch size); TPX_DEBUG_CHECKS=1 compares "
+                        "every op's arguments across ranks before its collectives run.");
+    }
+    buf_.add_(peer_);
+    peer_ = peer_stamp_ = at::Tensor();
     return true;
   }
 
   bool isCompleted() override { return summed_; }
 
  private:
-  at::Tensor buf_, peer_;
-  WorkPtr send_, recv_;
+  std::string group_;
+  int peer_rank_;
+  at::Tensor buf_, peer_, peer_stamp_;
+  std::vector<at::Tensor> keep_;
+  std::vector<WorkPtr> sends_, recvs_;
   bool summed_ = false;
 };
+
+WorkPtr pair_exchange(c10d::ProcessGroup& pg, const at::Tensor& buf) {
+  const int peer_rank = 1 - pg.getRank();
+  const int64_t bytes = nbytes(buf);
+  auto send = [&](const at::Tensor& t, int tag) {
+    std::vector<at::Tensor> v{t};
+    return pg.send(v, peer_rank, tag);
+  };
+  auto recv = [&](const at::Tensor& t, int tag) {
+    std::vector<at::Tensor> v{t};
+    return pg.recv(v, peer_rank, tag);
+  };
+  std::vector<WorkPtr> sends, recvs;
+  std::vector<at::Tensor> keep;
+  at::Tensor peer, peer_stamp;
+  if (bytes <= kPackedStampMaxBytes) {
+    // [payload | padding to 8 bytes | stamp] as bytes, both ways. The stamp's slot of the
+    // receive buffer starts zeroed, so a shorter message cannot leave a matching stamp there.
+    const int64_t at_stamp = (bytes + 7) / 8 * 8;
+    const auto u8 = buf.options().dtype(at::kByte);
+    at::Tensor packed = at::empty({at_stamp + kStampBytes}, u8);
+    packed.narrow(0, 0, bytes).copy_(buf.view({-1}).view(at::kByte));
+    packed.narrow(0, bytes, at_stamp - bytes).zero_();
+    write_stamp(
+        packed.narrow(0, at_stamp, kStampBytes).view(at::kLong).mutable_data_ptr<int64_t>(), buf);
+    at::Tensor incoming = at::empty({at_stamp + kStampBytes}, u8);
+    peer_stamp = incoming.narrow(0, at_stamp, kStampBytes).view(at::kLong);
+    peer_stamp.zero_();
+    peer = incoming.narrow(0, 0, bytes).view(buf.scalar_type()).view(buf.sizes());
+    sends.push_back(send(packed, kExchangeTag));
+    recvs.push_back(recv(incoming, kExchangeTag));
+    keep.push_back(std::move(packed));
+  } else {
+    at::Tensor stamp = at::empty({3}, at::kLong);
+    write_stamp(stamp.mutable_data_ptr<int64_t>(), buf);
+    peer_stamp = at::zeros({3}, at::kLong);
+    peer = at::empty_like(buf);
+    sends.push_back(send(stamp, kStampTag));
+    sends.push_back(send(buf, kExchangeTag));
+    recvs.push_back(recv(peer_stamp, kStampTag));
+    recvs.push_back(recv(peer, kExchangeTag));
+    keep.push_back(std::move(stamp));
+  }
+  return c10::make_intrusive<PairSumWork>(pg.getGroupName(), peer_rank, buf, std::move(peer),
+                                          std::move(peer_stamp), std::move(keep),
+                                          std::move(sends), std::move(recvs));
+}
 
 // Read on every call (a getenv is negligible next to a collective), so a benchmark can time
 // both algorithms in one run.
@@ -110,15 +215,7 @@ bool uses_pair_exchange(c10d::ProcessGroup& pg, const at::Tensor& buf) {
 
 WorkPtr all_reduce(c10d::ProcessGroup& pg, const at::Tensor& buf) {
   count_collective(pg, Collective::kAllReduce, nbytes(buf));
-  if (uses_pair_exchange(pg, buf)) {
-    const int peer_rank = 1 - pg.getRank();
-    at::Tensor peer = at::empty_like(buf);
-    std::vector<at::Tensor> out{buf}, in{peer};
-    WorkPtr send = pg.send(out, peer_rank, kExchangeTag);
-    WorkPtr recv = pg.recv(in, peer_rank, kExchangeTag);
-    return c10::make_intrusive<PairSumWork>(buf, std::move(peer), std::move(send),
-                                            std::move(recv));
-  }
+  if (uses_pair_exchange(pg, buf)) return pair_exchange(pg, buf);
   std::vector<at::Tensor> bufs{buf};
   return pg.allreduce(bufs);
 }

@@ -295,10 +295,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        count_collective(ctx.pg, "all_reduce", grad)
-        dist.all_reduce(grad, group=ctx.pg)
-        return grad, None
+        return torch.ops.tpx.mesh_all_reduce(grad, ctx.pg.group_name), None
 
 
 def all_reduce_grad(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
@@ -310,10 +307,7 @@ def all_reduce_grad(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
 
 def all_reduce_grad_value(grad: Tensor, pg: dist.ProcessGroup) -> Tensor:
     """The sum over ``pg`` of a gradient (for a tensor hook on a replicated parameter)."""
-    grad = grad.contiguous().clone()
-    count_collective(pg, "all_reduce", grad)
-    dist.all_reduce(grad, group=pg)
-    return grad
+    return torch.ops.tpx.mesh_all_reduce(grad, pg.group_name)
 
 
 class _SumGradOverHolders(torch.autograd.Function):
@@ -331,8 +325,7 @@ class _SumGradOverHolders(torch.autograd.Function):
         full = grad.new_zeros((ctx.full_rows,) + tuple(grad.shape[1:]))
         index = _holder_index(ctx.index, grad.device)
         full.index_copy_(0, index, grad)
-        count_collective(ctx.pg, "all_reduce", full)
-        dist.all_reduce(full, group=ctx.pg)
+        full = torch.ops.tpx.mesh_all_reduce(full, ctx.pg.group_name)
         return full.index_select(0, index), None, None, None
 
 
