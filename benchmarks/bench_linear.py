@@ -30,7 +30,9 @@ Run:
 
 ``--situations train,frozen,no-xgrad`` times tpx (default chunks) against DTensor TP in three
 training situations, one shape at a time, round robin (each round: one sample of tpx and one of
-DTensor per situation; the reported ratio is the median over rounds of tpx / DTensor):
+DTensor per situation, the order rotated from round to round, and before each sample
+``--sample-warmup`` untimed steps of the same variant; the reported ratio is the median over
+rounds of tpx / DTensor):
 
 * ``train``     input, weights and biases all need gradients;
 * ``frozen``    weights and biases frozen (``requires_grad_(False)``, as in adapter
@@ -313,15 +315,23 @@ def bench_situations(name: str, args, device, world: int) -> list:
             models[GLOO_AR] = models["tpx"]
         runs[situation] = (models, x)
 
+    def run_once(model, x) -> None:
+        if isinstance(model, nn.Module):
+            step(model, x, g)
+        else:  # the GEMM floor
+            model(x)
+
     def sample(model, x) -> float:
+        # Untimed steps first, so that the timed ones start from this variant's own previous
+        # step (its buffers freed and reusable), as consecutive training steps do, and not
+        # from whatever the variant timed before it left behind.
+        for _ in range(args.sample_warmup):
+            run_once(model, x)
         synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(block):
-            if isinstance(model, nn.Module):
-                step(model, x, g)
-            else:  # the GEMM floor
-                model(x)
+            run_once(model, x)
         synchronize(device)
         t = torch.tensor([(time.perf_counter() - t0) * 1e3 / block], dtype=torch.float64,
                          device=device)
@@ -329,9 +339,14 @@ def bench_situations(name: str, args, device, world: int) -> list:
         return t.item()
 
     samples = {s: {label: [] for label in runs[s][0]} for s in args.situations}
-    for _ in range(repeats):
+    for r in range(repeats):
         for situation, (models, x) in runs.items():
-            for label, model in models.items():
+            # Round robin, and each round starts with the next variant: none always runs
+            # first, or always after the same one.
+            labels = list(models)
+            labels = labels[r % len(labels):] + labels[:r % len(labels)]
+            for label in labels:
+                model = models[label]
                 if args.gloo_allreduce:
                     os.environ["TPX_GLOO_ALLREDUCE"] = "gloo" if label == GLOO_AR else "exchange"
                 samples[situation][label].append(sample(model, x))
@@ -668,6 +683,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--situations", default="",
                    help="comma-separated subset of train,frozen,no-xgrad: tpx vs DTensor with "
                         "everything trained, frozen weights, or an input without gradient")
+    p.add_argument("--sample-warmup", type=int, default=1,
+                   help="--situations: untimed steps of a variant right before each of its "
+                        "timed samples (default 1)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not pin each CPU rank to its own core (pinned by default)")
     args = p.parse_args(argv)

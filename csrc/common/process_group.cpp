@@ -30,9 +30,7 @@ void all_gather_into(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Te
   all_gather_base(pg, out, local)->wait();
 }
 
-namespace {
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-}  // namespace
 
 WorkPtr all_gather_base(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& in) {
   at::Tensor o = out, i = in;
@@ -59,10 +57,11 @@ constexpr int kStampTag = 0x7471;
 // rank raises a ValueError; its peer, whose buffer is the smaller one, stops on gloo's own
 // check ("Received data size doesn't match expected size"), as gloo's all-reduce does for the
 // same mistake. Up to kPackedStampMaxBytes the stamp travels after the payload in one message
-// (a copy of the payload costs less than a second message, which doubles the exchange's
-// latency at a few KiB); above, it is a second, 24-byte message sent in parallel.
-constexpr int64_t kStampMagic = 0x7470'7375'6d5f'7631;  // "tpxsum_v1"
-constexpr int64_t kStampBytes = 3 * sizeof(int64_t);
+// (copying the payload costs less than a second message, which made a 4 KiB exchange a third
+// slower when measured); above, it is a second, 24-byte message sent in parallel. Neither form
+// changed the time of the benchmark's small MLP step measurably (0.97-1.02x without a stamp).
+constexpr int64_t kStampMagic = 0x7470'7375'6d5f'7631;  // "tpsum_v1" in ASCII
+constexpr int64_t kStampSlotBytes = 4 * sizeof(int64_t);  // 3 used; keeps sizes 16-aligned
 constexpr int64_t kPackedStampMaxBytes = int64_t{1} << 20;
 
 void write_stamp(int64_t* dst, const at::Tensor& buf) {
@@ -79,14 +78,14 @@ void write_stamp(int64_t* dst, const at::Tensor& buf) {
 // a + b on one rank and b + a on the other are the same bits.
 class PairSumWork : public c10d::Work {
  public:
-  // `peer` holds the peer's payload; `peer_stamp` (a view into `peer`'s storage when packed)
-  // the stamp it sent; `keep` the buffers the sends read.
+  // `peer` receives the peer's payload; the stamp it sent lands `stamp_at` bytes into
+  // `stamp_in` (the storage of `peer` when packed); `keep` holds the buffers the sends read.
   PairSumWork(std::string group, int peer_rank, at::Tensor buf, at::Tensor peer,
-              at::Tensor peer_stamp, std::vector<at::Tensor> keep, std::vector<WorkPtr> sends,
-              std::vector<WorkPtr> recvs)
+              at::Tensor stamp_in, int64_t stamp_at, std::vector<at::Tensor> keep,
+              std::vector<WorkPtr> sends, std::vector<WorkPtr> recvs)
       : group_(std::move(group)), peer_rank_(peer_rank), buf_(std::move(buf)),
-        peer_(std::move(peer)), peer_stamp_(std::move(peer_stamp)), keep_(std::move(keep)),
-        sends_(std::move(sends)), recvs_(std::move(recvs)) {}
+        peer_(std::move(peer)), stamp_in_(std::move(stamp_in)), stamp_at_(stamp_at),
+        keep_(std::move(keep)), sends_(std::move(sends)), recvs_(std::move(recvs)) {}
 
   bool wait(std::chrono::milliseconds timeout) override {
     if (summed_) return true;
@@ -95,7 +94,8 @@ class PairSumWork : public c10d::Work {
     recvs_.clear();
     int64_t mine[3];
     write_stamp(mine, buf_);
-    const int64_t* theirs = peer_stamp_.const_data_ptr<int64_t>();
+    const auto* theirs = reinterpret_cast<const int64_t*>(
+        static_cast<const uint8_t*>(stamp_in_.const_data_ptr()) + stamp_at_);
     const bool match = std::equal(mine, mine + 3, theirs);
     // The sends read buf_ and keep_ until they complete. After a mismatch the peer may already
     // have stopped, failing our send: the mismatch is the error to report.
@@ -113,19 +113,20 @@ class PairSumWork : public c10d::Work {
     keep_.clear();
     if (!match) {
       const bool stamped = theirs[0] == kStampMagic;
-      peer_ = peer_stamp_ = at::Tensor();
+      const std::string peer_has =
+          stamped ? "has " + std::to_string(theirs[1]) + " bytes of " +
+                        std::string(c10::toString(c10::ScalarType(theirs[2])))
+                  : std::string("is smaller");
+      peer_ = stamp_in_ = at::Tensor();
       TORCH_CHECK_VALUE(false, "tpx: the two ranks of process group '", group_, "' all-reduce "
                         "different buffers: this rank's has ", mine[1], " bytes of ",
-                        buf_.scalar_type(), ", rank ", peer_rank_, "'s ",
-                        stamped ? "has " + std::to_string(theirs[1]) + " bytes of " +
-                                      std::string(c10::toString(c10::ScalarType(theirs[2])))
-                                : std::string("is smaller"),
+                        buf_.scalar_type(), ", rank ", peer_rank_, "'s ", peer_has,
                         ". Every rank must call a tpx op with tensors of the same shape and "
                         "dtype (for example the same batch size); TPX_DEBUG_CHECKS=1 compares "
                         "every op's arguments across ranks before its collectives run.");
     }
     buf_.add_(peer_);
-    peer_ = peer_stamp_ = at::Tensor();
+    peer_ = stamp_in_ = at::Tensor();
     return true;
   }
 
@@ -134,7 +135,8 @@ class PairSumWork : public c10d::Work {
  private:
   std::string group_;
   int peer_rank_;
-  at::Tensor buf_, peer_, peer_stamp_;
+  at::Tensor buf_, peer_, stamp_in_;
+  int64_t stamp_at_;
   std::vector<at::Tensor> keep_;
   std::vector<WorkPtr> sends_, recvs_;
   bool summed_ = false;
@@ -153,37 +155,39 @@ WorkPtr pair_exchange(c10d::ProcessGroup& pg, const at::Tensor& buf) {
   };
   std::vector<WorkPtr> sends, recvs;
   std::vector<at::Tensor> keep;
-  at::Tensor peer, peer_stamp;
+  at::Tensor peer, stamp_in;
+  int64_t stamp_at = 0;
   if (bytes <= kPackedStampMaxBytes) {
-    // [payload | padding to 8 bytes | stamp] as bytes, both ways. The stamp's slot of the
-    // receive buffer starts zeroed, so a shorter message cannot leave a matching stamp there.
-    const int64_t at_stamp = (bytes + 7) / 8 * 8;
+    // [payload | zero padding | stamp] as bytes, both ways; the stamp starts at a multiple of
+    // 16 bytes, so the receive buffer views as any dtype. Its slot in the receive buffer starts
+    // zeroed: a shorter message cannot leave a matching stamp there.
+    stamp_at = (bytes + 15) / 16 * 16;
+    const int64_t total = stamp_at + kStampSlotBytes;
     const auto u8 = buf.options().dtype(at::kByte);
-    at::Tensor packed = at::empty({at_stamp + kStampBytes}, u8);
-    packed.narrow(0, 0, bytes).copy_(buf.view({-1}).view(at::kByte));
-    packed.narrow(0, bytes, at_stamp - bytes).zero_();
-    write_stamp(
-        packed.narrow(0, at_stamp, kStampBytes).view(at::kLong).mutable_data_ptr<int64_t>(), buf);
-    at::Tensor incoming = at::empty({at_stamp + kStampBytes}, u8);
-    peer_stamp = incoming.narrow(0, at_stamp, kStampBytes).view(at::kLong);
-    peer_stamp.zero_();
-    peer = incoming.narrow(0, 0, bytes).view(buf.scalar_type()).view(buf.sizes());
+    at::Tensor packed = at::empty({total}, u8);
+    auto* out = packed.mutable_data_ptr<uint8_t>();
+    if (bytes > 0) std::memcpy(out, buf.const_data_ptr(), bytes);
+    std::memset(out + bytes, 0, total - bytes);
+    write_stamp(reinterpret_cast<int64_t*>(out + stamp_at), buf);
+    stamp_in = at::empty({total}, u8);
+    std::memset(stamp_in.mutable_data_ptr<uint8_t>() + stamp_at, 0, kStampSlotBytes);
+    peer = stamp_in.view(buf.scalar_type()).narrow(0, 0, buf.numel()).view(buf.sizes());
     sends.push_back(send(packed, kExchangeTag));
-    recvs.push_back(recv(incoming, kExchangeTag));
+    recvs.push_back(recv(stamp_in, kExchangeTag));
     keep.push_back(std::move(packed));
   } else {
     at::Tensor stamp = at::empty({3}, at::kLong);
     write_stamp(stamp.mutable_data_ptr<int64_t>(), buf);
-    peer_stamp = at::zeros({3}, at::kLong);
+    stamp_in = at::zeros({3}, at::kLong);
     peer = at::empty_like(buf);
     sends.push_back(send(stamp, kStampTag));
     sends.push_back(send(buf, kExchangeTag));
-    recvs.push_back(recv(peer_stamp, kStampTag));
+    recvs.push_back(recv(stamp_in, kStampTag));
     recvs.push_back(recv(peer, kExchangeTag));
     keep.push_back(std::move(stamp));
   }
   return c10::make_intrusive<PairSumWork>(pg.getGroupName(), peer_rank, buf, std::move(peer),
-                                          std::move(peer_stamp), std::move(keep),
+                                          std::move(stamp_in), stamp_at, std::move(keep),
                                           std::move(sends), std::move(recvs));
 }
 

@@ -24,6 +24,9 @@ struct Pending {
   }
 };
 
+// The size of `t`'s elements in bytes.
+int64_t nbytes(const at::Tensor& t);
+
 // All-gathers `local` (contiguous) of every rank into `out`: [world * local.size(0), ...],
 // rank-major, and waits.
 void all_gather_into(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& local);

@@ -40,8 +40,6 @@ int64_t pick_chunks(std::optional<int64_t> chunks, int64_t extent, int64_t bytes
 // picked for a small message, still overlaps that one collective with the weight gradient.)
 bool serial_reference(std::optional<int64_t> chunks) { return chunks.has_value() && *chunks == 1; }
 
-int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-
 int64_t normalize_split_dim(const char* op, const char* name, int64_t dim, int64_t ndim) {
   const int64_t d = dim < 0 ? dim + ndim : dim;
   TORCH_CHECK_VALUE(d >= 0 && d < ndim - 1, "tpx.", op, ": ", name, "=", dim,
@@ -213,13 +211,14 @@ Pending allreduce_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t chu
   return pending;
 }
 
+
+}  // namespace
+
 std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
   auto v = sizes.vec();
   v.back() = last;
   return v;
 }
-
-}  // namespace
 
 std::vector<Span> split_even(int64_t n, int64_t parts) {
   std::vector<Span> spans;

@@ -87,6 +87,9 @@ int64_t pipeline_depth(std::optional<int64_t> chunks, int64_t extent, int64_t by
 // The pipeline depth used when the caller passes chunks=None.
 int64_t default_chunks();
 
+// `sizes` with its last entry replaced by `last`.
+std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last);
+
 // Rows [lo, lo + len) of a pipelined dimension.
 struct Span {
   int64_t lo;

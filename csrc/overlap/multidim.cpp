@@ -74,12 +74,6 @@ int64_t lead_rows(const at::Tensor& t) {
   return r;
 }
 
-std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
-  auto v = sizes.vec();
-  v.back() = last;
-  return v;
-}
-
 void check_linear(const char* op, const at::Tensor& x, const at::Tensor& w,
                   const OptTensor& bias) {
   TORCH_CHECK_VALUE(x.dim() >= 2, "tpx.", op, ": `x` must have at least 2 dimensions "
