@@ -349,11 +349,14 @@ def test_two_rank_all_reduce_is_an_exact_exchange(world):
 def _check_exchange_dtype_mismatch(rank, world):
     """Ranks whose all-reduce buffers have the same byte count but different dtypes both raise
     a ValueError naming both, for the one-message (small) and the two-message (large) exchange,
-    and the group still works afterwards."""
-    pg = dist.group.WORLD
+    on the whole group of two or on pairs inside four ranks, and the group still works
+    afterwards."""
+    pairs = [dist.group.WORLD] if world == 2 else [dist.new_group([0, 2]),
+                                                    dist.new_group([1, 3])]
+    pg = pairs[0] if rank in (0, 2) else pairs[-1]
+    first = dist.get_rank(pg) == 0
     for elements in (6, 400_000):  # 24 B / 48 B and 1.6 MB / 3.2 MB: both exchange forms
-        x = (torch.ones(2 * elements) if rank == 0 else
-             torch.ones(elements, dtype=torch.float64))
+        x = torch.ones(2 * elements) if first else torch.ones(elements, dtype=torch.float64)
         try:
             tpx.ops.mesh_all_reduce(x, pg.group_name)
         except ValueError as e:
@@ -362,12 +365,15 @@ def _check_exchange_dtype_mismatch(rank, world):
             assert f"{x.numel() * x.element_size()} bytes" in msg, msg
         else:
             raise AssertionError(f"{elements} elements: mismatched dtypes were summed")
-        ok = tpx.ops.mesh_all_reduce(torch.full((5,), float(rank + 1)), pg.group_name)
-        assert torch.equal(ok, torch.full((5,), 3.0)), ok
+        y = torch.randn(5, generator=torch.Generator().manual_seed(rank))
+        want = sum(torch.randn(5, generator=torch.Generator().manual_seed(r))
+                   for r in dist.get_process_group_ranks(pg))
+        close(tpx.ops.mesh_all_reduce(y, pg.group_name), want, "after the mismatch")
 
 
-def test_two_rank_exchange_rejects_dtype_mismatch():
-    run_ranks(_check_exchange_dtype_mismatch, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_two_rank_exchange_rejects_dtype_mismatch(world):
+    run_ranks(_check_exchange_dtype_mismatch, world)
 
 
 def _check_exchange_size_mismatch(rank, world, rows):
