@@ -24,7 +24,7 @@ struct Pending {
   }
 };
 
-// The size of `t`'s elements in bytes.
+// The bytes of `t`'s elements: numel * element size.
 int64_t nbytes(const at::Tensor& t);
 
 // All-gathers `local` (contiguous) of every rank into `out`: [world * local.size(0), ...],

@@ -211,7 +211,6 @@ Pending allreduce_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t chu
   return pending;
 }
 
-
 }  // namespace
 
 std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
