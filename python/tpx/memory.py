@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from . import _C
 
-__all__ = ["track_cpu", "CpuMemoryTracker"]
+__all__ = ["track_cpu", "CpuMemoryTracker", "cpu_memory_allocated"]
 
 
 class CpuMemoryTracker:
@@ -37,3 +37,11 @@ def track_cpu() -> CpuMemoryTracker:
     """A context manager; ``.peak_extra`` is the peak CPU tensor memory allocated inside the
     block beyond what was allocated on entry, in bytes."""
     return CpuMemoryTracker()
+
+
+def cpu_memory_allocated() -> int:
+    """Bytes of CPU tensor memory allocated now, counted since the first :func:`track_cpu`
+    (0 before it). A process group's worker threads free their temporaries shortly after a
+    collective's ``wait()`` returns: a caller that wants a quiet baseline can poll this until
+    it stops falling."""
+    return _C.cpu_memory_stats()[0]
