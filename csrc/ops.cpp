@@ -6,6 +6,7 @@
 // torch.compile are registered from Python (tpx/ops.py).
 #include <torch/library.h>
 
+#include "common/gemm.h"
 #include "overlap/collective_matmul.h"
 #include "overlap/multidim.h"
 #include "vocab/cross_entropy.h"
@@ -78,6 +79,12 @@ TORCH_LIBRARY(tpx, m) {
       "linear_3d_backward(Tensor grad_out, Tensor x_gathered, Tensor weight_gathered, "
       "str input_group, str batch_group, str hidden_group, int? chunks, bool need_x, "
       "bool need_weight, bool need_bias) -> (Tensor?, Tensor?, Tensor?)");
+  m.def(
+      "matmul_all_reduce_backward(Tensor grad_out, Tensor a, Tensor b, bool need_a, "
+      "bool need_b, bool bias_grad) -> (Tensor?, Tensor?, Tensor?)");
+  m.def("local_matmul(Tensor a, Tensor b, Tensor? bias=None) -> Tensor");
+  // No tensor argument to dispatch on: one kernel for every backend.
+  m.def("cpu_gemm_backend() -> str", &tpx::cpu_gemm_backend);
   m.def("mesh_all_reduce(Tensor x, str group) -> Tensor");
   m.def("mesh_all_gather(Tensor x, str group) -> Tensor");
 }
@@ -89,6 +96,8 @@ TORCH_LIBRARY(tpx, m) {
   m.impl("matmul_reduce_scatter_backward", &tpx::matmul_reduce_scatter_backward);    \
   m.impl("matmul_all_reduce", &tpx::matmul_all_reduce);                              \
   m.impl("replicated_matmul", &tpx::replicated_matmul);                              \
+  m.impl("matmul_all_reduce_backward", &tpx::matmul_all_reduce_backward);            \
+  m.impl("local_matmul", &tpx::local_matmul);                                        \
   m.impl("replicated_matmul_backward", &tpx::replicated_matmul_backward);              \
   m.impl("vocab_parallel_cross_entropy", &tpx::vocab_parallel_cross_entropy);          \
   m.impl("vocab_parallel_cross_entropy_backward",                                      \

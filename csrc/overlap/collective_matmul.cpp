@@ -1,5 +1,6 @@
 #include "overlap/collective_matmul.h"
 
+#include "common/gemm.h"
 #include "common/process_group.h"
 
 #include <algorithm>
@@ -88,17 +89,6 @@ int64_t lead_rows(const at::Tensor& t) {
   int64_t r = 1;
   for (int64_t d = 0; d < t.dim() - 1; ++d) r *= t.size(d);
   return r;
-}
-
-// out = a @ b (+ bias), written into `out` (a row range of a larger buffer).
-void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-               const OptTensor& bias) {
-  at::Tensor o = out;
-  if (bias.has_value()) {
-    at::addmm_out(o, *bias, a, b);
-  } else {
-    at::mm_out(o, a, b);
-  }
 }
 
 // The layout of a gathered buffer. The local rows ([extent * inner, f]) are split into
@@ -325,9 +315,9 @@ std::tuple<OptTensor, OptTensor, OptTensor> all_gather_matmul_backward(
       at::Tensor d = dst;
       at::Tensor gp = g2.narrow(0, row, dst.size(0));
       if (addend.has_value()) {
-        at::addmm_out(d, addend->narrow(0, row, dst.size(0)), gp, bt);
+        addmm_into(d, addend->narrow(0, row, dst.size(0)), gp, bt);
       } else {
-        at::mm_out(d, gp, bt);
+        mm_into(d, gp, bt);
       }
     };
     if (world == 1) {
@@ -345,7 +335,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> all_gather_matmul_backward(
     at::Tensor ag2 = agm.contiguous().view({total * inner, k});
     at::Tensor grad_bt = at::empty({n, k}, a_gathered.options());  // [n, k]
     if (layout.same_as_rank_major()) {
-      at::mm_out(grad_bt, g2.t(), ag2);
+      mm_into(grad_bt, g2.t(), ag2);
     } else {
       bool first = true;
       for (size_t j = 0; j < layout.spans.size(); ++j) {
@@ -353,10 +343,10 @@ std::tuple<OptTensor, OptTensor, OptTensor> all_gather_matmul_backward(
           at::Tensor gp = g2.narrow(0, layout.rank_major_row(r, j), layout.rows(j));
           at::Tensor ap = ag2.narrow(0, layout.staged_row(r, j), layout.rows(j));
           if (first) {
-            at::mm_out(grad_bt, gp.t(), ap);
+            mm_into(grad_bt, gp.t(), ap);
             first = false;
           } else {
-            grad_bt.addmm_(gp.t(), ap);
+            mm_accumulate(grad_bt, gp.t(), ap);
           }
         }
       }
@@ -451,15 +441,15 @@ std::tuple<OptTensor, OptTensor, OptTensor> matmul_reduce_scatter_backward(
     const int64_t rows = gp.size(0);
     if (need_a) {
       at::Tensor dst = ga2.narrow(0, row, rows);
-      at::mm_out(dst, gp, bt);
+      mm_into(dst, gp, bt);
     }
     if (need_b) {
       at::Tensor ap = a2.narrow(0, row, rows);
       if (first) {
-        at::mm_out(*grad_bt, gp.t(), ap);
+        mm_into(*grad_bt, gp.t(), ap);
         first = false;
       } else {
-        grad_bt->addmm_(gp.t(), ap);
+        mm_accumulate(*grad_bt, gp.t(), ap);
       }
     }
   };
@@ -503,6 +493,36 @@ at::Tensor matmul_all_reduce(const at::Tensor& a, const at::Tensor& b,
   return out;
 }
 
+std::tuple<OptTensor, OptTensor, OptTensor> matmul_all_reduce_backward(
+    const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b, bool need_a,
+    bool need_b, bool bias_grad) {
+  check_operands("matmul_all_reduce_backward", a, b, std::nullopt, 1);
+  const int64_t k = a.size(-1), n = b.size(1);
+  TORCH_CHECK_VALUE(grad_out.dim() >= 1 && grad_out.size(-1) == n &&
+                        lead_rows(grad_out) == lead_rows(a),
+                    "tpx.matmul_all_reduce_backward: grad_out ", grad_out.sizes(),
+                    " must have the output's shape [..., ", n, "] with the rows of a ",
+                    a.sizes());
+  at::Tensor g2 = grad_out.reshape({lead_rows(grad_out), n});
+  OptTensor grad_a, grad_b, grad_bias;
+  if (need_a) {
+    grad_a = at::empty(a.sizes(), a.options());
+    mm_into(grad_a->view({g2.size(0), k}), g2, b.t());
+  }
+  if (need_b) grad_b = gemm(g2.t(), a.reshape({lead_rows(a), k})).t();
+  if (bias_grad) grad_bias = g2.sum(0);
+  return {grad_a, grad_b, grad_bias};
+}
+
+at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b, const OptTensor& bias) {
+  check_operands("local_matmul", a, b, bias, 1);
+  const int64_t k = a.size(-1), n = b.size(1);
+  at::Tensor a2 = a.reshape({lead_rows(a), k});
+  at::Tensor out = at::empty(with_last(a.sizes(), n), a.options());
+  gemm_into(out.view({a2.size(0), n}), a2, b, bias);
+  return out;
+}
+
 at::Tensor replicated_matmul(const at::Tensor& a, const at::Tensor& b,
                              const std::string& group_name, std::optional<int64_t> chunks,
                              const OptTensor& bias) {
@@ -535,7 +555,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> replicated_matmul_backward(
     at::Tensor ga2 = grad_a->view({g2.size(0), k});
     auto produce = [&](const at::Tensor& dst, int64_t row) {
       at::Tensor d = dst;
-      at::mm_out(d, g2.narrow(0, row, dst.size(0)), bt);
+      mm_into(d, g2.narrow(0, row, dst.size(0)), bt);
     };
     if (world == 1) {
       produce(ga2, 0);
@@ -548,7 +568,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> replicated_matmul_backward(
     }
   }
   OptTensor grad_b;
-  if (need_b) grad_b = at::mm(g2.t(), a.reshape({lead_rows(a), k})).t();
+  if (need_b) grad_b = gemm(g2.t(), a.reshape({lead_rows(a), k})).t();
   OptTensor grad_bias;
   if (bias_grad) grad_bias = g2.sum(0);
   pending.wait();

@@ -67,6 +67,16 @@ at::Tensor matmul_all_reduce(
     const at::Tensor& a, const at::Tensor& b, const std::string& group_name,
     std::optional<int64_t> chunks, const std::optional<at::Tensor>& bias);
 
+// The local backward of matmul_all_reduce (its output is replicated, so no collective):
+// grad_a = grad_out @ b^T, grad_b = a^T @ grad_out, each computed only when asked for.
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+matmul_all_reduce_backward(const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& b,
+                           bool need_a, bool need_b, bool bias_grad);
+
+// out = a @ b (+ bias) on this rank alone, with the GEMM the engine uses (common/gemm.h).
+at::Tensor local_matmul(const at::Tensor& a, const at::Tensor& b,
+                        const std::optional<at::Tensor>& bias);
+
 // out = a @ b (+ bias) with `a` replicated: no communication forward. Its backward all-reduces
 // grad_a = grad_out @ b^T (issued before the weight-gradient GEMM and waited after it).
 at::Tensor replicated_matmul(

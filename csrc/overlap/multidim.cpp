@@ -49,6 +49,7 @@
 // reduce-scatter runs while chunk c+1 is computed.
 #include "overlap/multidim.h"
 
+#include "common/gemm.h"
 #include "common/process_group.h"
 #include "overlap/collective_matmul.h"
 
@@ -129,9 +130,9 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTen
   at::Tensor out2 = out.view({m, n});
   if (q == 1) {
     if (bias.has_value()) {
-      at::addmm_out(out2, *bias, x2, w.t());
+      addmm_into(out2, *bias, x2, w.t());
     } else {
-      at::mm_out(out2, x2, w.t());
+      mm_into(out2, x2, w.t());
     }
     return out;
   }
@@ -159,12 +160,12 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTen
     wait_all(cur.works);
     if (l == 0) {
       if (bias.has_value()) {
-        at::addmm_out(out2, *bias, cur.xl, cur.wl.t());
+        addmm_into(out2, *bias, cur.xl, cur.wl.t());
       } else {
-        at::mm_out(out2, cur.xl, cur.wl.t());
+        mm_into(out2, cur.xl, cur.wl.t());
       }
     } else {
-      out2.addmm_(cur.xl, cur.wl.t());
+      mm_accumulate(out2, cur.xl, cur.wl.t());
     }
     cur = std::move(next);
   }
@@ -209,8 +210,8 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
     gw = *grad_w;
   }
   if (q == 1) {
-    if (need_x) at::mm_out(gx2, g2, w);
-    if (need_weight) at::mm_out(gw, g2.t(), x2);
+    if (need_x) mm_into(gx2, g2, w);
+    if (need_weight) mm_into(gw, g2.t(), x2);
   } else if (need_x || need_weight) {
     // Staging only for the products that are computed.
     auto pair = [](bool need, const at::Tensor& like) {
@@ -244,14 +245,14 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_2d_backward(
       if (need_x) {
         // dY_ij W_lj, summed over j at rank (i, l): written straight into dX there.
         at::Tensor dst = j == l ? gx2 : px.take(l);
-        at::mm_out(dst, g2, cur.wl);
+        mm_into(dst, g2, cur.wl);
         WorkPtr r = reduce_to(*colpg, dst, l);
         (j == l ? tail : px.busy[l % 2]).push_back(r);
       }
       if (need_weight) {
         // dY_ij^T X_il, summed over i at rank (l, j).
         at::Tensor dst = i == l ? gw : pw.take(l);
-        at::mm_out(dst, g2.t(), cur.xl);
+        mm_into(dst, g2.t(), cur.xl);
         WorkPtr r = reduce_to(*rowpg, dst, l);
         (i == l ? tail : pw.busy[l % 2]).push_back(r);
       }
@@ -310,9 +311,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
     xg2.copy_(x2);
     wg.copy_(w);
     if (bias.has_value()) {
-      at::addmm_out(out2, *bias, x2, w.t());
+      addmm_into(out2, *bias, x2, w.t());
     } else {
-      at::mm_out(out2, x2, w.t());
+      mm_into(out2, x2, w.t());
     }
     return {out, xg, wg};
   }
@@ -321,9 +322,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
   auto gemm = [&](const at::Tensor& dst, const at::Tensor& a) {
     at::Tensor d = dst;
     if (bias_here.has_value()) {
-      at::addmm_out(d, *bias_here, a, wg.t());
+      addmm_into(d, *bias_here, a, wg.t());
     } else {
-      at::mm_out(d, a, wg.t());
+      mm_into(d, a, wg.t());
     }
   };
   std::vector<WorkPtr> wgather{all_gather_base(*inpg, wg, w)};
@@ -386,8 +387,8 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
   if (need_bias) grad_b = at::zeros({nq}, x_gathered.options());
 
   if (q == 1) {
-    if (need_x) at::mm_out(gx2, g2, wg);
-    if (need_weight) at::mm_out(gw_full, g2.t(), xg2);
+    if (need_x) mm_into(gx2, g2, wg);
+    if (need_weight) mm_into(gw_full, g2.t(), xg2);
     if (need_bias) grad_b->copy_(g2.sum(0));
     if (need_weight) grad_w = gw_full;
     return {grad_x, grad_w, grad_b};
@@ -409,10 +410,10 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
     at::Tensor gp = gg.narrow(0, q * sp.lo, q * sp.len);
     if (need_x) {
       at::Tensor stage = staging.narrow(0, q * sp.lo, q * sp.len);
-      at::mm_out(stage, gp, wg);
+      mm_into(stage, gp, wg);
       scatters.push_back(reduce_scatter_base(*batchpg, gx2.narrow(0, sp.lo, sp.len), stage));
     }
-    if (need_weight) gw_full.addmm_(gp.t(), xg2.narrow(0, q * sp.lo, q * sp.len));
+    if (need_weight) mm_accumulate(gw_full, gp.t(), xg2.narrow(0, q * sp.lo, q * sp.len));
     if (need_bias) grad_b->add_(gp.sum(0));
   }
   if (need_weight) {

@@ -1,5 +1,6 @@
 #include "vocab/linear_cross_entropy.h"
 
+#include "common/gemm.h"
 #include "common/process_group.h"
 #include "vocab/cross_entropy.h"
 
@@ -32,7 +33,7 @@ void check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weig
 
 at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
-  return bias.has_value() ? at::addmm(*bias, h, weight.t()) : at::mm(h, weight.t());
+  return gemm(h, weight.t(), bias);
 }
 
 }  // namespace
@@ -85,11 +86,11 @@ linear_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& hid
                                            label_smoothing);
     if (need_hidden) {
       at::Tensor gh = grad_hidden->narrow(0, r0, n);
-      at::mm_out(gh, g, weight);
+      mm_into(gh, g, weight);
       // Partial over the vocabulary: summed while the next chunk runs.
       if (pg->getSize() > 1) pending.works.push_back(all_reduce(*pg, gh));
     }
-    if (need_weight) grad_weight->addmm_(g.t(), h);
+    if (need_weight) mm_accumulate(*grad_weight, g.t(), h);
     if (grad_bias.has_value()) grad_bias->add_(g.sum(0));
   }
   pending.wait();

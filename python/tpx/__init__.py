@@ -66,9 +66,12 @@ def build_info() -> dict:
     compiled in), ``cuda_kernels`` (the ops whose CUDA path runs tpx's own kernels: the
     vocab-parallel loss and embedding, and the fused head + loss that uses them; empty in a
     CPU-only build), ``torch_version`` (the torch it was compiled against),
-    ``default_chunks`` (the pipeline depth used when ``chunks=None``), and ``version``."""
+    ``default_chunks`` (the pipeline depth used when ``chunks=None``), ``cpu_gemm`` (the GEMM
+    its ops run for float32 CPU tensors, see :func:`tpx.ops.cpu_gemm_backend`), and
+    ``version``."""
     from . import _C
 
     info = dict(_C.build_info())
     info["version"] = __version__
+    info["cpu_gemm"] = ops.cpu_gemm_backend()
     return info

@@ -10,6 +10,7 @@ all_gather_matmul          grad_a = matmul_reduce_scatter(grad, b.T), overlapped
 matmul_reduce_scatter      grad_a = all_gather_matmul(grad, b.T); every gathered piece also
                            feeds grad_b += a.T @ piece  (``tpx::matmul_reduce_scatter_backward``)
 matmul_all_reduce          local: grad_a = grad @ b.T, grad_b = a.T @ grad
+                           (``tpx::matmul_all_reduce_backward``)
 replicated_matmul          grad_a = all_reduce(grad @ b.T), issued before the weight-gradient
                            GEMM and waited after it (``tpx::replicated_matmul_backward``)
 =========================  ==================================================================
@@ -123,10 +124,9 @@ def _matmul_all_reduce_setup(ctx, inputs, output):
 def _matmul_all_reduce_backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    grad_a = (g2 @ b.t()).view(a.shape) if need_a else None
-    grad_b = (g2.t() @ a.reshape(g2.shape[0], a.shape[-1])).t() if need_b else None
-    grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
+    need_bias = ctx.has_bias and ctx.needs_input_grad[4]
+    grad_a, grad_b, grad_bias = torch.ops.tpx.matmul_all_reduce_backward(
+        grad_out, a, b, need_a, need_b, need_bias)
     return grad_a, grad_b, None, None, grad_bias
 
 

@@ -43,6 +43,8 @@ __all__ = [
     "vocab_parallel_cross_entropy_rows",
     "vocab_parallel_embedding",
     "linear_cross_entropy_rows",
+    "local_matmul",
+    "cpu_gemm_backend",
 ]
 
 
@@ -179,6 +181,30 @@ def replicated_matmul(
     """
     name = _group_name("replicated_matmul", group, a)
     return _call("replicated_matmul", a, b, name, chunks, bias)
+
+
+def local_matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``out = a @ b (+ bias)`` on this rank alone, with the GEMM the engine runs (see
+    :func:`cpu_gemm_backend`): no communication, no autograd. Useful to time a rank's compute
+    apart from its collectives.
+
+    Placement: local (no group); ``a [..., k]``, ``b [k, n]`` -> ``out [..., n]``.
+    """
+    return torch.ops.tpx.local_matmul(a, b, bias)
+
+
+def cpu_gemm_backend() -> str:
+    """The GEMM that tpx's ops run for float32 CPU tensors: ``"onednn"`` (oneDNN's matmul,
+    which PyTorch ships; fp32 accuracy) or ``"aten"`` (ATen's default BLAS, the one
+    ``nn.Linear`` uses). CUDA tensors always use ATen (cuBLAS).
+
+    Chosen by ``TPX_CPU_GEMM``, read on every call: ``auto`` (default: oneDNN when PyTorch has
+    it, ``torch.backends.mkldnn.enabled`` is set, and a first small product agreed exactly
+    with ATen's), ``aten``, or ``onednn`` (an error when it is not available). Operands oneDNN
+    cannot read in place (other strides), other dtypes and products under 4096 multiply-adds
+    always use ATen.
+    """
+    return torch.ops.tpx.cpu_gemm_backend()
 
 
 def vocab_parallel_cross_entropy_rows(
@@ -348,6 +374,19 @@ def _local_matmul_fake(a, b, group_name, chunks=None, bias=None):
 
 
 torch.library.register_fake("tpx::matmul_all_reduce")(_local_matmul_fake)
+
+
+@torch.library.register_fake("tpx::local_matmul")
+def _local_matmul_only_fake(a, b, bias=None):
+    return a.new_empty(list(a.shape[:-1]) + [b.shape[1]])
+
+
+@torch.library.register_fake("tpx::matmul_all_reduce_backward")
+def _matmul_all_reduce_backward_fake(grad_out, a, b, need_a, need_b, bias_grad):
+    grad_a = a.new_empty(a.shape) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
 torch.library.register_fake("tpx::replicated_matmul")(_local_matmul_fake)
 
 
