@@ -157,7 +157,7 @@ def main():
     if not args.no_run:
         py = sys.executable
         run([py, str(HERE / "bench_linear.py")])
-        for size, repeats in (("small", "60"), ("large", "40")):
+        for size, repeats in (("small", "100"), ("large", "40")):
             run([py, str(HERE / "bench_linear.py"), "--situations", "train,frozen,no-xgrad",
                  "--shapes", size, "--repeats", repeats, "--out",
                  str(RESULTS / f"bench_linear_situations_cpu_tp2_{size}.json")])

@@ -111,26 +111,29 @@ void check_2d(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
               " @ b ", b.sizes());
 }
 
+// out = a @ b, or out += a @ b with `accumulate`.
+void product(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  check_2d(out, a, b);
+  if (use_onednn(out, a, b)) {
+    onednn()(a, b, out, accumulate ? 1.0f : 0.0f, 1.0f);
+    return;
+  }
+  at::Tensor o = out;
+  if (accumulate) {
+    o.addmm_(a, b);
+  } else {
+    at::mm_out(o, a, b);
+  }
+}
+
 }  // namespace
 
 void mm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  check_2d(out, a, b);
-  if (use_onednn(out, a, b)) {
-    onednn()(a, b, out, 0.0f, 1.0f);
-    return;
-  }
-  at::Tensor o = out;
-  at::mm_out(o, a, b);
+  product(out, a, b, false);
 }
 
 void mm_accumulate(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  check_2d(out, a, b);
-  if (use_onednn(out, a, b)) {
-    onednn()(a, b, out, 1.0f, 1.0f);
-    return;
-  }
-  at::Tensor o = out;
-  o.addmm_(a, b);
+  product(out, a, b, true);
 }
 
 void addmm_into(const at::Tensor& out, const at::Tensor& addend, const at::Tensor& a,
