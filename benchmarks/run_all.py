@@ -116,6 +116,18 @@ def report():
                           ("tpx/DTensor", num("ratio_median")),
                           ("ratio IQR", lambda r: f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"),
                           ("floor/DTensor", num("floor_over_dtensor"))]), ""]
+            split = [r for r in sit["results"] if "tpx_aten_gemm_median_ms" in r]
+            if split:
+                lines += [f"tpx's CPU GEMM here: `{split[0]['cpu_gemm']}`; the same tpx model "
+                          "with `TPX_CPU_GEMM=aten`, and the step's GEMMs alone through tpx's "
+                          "GEMM, in the same rounds:", "",
+                          table(split, [
+                              ("situation", lambda r: r["situation"]),
+                              ("tpx, ATen GEMMs ms", num("tpx_aten_gemm_median_ms")),
+                              ("GEMMs alone, tpx GEMM ms", num("tpx_gemm_floor_median_ms")),
+                              ("tpx ATen-GEMMs/DTensor", num("tpx_aten_gemm_over_dtensor")),
+                              ("tpx-GEMM floor/DTensor", num("tpx_gemm_floor_over_dtensor")),
+                              ("tpx/tpx-GEMM floor", num("tpx_over_tpx_gemm_floor"))]), ""]
     coll = load("bench_collectives_cpu_tp2.json")
     if coll:
         lines += ["## Sum over a two-rank gloo group: tpx's exchange against gloo's all-reduce",
