@@ -196,3 +196,23 @@ def _mlp_both_backends(rank, world, backend):
 @pytest.mark.parametrize("world", [1, 3])
 def test_layers_match_nn_linear_on_both_gemms(backend, world):
     run_ranks(_mlp_both_backends, world, backend)
+
+
+def test_local_ops_opcheck():
+    """The fake implementations of the two group-free ops agree with their kernels (shapes,
+    strides, dtypes; torch.compile traces them)."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 40, 32, generator=gen), torch.randn(32, 24, generator=gen)
+    g = torch.randn(6, 40, 24, generator=gen)
+    torch.library.opcheck(torch.ops.tpx.local_matmul.default, (a, b, torch.randn(24)))
+    torch.library.opcheck(torch.ops.tpx.local_matmul.default, (a[0], b.t().contiguous().t()))
+    for need_a, need_b, need_bias in itertools.product((False, True), repeat=3):
+        torch.library.opcheck(torch.ops.tpx.matmul_all_reduce_backward.default,
+                              (g, a, b, need_a, need_b, need_bias))
+    grad_a, grad_b, grad_bias = torch.ops.tpx.matmul_all_reduce_backward(g, a, b, True, True,
+                                                                         True)
+    g2, a2 = g.reshape(-1, 24).double(), a.reshape(-1, 32).double()
+    torch.testing.assert_close(grad_a.double(), (g2 @ b.double().t()).view(a.shape),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_b.double(), a2.t() @ g2, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_bias.double(), g2.sum(0), rtol=1e-5, atol=1e-4)

@@ -374,11 +374,12 @@ def _local_matmul_fake(a, b, group_name, chunks=None, bias=None):
 
 
 torch.library.register_fake("tpx::matmul_all_reduce")(_local_matmul_fake)
+torch.library.register_fake("tpx::replicated_matmul")(_local_matmul_fake)
 
 
 @torch.library.register_fake("tpx::local_matmul")
 def _local_matmul_only_fake(a, b, bias=None):
-    return a.new_empty(list(a.shape[:-1]) + [b.shape[1]])
+    return _local_matmul_fake(a, b, None, bias=bias)
 
 
 @torch.library.register_fake("tpx::matmul_all_reduce_backward")
@@ -387,16 +388,12 @@ def _matmul_all_reduce_backward_fake(grad_out, a, b, need_a, need_b, bias_grad):
     grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
     grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
     return grad_a, grad_b, grad_bias
-torch.library.register_fake("tpx::replicated_matmul")(_local_matmul_fake)
 
 
 @torch.library.register_fake("tpx::replicated_matmul_backward")
 def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, need_a, need_b,
                                      bias_grad):
-    grad_a = a.new_empty(a.shape) if need_a else None
-    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
-    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
-    return grad_a, grad_b, grad_bias
+    return _matmul_all_reduce_backward_fake(grad_out, a, b, need_a, need_b, bias_grad)
 
 
 @torch.library.register_fake("tpx::vocab_parallel_cross_entropy")
