@@ -165,14 +165,9 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const std::optional<at
 }
 
 std::string cpu_gemm_backend() {
-  if (requested() == Choice::kAten || !at::globalContext().userEnabledMkldnn()) return "aten";
-  if (onednn() == nullptr) {
-    TORCH_CHECK(requested() != Choice::kOneDnn, "TPX_CPU_GEMM=onednn, but this PyTorch "
-                "build's oneDNN matmul is not available to tpx; unset TPX_CPU_GEMM or set it "
-                "to 'aten'");
-    return "aten";
-  }
-  return "onednn";
+  // The choice use_onednn() makes for a float32 CPU product large enough and laid out for it.
+  const auto probe = at::empty({16, 16}, at::TensorOptions().dtype(at::kFloat));
+  return use_onednn(probe, probe, probe) ? "onednn" : "aten";
 }
 
 }  // namespace tpx

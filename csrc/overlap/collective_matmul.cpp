@@ -312,12 +312,11 @@ std::tuple<OptTensor, OptTensor, OptTensor> all_gather_matmul_backward(
     grad_a = at::empty(gshape, a_gathered.options());
     at::Tensor ga2 = grad_a->view({extent * inner, k});
     auto produce = [&](const at::Tensor& dst, int64_t row) {
-      at::Tensor d = dst;
       at::Tensor gp = g2.narrow(0, row, dst.size(0));
       if (addend.has_value()) {
-        addmm_into(d, addend->narrow(0, row, dst.size(0)), gp, bt);
+        addmm_into(dst, addend->narrow(0, row, dst.size(0)), gp, bt);
       } else {
-        mm_into(d, gp, bt);
+        mm_into(dst, gp, bt);
       }
     };
     if (world == 1) {
@@ -554,8 +553,7 @@ std::tuple<OptTensor, OptTensor, OptTensor> replicated_matmul_backward(
     grad_a = at::empty(a.sizes(), a.options());
     at::Tensor ga2 = grad_a->view({g2.size(0), k});
     auto produce = [&](const at::Tensor& dst, int64_t row) {
-      at::Tensor d = dst;
-      mm_into(d, g2.narrow(0, row, dst.size(0)), bt);
+      mm_into(dst, g2.narrow(0, row, dst.size(0)), bt);
     };
     if (world == 1) {
       produce(ga2, 0);

@@ -129,11 +129,7 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTen
   at::Tensor out = at::empty(with_last(x.sizes(), n), x.options());
   at::Tensor out2 = out.view({m, n});
   if (q == 1) {
-    if (bias.has_value()) {
-      addmm_into(out2, *bias, x2, w.t());
-    } else {
-      mm_into(out2, x2, w.t());
-    }
+    gemm_into(out2, x2, w.t(), bias);
     return out;
   }
   DoubleBuffer xb{{at::empty_like(x2), at::empty_like(x2)}, {}};
@@ -159,11 +155,7 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const OptTen
     if (l + 1 < q) next = issue(l + 1);
     wait_all(cur.works);
     if (l == 0) {
-      if (bias.has_value()) {
-        addmm_into(out2, *bias, cur.xl, cur.wl.t());
-      } else {
-        mm_into(out2, cur.xl, cur.wl.t());
-      }
+      gemm_into(out2, cur.xl, cur.wl.t(), bias);
     } else {
       mm_accumulate(out2, cur.xl, cur.wl.t());
     }
@@ -310,22 +302,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
   if (q == 1) {
     xg2.copy_(x2);
     wg.copy_(w);
-    if (bias.has_value()) {
-      addmm_into(out2, *bias, x2, w.t());
-    } else {
-      mm_into(out2, x2, w.t());
-    }
+    gemm_into(out2, x2, w.t(), bias);
     return {out, xg, wg};
   }
   // The bias is added once, before the reduction, by the rank of hidden coordinate 0.
   const OptTensor bias_here = hidpg->getRank() == 0 ? bias : std::nullopt;
   auto gemm = [&](const at::Tensor& dst, const at::Tensor& a) {
-    at::Tensor d = dst;
-    if (bias_here.has_value()) {
-      addmm_into(d, *bias_here, a, wg.t());
-    } else {
-      mm_into(d, a, wg.t());
-    }
+    gemm_into(dst, a, wg.t(), bias_here);
   };
   std::vector<WorkPtr> wgather{all_gather_base(*inpg, wg, w)};
   // The gathered input is chunk-major (see chunk_spans_3d): chunk c's block holds every
