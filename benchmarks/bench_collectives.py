@@ -8,10 +8,16 @@ switch between samples, so both are timed in one run, round robin, through the s
 (``tpx.ops.mesh_all_reduce``, an out-of-place sum over a group), beside a plain
 ``torch.distributed.all_reduce`` of a copy of the buffer.
 
+tpx switches gloo's event-loop threads to ``SCHED_BATCH`` the first time it uses a gloo group
+(README, "Gloo's event-loop threads"); the variants marked ``SCHED_OTHER`` are timed with
+them put back as gloo starts them, in the same rounds.
+
 Each variant is first checked: the result equals the sum of every rank's input (computed
 locally from the ranks' seeds) and is the same on every rank. A timed sample is ``--block``
-calls back to back after one barrier; its time per call is the maximum over ranks. The table
-gives the median over samples; the JSON keeps every sample.
+calls after one barrier, each preceded by ``--busy-us`` of busy work on the calling thread (as
+a GEMM precedes a collective in a training step; 0 runs the calls back to back); only the
+calls are timed, and a sample's time per call is the maximum over ranks. The table gives the
+median over samples; the JSON keeps every sample.
 
 Run:
     python benchmarks/bench_collectives.py              # 2 gloo ranks, 1 pinned core each
@@ -29,15 +35,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import environment, format_table, print_env, spawn_ranks, write_json
+from common import environment, format_table, print_env, set_gloo_loop_policy, spawn_ranks, write_json
 
 SIZES_KIB = (4, 256, 8192)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-VARIANTS = {  # label -> (TPX_GLOO_ALLREDUCE, use tpx)
-    "tpx (exchange)": ("exchange", True),
-    "tpx (gloo all-reduce)": ("gloo", True),
-    "torch.distributed.all_reduce": ("exchange", False),
+VARIANTS = {  # label -> (TPX_GLOO_ALLREDUCE, use tpx, policy of gloo's event-loop threads)
+    "tpx (exchange)": ("exchange", True, os.SCHED_BATCH),
+    "tpx (gloo all-reduce)": ("gloo", True, os.SCHED_BATCH),
+    "torch.distributed.all_reduce": ("exchange", False, os.SCHED_BATCH),
+    "tpx (exchange), gloo threads SCHED_OTHER": ("exchange", True, os.SCHED_OTHER),
+    "torch.distributed.all_reduce, gloo threads SCHED_OTHER": ("exchange", False, os.SCHED_OTHER),
 }
+
+
+def busy(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
 
 
 def rank_input(rank: int, numel: int) -> torch.Tensor:
@@ -56,6 +70,8 @@ def run(rank: int, world: int, args, init_method: str) -> None:
     env = environment(torch.device("cpu"), world, "gloo")
     if rank == 0:
         print_env(env)
+
+    batch_threads = (os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch") == "batch"
 
     def call(label: str, x: torch.Tensor) -> torch.Tensor:
         os.environ["TPX_GLOO_ALLREDUCE"] = VARIANTS[label][0]
@@ -81,12 +97,16 @@ def run(rank: int, world: int, args, init_method: str) -> None:
             samples = {label: [] for label in VARIANTS}
             for i in range(args.warmup + args.repeats):
                 for label in VARIANTS:
+                    if batch_threads:
+                        set_gloo_loop_policy(VARIANTS[label][2])
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    elapsed = 0.0
                     for _ in range(args.block):
+                        busy(args.busy_us)
+                        t0 = time.perf_counter()
                         call(label, x)
-                    t = torch.tensor([(time.perf_counter() - t0) * 1e6 / args.block],
-                                     dtype=torch.float64)
+                        elapsed += time.perf_counter() - t0
+                    t = torch.tensor([elapsed * 1e6 / args.block], dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     if i >= args.warmup:
                         samples[label].append(t.item())
@@ -98,6 +118,8 @@ def run(rank: int, world: int, args, init_method: str) -> None:
                                     samples_us=s))
     finally:
         os.environ.pop("TPX_GLOO_ALLREDUCE", None)
+        if batch_threads:
+            set_gloo_loop_policy(os.SCHED_BATCH)
     if rank == 0:
         rows = [[f"{r['size_kib']} KiB", r["variant"], f"{r['median_us']:.0f}",
                  f"{r['min_us']:.0f}", f"{r['ratio_vs_gloo']:.2f}"] for r in results]
@@ -120,6 +142,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--block", type=int, default=20, help="calls per timed sample")
+    p.add_argument("--busy-us", type=float, default=1000.0,
+                   help="busy work on the calling thread before each call, in microseconds "
+                        "(default 1000; 0: calls back to back)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     args = p.parse_args(argv)
     if args.world < 2:

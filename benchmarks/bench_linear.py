@@ -47,10 +47,14 @@ by default), each round also times the same tpx model with ATen's GEMMs
 (``TPX_CPU_GEMM=aten``) and the GEMMs alone through tpx's GEMM, so that the ratio splits into
 what the GEMM backend gives and what the TP engine gives. ``--gloo-allreduce`` adds tpx timed
 with gloo's all-reduce instead of its two-rank exchange (``TPX_GLOO_ALLREDUCE=gloo``), the
-same model, in the same rounds.
+same model, in the same rounds. ``--gloo-threads`` adds both libraries timed with gloo's
+event-loop threads as gloo starts them (``SCHED_OTHER``); tpx switches them to ``SCHED_BATCH``
+for the whole process the first time it uses a gloo group, so DTensor, timed in the same
+processes, runs with them switched too unless this variant says otherwise.
 
     python benchmarks/bench_linear.py --situations train,frozen,no-xgrad
     python benchmarks/bench_linear.py --situations train,frozen,no-xgrad --shapes small --gloo-allreduce
+    python benchmarks/bench_linear.py --situations train,frozen,no-xgrad --gloo-threads
 
 With ``--device cuda`` and a single GPU the TP block is not run; instead one monolithic bf16 GEMM
 is compared with the row-chunked decomposition tpx uses (M split into 2/4/8 chunks, each written
@@ -70,7 +74,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import environment, format_table, print_env, spawn_ranks, step, write_json
+from common import (environment, format_table, print_env, set_gloo_loop_policy, spawn_ranks, step,
+                    write_json)
 
 SHAPES = {"small": dict(tokens=128, d=512, h=2048), "large": dict(tokens=2048, d=1024, h=4096)}
 REPEATS = {"small": 60, "large": 10}
@@ -244,17 +249,23 @@ GLOO_AR = "tpx (gloo all-reduce)"  # --gloo-allreduce: tpx with TPX_GLOO_ALLREDU
 ATEN_GEMM = "tpx (ATen GEMMs)"     # the same tpx model with TPX_CPU_GEMM=aten
 FLOOR = "GEMMs alone"              # the step's GEMMs through ATen (torch.mm), no communication
 FLOOR_TPX = "GEMMs alone (tpx GEMM)"  # the same GEMMs through tpx's GEMM (tpx.ops.local_matmul)
+# --gloo-threads: both libraries timed with gloo's event-loop threads as gloo starts them
+# (SCHED_OTHER) instead of as tpx sets them (SCHED_BATCH, see README "Gloo's event-loop threads").
+TPX_OTHER, DTENSOR_OTHER = "tpx (gloo threads SCHED_OTHER)", "DTensor (gloo threads SCHED_OTHER)"
 # The environment each variant is timed under; variants not listed run with these unset.
 VARIANT_ENV = {GLOO_AR: {"TPX_GLOO_ALLREDUCE": "gloo"}, ATEN_GEMM: {"TPX_CPU_GEMM": "aten"}}
 
 
-def _set_variant_env(label: str) -> None:
+def _set_variant_env(label: str, device: torch.device) -> None:
     for key in {k for env in VARIANT_ENV.values() for k in env}:
         value = VARIANT_ENV.get(label, {}).get(key)
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    if device.type == "cpu" and (os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch") == "batch":
+        set_gloo_loop_policy(os.SCHED_OTHER if label in (TPX_OTHER, DTENSOR_OTHER)
+                             else os.SCHED_BATCH)
 
 
 def _configure(model: nn.Module, situation: str) -> None:
@@ -369,6 +380,8 @@ def bench_situations(name: str, args, device, world: int) -> list:
             models[ATEN_GEMM] = models["tpx"]
         if args.gloo_allreduce:  # the same tpx model, timed with gloo's all-reduce
             models[GLOO_AR] = models["tpx"]
+        if args.gloo_threads:  # both models, timed with gloo's threads as gloo starts them
+            models[TPX_OTHER], models[DTENSOR_OTHER] = models["tpx"], models["DTensor"]
         runs[situation] = (models, x)
 
     def run_once(model, x) -> None:
@@ -404,9 +417,9 @@ def bench_situations(name: str, args, device, world: int) -> list:
             labels = labels[r % len(labels):] + labels[:r % len(labels)]
             for label in labels:
                 model = models[label]
-                _set_variant_env(label)
+                _set_variant_env(label, device)
                 samples[situation][label].append(sample(model, x))
-    _set_variant_env("tpx")
+    _set_variant_env("tpx", device)
     results = []
     for situation, by in samples.items():
         ratios = [a / b for a, b in zip(by["tpx"], by["DTensor"])]
@@ -436,6 +449,18 @@ def bench_situations(name: str, args, device, world: int) -> list:
                                     [a / b for a, b in zip(by["tpx"], by[FLOOR_TPX])]),
                                 tpx_aten_gemm_times_ms=by[ATEN_GEMM],
                                 tpx_gemm_floor_times_ms=by[FLOOR_TPX])),
+                            **({} if TPX_OTHER not in by else dict(
+                                tpx_other_threads_median_ms=statistics.median(by[TPX_OTHER]),
+                                dtensor_other_threads_median_ms=statistics.median(
+                                    by[DTENSOR_OTHER]),
+                                # both as gloo starts its threads
+                                ratio_other_threads=statistics.median(
+                                    [a / b for a, b in zip(by[TPX_OTHER], by[DTENSOR_OTHER])]),
+                                # tpx as it runs / DTensor in a process without tpx
+                                tpx_over_dtensor_other_threads=statistics.median(
+                                    [a / b for a, b in zip(by["tpx"], by[DTENSOR_OTHER])]),
+                                tpx_other_threads_times_ms=by[TPX_OTHER],
+                                dtensor_other_threads_times_ms=by[DTENSOR_OTHER])),
                             **({} if GLOO_AR not in by else dict(
                                 tpx_gloo_allreduce_median_ms=statistics.median(by[GLOO_AR]),
                                 exchange_over_gloo_allreduce=statistics.median(
@@ -475,6 +500,16 @@ def report_situations(results: list, env: dict, args, world: int) -> None:
                            [[r["shape"], r["situation"], f"{r['tpx_median_ms']:.2f}",
                              f"{r['tpx_gloo_allreduce_median_ms']:.2f}",
                              f"{r['exchange_over_gloo_allreduce']:.2f}"] for r in results],
+                           text_columns=2))
+    if any("ratio_other_threads" in r for r in results):
+        print("\nWith gloo's event-loop threads as gloo starts them (SCHED_OTHER): both libraries, "
+              "and tpx as it runs against DTensor in a process without tpx (medians over rounds)")
+        print(format_table(["shape", "situation", "tpx ms", "DTensor ms", "tpx/DTensor",
+                            "tpx (SCHED_BATCH) / DTensor (SCHED_OTHER)"],
+                           [[r["shape"], r["situation"], f"{r['tpx_other_threads_median_ms']:.2f}",
+                             f"{r['dtensor_other_threads_median_ms']:.2f}",
+                             f"{r['ratio_other_threads']:.2f}",
+                             f"{r['tpx_over_dtensor_other_threads']:.2f}"] for r in results],
                            text_columns=2))
     path = Path(args.out or RESULTS_DIR / f"bench_linear_situations_{args.device}_tp{world}.json")
     payload = dict(benchmark="bench_linear --situations: MLP column->ReLU->row, fwd+bwd",
@@ -761,6 +796,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gloo-allreduce", action="store_true",
                    help="with --situations: also time tpx with gloo's all-reduce instead of "
                         "its two-rank exchange (TPX_GLOO_ALLREDUCE=gloo), round robin")
+    p.add_argument("--gloo-threads", action="store_true",
+                   help="with --situations on the CPU: also time tpx and DTensor with gloo's "
+                        "event-loop threads as gloo starts them (SCHED_OTHER), round robin")
     p.add_argument("--situations", default="",
                    help="comma-separated subset of train,frozen,no-xgrad: tpx vs DTensor with "
                         "everything trained, frozen weights, or an input without gradient")
@@ -774,6 +812,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if [s for s in args.overlap if s not in OVERLAP_SHAPES]:
         p.error(f"--overlap: choose from {list(OVERLAP_SHAPES)}; got {args.overlap}")
     args.situations = [s.strip() for s in args.situations.split(",") if s.strip()]
+    if args.gloo_threads and (args.device != "cpu" or not args.situations):
+        p.error("--gloo-threads times gloo's threads: it needs --situations and --device cpu")
     if [s for s in args.situations if s not in SITUATIONS]:
         p.error(f"--situations: choose from {list(SITUATIONS)}; got {args.situations}")
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]

@@ -25,6 +25,7 @@ def environment(device: torch.device, world: int, backend: str) -> dict:
                threads_per_rank=torch.get_num_threads(),
                interop_threads=torch.get_num_interop_threads(),
                world_size=world, backend=backend, device=device.type)
+    env.update(gloo_loop_policy=os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch")
     try:
         import tpx
         env.update(tpx=tpx.__version__, tpx_build=tpx.build_info())
@@ -33,6 +34,29 @@ def environment(device: torch.device, world: int, backend: str) -> dict:
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return env
+
+
+def gloo_loop_threads() -> dict:
+    """{thread id: scheduling policy} of this process's gloo event-loop threads (Linux)."""
+    policies = {}
+    task = "/proc/self/task"
+    for tid in (os.listdir(task) if os.path.isdir(task) else []):
+        try:
+            with open(f"{task}/{tid}/comm") as f:
+                if f.read().strip() != "gloo_tcp_loop":
+                    continue
+            policies[int(tid)] = os.sched_getscheduler(int(tid))
+        except (FileNotFoundError, ProcessLookupError):  # the thread has exited
+            continue
+    return policies
+
+
+def set_gloo_loop_policy(policy: int) -> None:
+    """Puts every gloo event-loop thread of this process on ``policy`` (``os.SCHED_OTHER``:
+    as gloo starts them; ``os.SCHED_BATCH``: as tpx sets them), to time both in one run."""
+    for tid, current in gloo_loop_threads().items():
+        if current != policy:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
 def print_env(env: dict) -> None:

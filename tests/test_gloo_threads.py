@@ -1,0 +1,89 @@
+"""tpx switches gloo's event-loop threads to SCHED_BATCH the first time it uses a gloo group
+(see csrc/common/process_group.cpp for why), leaves threads given another policy alone,
+and leaves everything as gloo starts it with TPX_GLOO_LOOP_POLICY=keep. The results of the
+ops are unchanged: checked against the unsharded product at world sizes 2 and 3."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpx
+from harness import run_ranks
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="thread scheduling policies are set on Linux only")
+
+
+def gloo_loop_threads() -> dict:
+    """{thread id: scheduling policy} of this process's gloo event-loop threads."""
+    policies = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except FileNotFoundError:  # the thread has exited
+            continue
+        if name == "gloo_tcp_loop":
+            policies[int(tid)] = os.sched_getscheduler(int(tid))
+    return policies
+
+
+def _sum_matches(rank, world, group, seed):
+    """matmul_all_reduce over `group` equals the unsharded product."""
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 7 * world + 1, 5  # k does not divide: uneven shards of the contraction
+    a, b = torch.randn(9, k, generator=gen), torch.randn(k, n, generator=gen)
+    r = dist.get_rank(group)
+    c0, c1 = tpx.shard_range(k, group)
+    out = tpx.ops.matmul_all_reduce(a[:, c0:c1], b[c0:c1], group)
+    torch.testing.assert_close(out, a @ b, rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"rank {rank} (group rank {r}): {m}")
+
+
+def _check_policies(rank, world, policy):
+    if policy is not None:
+        os.environ["TPX_GLOO_LOOP_POLICY"] = policy
+    before = gloo_loop_threads()
+    assert before, "no gloo_tcp_loop thread found: gloo names its event-loop thread otherwise"
+    assert set(before.values()) == {os.SCHED_OTHER}, before
+    # A thread the user gave its own policy keeps it.
+    chosen = min(before)
+    os.sched_setscheduler(chosen, os.SCHED_IDLE, os.sched_param(0))
+
+    _sum_matches(rank, world, dist.group.WORLD, seed=world)
+    after = gloo_loop_threads()
+    want = os.SCHED_OTHER if policy == "keep" else os.SCHED_BATCH
+    assert after[chosen] == os.SCHED_IDLE, after
+    assert {t: p for t, p in after.items() if t != chosen} == \
+        {t: want for t in after if t != chosen}, (policy, after)
+
+    # A group created afterwards brings its own loop thread, switched when tpx first uses it.
+    group = dist.new_group(list(range(world)))
+    fresh = set(gloo_loop_threads()) - set(after)
+    assert fresh, "the new group started no gloo event-loop thread"
+    assert {gloo_loop_threads()[t] for t in fresh} == {os.SCHED_OTHER}
+    _sum_matches(rank, world, group, seed=10 + world)
+    assert {gloo_loop_threads()[t] for t in fresh} == {want}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("policy", [None, "batch", "keep"])
+def test_gloo_loop_threads_policy(world, policy):
+    run_ranks(_check_policies, world, policy)
+
+
+def _check_bad_policy(rank, world):
+    os.environ["TPX_GLOO_LOOP_POLICY"] = "fast"
+    with pytest.raises(ValueError, match="TPX_GLOO_LOOP_POLICY must be 'batch'.*'keep'.*'fast'"):
+        _sum_matches(rank, world, dist.group.WORLD, seed=3)
+    assert set(gloo_loop_threads().values()) == {os.SCHED_OTHER}
+    os.environ["TPX_GLOO_LOOP_POLICY"] = "keep"
+    _sum_matches(rank, world, dist.group.WORLD, seed=4)  # the group still works
+    assert set(gloo_loop_threads().values()) == {os.SCHED_OTHER}
+
+
+def test_bad_gloo_loop_policy_is_a_value_error():
+    run_ranks(_check_bad_policy, 2)
