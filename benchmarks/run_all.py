@@ -107,7 +107,8 @@ def report():
             lines += [f"## Situations (train / frozen weights / no input gradient), {size} shape, "
                       "CPU, TP=2 over gloo", "",
                       f"`python benchmarks/bench_linear.py --situations train,frozen,no-xgrad "
-                      f"--shapes {size} --repeats {sit['config']['repeats']}`", "",
+                      f"--shapes {size} --repeats {sit['config']['repeats']}"
+                      f"{' --gloo-threads' if sit['config'].get('gloo_threads') else ''}`", "",
                       table(sit["results"], [
                           ("situation", lambda r: r["situation"]),
                           ("tpx ms", num("tpx_median_ms")),
@@ -128,10 +129,23 @@ def report():
                               ("tpx ATen-GEMMs/DTensor", num("tpx_aten_gemm_over_dtensor")),
                               ("tpx-GEMM floor/DTensor", num("tpx_gemm_floor_over_dtensor")),
                               ("tpx/tpx-GEMM floor", num("tpx_over_tpx_gemm_floor"))]), ""]
+            other = [r for r in sit["results"] if "ratio_other_threads" in r]
+            if other:
+                lines += ["With gloo's event-loop threads as gloo starts them (`SCHED_OTHER`), in "
+                          "the same rounds: both libraries, and tpx as it runs against DTensor "
+                          "in a process without tpx:", "",
+                          table(other, [
+                              ("situation", lambda r: r["situation"]),
+                              ("tpx ms", num("tpx_other_threads_median_ms")),
+                              ("DTensor ms", num("dtensor_other_threads_median_ms")),
+                              ("tpx/DTensor", num("ratio_other_threads")),
+                              ("tpx (SCHED_BATCH) / DTensor (SCHED_OTHER)",
+                               num("tpx_over_dtensor_other_threads"))]), ""]
     coll = load("bench_collectives_cpu_tp2.json")
     if coll:
         lines += ["## Sum over a two-rank gloo group: tpx's exchange against gloo's all-reduce",
-                  "", "`python benchmarks/bench_collectives.py`", "",
+                  "", "`python benchmarks/bench_collectives.py` (each call after "
+                  f"{coll['config'].get('busy_us', 0):.0f} us of busy work)", "",
                   table(coll["results"], [
                       ("size KiB", lambda r: str(r["size_kib"])),
                       ("variant", lambda r: r["variant"]), ("median us", num("median_us", 0)),
@@ -171,7 +185,7 @@ def main():
         run([py, str(HERE / "bench_linear.py")])
         for size, repeats in (("small", "100"), ("large", "40")):
             run([py, str(HERE / "bench_linear.py"), "--situations", "train,frozen,no-xgrad",
-                 "--shapes", size, "--repeats", repeats, "--out",
+                 "--shapes", size, "--repeats", repeats, "--gloo-threads", "--out",
                  str(RESULTS / f"bench_linear_situations_cpu_tp2_{size}.json")])
         run([py, str(HERE / "bench_collectives.py")])
         run([py, str(HERE / "bench_loss.py")])
