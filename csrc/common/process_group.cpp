@@ -27,6 +27,15 @@ namespace tpx {
 
 namespace {
 
+// Whether `pg` runs its CPU collectives on gloo.
+bool cpu_backend_is_gloo(c10d::ProcessGroup& pg) {
+  try {
+    return pg.getBackend(c10::DeviceType::CPU)->getBackendName() == "gloo";
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // Gloo's TCP transport runs one event-loop thread per process group (named "gloo_tcp_loop").
 // Its event handler only try-locks the pair a socket event is for; when another thread holds
 // the pair's lock, the handler returns with the event unconsumed and epoll reports it again at
@@ -84,17 +93,12 @@ void prepare_gloo_threads(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   static std::mutex mutex;
   static std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroup>> seen;
   std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& w : seen) {
+    if (w._unsafe_get_target() == pg.get() && !w.expired()) return;
+  }
+  if (cpu_backend_is_gloo(*pg) && gloo_loop_batch_enabled()) batch_gloo_loop_threads();
   seen.erase(std::remove_if(seen.begin(), seen.end(), [](const auto& w) { return w.expired(); }),
              seen.end());
-  for (const auto& w : seen) {
-    if (w._unsafe_get_target() == pg.get()) return;
-  }
-  bool gloo = false;
-  try {
-    gloo = pg->getBackend(c10::DeviceType::CPU)->getBackendName() == "gloo";
-  } catch (const std::exception&) {
-  }
-  if (gloo && gloo_loop_batch_enabled()) batch_gloo_loop_threads();
   seen.emplace_back(pg);
 }
 
@@ -291,15 +295,8 @@ bool pair_exchange_enabled() {
 }
 
 bool uses_pair_exchange(c10d::ProcessGroup& pg, const at::Tensor& buf) {
-  if (pg.getSize() != 2 || !buf.device().is_cpu() || !buf.is_contiguous() ||
-      !pair_exchange_enabled()) {
-    return false;
-  }
-  try {
-    return pg.getBackend(c10::DeviceType::CPU)->getBackendName() == "gloo";
-  } catch (const std::exception&) {
-    return false;
-  }
+  return pg.getSize() == 2 && buf.device().is_cpu() && buf.is_contiguous() &&
+         pair_exchange_enabled() && cpu_backend_is_gloo(pg);
 }
 
 }  // namespace
