@@ -8,7 +8,7 @@ VENV := .venv
 TORCH_SPEC ?= torch==2.13.0
 ifeq ($(strip $(PYTHON)),)
 PY := $(VENV)/bin/python
-DEPS := $(VENV)/.deps-installed-3
+DEPS := $(VENV)/.deps-installed-4
 else
 PY := $(PYTHON)
 DEPS :=
@@ -49,10 +49,10 @@ test-emulated: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_linear.py
 
-$(VENV)/.deps-installed-3:
+$(VENV)/.deps-installed-4:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools wheel pybind11 ninja pytest \
-	    numpy tqdm matplotlib safetensors "transformers==5.23.0"
+	    numpy tqdm matplotlib safetensors "transformers==5.23.0" expecttest
 	touch $@
 
 $(STAMP): $(DEPS) $(EXT_INPUTS)

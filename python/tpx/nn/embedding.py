@@ -10,6 +10,8 @@ from torch import Tensor, nn
 from .. import autograd as tpx_autograd  # also registers the backward of every op
 from .. import ops
 from ..checks import check_values
+from .dtensor_io import Replicate, local_input
+from ..sharding import KeepsParamSharding, describe_params
 from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
                      resolve_group, shard_sizes)
 
@@ -61,7 +63,7 @@ def _embedding_kwargs(cls, embedding: nn.Embedding, kwargs: dict) -> dict:
                 _full_weight=w)
 
 
-class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
+class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     """``nn.Embedding`` with the rows of its table sharded over ``group``.
 
     Placement: ``ids R -> y R``; with ``sequence_parallel=True``: ``ids R -> y
@@ -112,6 +114,7 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
                 self.num_embeddings, self.embedding_dim, self.padding_idx,
                 self.weight.device, self.weight.dtype)],
             src_rank=self.src_rank, drawn=full_weight is None)
+        describe_params(self)  # each parameter knows its layout (tpx.sharding)
 
     @property
     def _local_padding_idx(self) -> int:
@@ -134,6 +137,7 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
                    **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
+        ids = local_input(ids, Replicate(), self.group, "VocabParallelEmbedding")
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError("tpx.VocabParallelEmbedding: ids must be an integer Tensor")
         if ids.device != self.weight.device:
@@ -178,7 +182,7 @@ class VocabParallelEmbedding(SharesGroupOnCopy, nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
+class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     """``nn.Embedding`` with the columns of its table (the embedding dimension) sharded over
     ``group``: every rank looks up all ids in its ``[num_embeddings, embedding_dim / P]``
     block, so the forward needs no communication before the optional gather.
@@ -223,6 +227,7 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
                 self.num_embeddings, self.embedding_dim, self.padding_idx,
                 self.weight.device, self.weight.dtype)],
             src_rank=self.src_rank, drawn=full_weight is None)
+        describe_params(self)  # each parameter knows its layout (tpx.sharding)
 
     def reset_parameters(self) -> None:
         """Draws the full table as ``nn.Embedding`` does and gives every rank its columns
@@ -240,6 +245,7 @@ class ColumnParallelEmbedding(SharesGroupOnCopy, nn.Module):
                    **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
+        ids = local_input(ids, Replicate(), self.group, "ColumnParallelEmbedding")
         y = torch.nn.functional.embedding(ids, self.weight, self.padding_idx)
         if self.gather_output:
             y = tpx_autograd.gather_last_dim(y, self.dim_sizes, self.dim_start, self.group)

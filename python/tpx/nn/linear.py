@@ -32,6 +32,8 @@ from .. import autograd as tpx_autograd
 from .. import ops
 from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
                      resolve_group, shard_sizes)
+from .dtensor_io import Replicate, Shard, local_input
+from ..sharding import KeepsParamSharding, describe_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -89,7 +91,7 @@ def _check_out_rows(out_rows, out_features: int, world: int
     return rows, max(held, default=1) > 1
 
 
-class _ParallelLinear(SharesGroupOnCopy, nn.Module):
+class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     """Shared bookkeeping of the two layers: the group, the configuration check across ranks,
     input validation."""
 
@@ -158,6 +160,7 @@ class _ParallelLinear(SharesGroupOnCopy, nn.Module):
             specs.append(ShardSpec(self.bias, *self._bias_layout()))
         load_initial(self.group, type(self).__name__, self._layer_config(), specs, full_fn,
                      src_rank=self.src_rank, drawn=full_weights is None)
+        describe_params(self)  # each parameter knows its layout (tpx.sharding)
 
     def _config(self, **config) -> dict:
         # chunks decides how many collectives run, so it must agree too.
@@ -273,6 +276,9 @@ class ColumnParallelLinear(_ParallelLinear):
         return cls._from_linear(linear, group, src_rank, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
+        # A DTensor input is redistributed to R (S(sequence_dim) with sequence parallelism).
+        x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
+                        self.group, "ColumnParallelLinear")
         self._check_input(x, self.in_features, "in_features")
         weight, bias = self.weight, self.bias
         if self.replicated_rows:
@@ -374,6 +380,9 @@ class RowParallelLinear(_ParallelLinear):
         return cls._from_linear(linear, group, src_rank, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
+        # A DTensor input is redistributed to S(-1) (R with input_is_parallel=False).
+        x = local_input(x, Shard(-1) if self.input_is_parallel else Replicate(), self.group,
+                        "RowParallelLinear")
         if self.input_is_parallel:
             self._check_input(x, self.in_end - self.in_start,
                               f"this rank's columns {self.in_start}:{self.in_end} of "

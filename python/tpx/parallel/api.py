@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ..group import (DeviceMesh, GroupLike, broadcast_, check_same_on_ranks, check_src_rank,
                      resolve_group)
 from ..mesh import mesh_layout
+from . import style as _style
 from .style import ParallelStyle, apply_style
 
 __all__ = ["parallelize_module"]
@@ -92,26 +93,73 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         src_rank=src_rank, plan=plan_desc, module=_structure(module)))
     check_src_rank("parallelize_module", src_rank, pg.size())
     before = dict(module.named_parameters(remove_duplicate=False))
-    if isinstance(plan, ParallelStyle):
-        module = apply_style(plan, module, pg, src_rank)
-    else:
-        _apply_plan(module, pg, plan, src_rank, strict)
-    _keep_parameter_objects(module, before)
+    hint = device_mesh if (DeviceMesh and isinstance(device_mesh, DeviceMesh)
+                           and device_mesh.ndim == 1) else None
+    _style._MESH_HINT[0] = hint
+    try:
+        if isinstance(plan, ParallelStyle):
+            new = apply_style(plan, module, pg, src_rank)
+            if new is not module:
+                _check_can_become(module, new, "the module given")
+                _become(module, new)
+            keep = set()
+        else:
+            keep = _apply_plan(module, pg, plan, src_rank, strict)
+    finally:
+        _style._MESH_HINT[0] = None
+    _keep_parameter_objects(module, before, keep)
     if src_rank is not None and pg.size() > 1:
         broadcast_(pg, src_rank, _unsharded_tensors(module))
     return module
 
 
-def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter]) -> None:
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def _check_can_become(old: nn.Module, new: nn.Module, what: str) -> None:
+    """Raises (before anything changes) when ``old`` cannot be turned into ``new`` in place."""
+    def slots(cls):
+        return [c for c in cls.__mro__ if "__slots__" in c.__dict__ and c.__slots__]
+    if (not hasattr(old, "__dict__") or slots(type(old)) or slots(type(new))
+            or type(old).__basicsize__ != type(new).__basicsize__):
+        raise ValueError(
+            f"tpx.parallelize_module: {what} ({type(old).__name__}) cannot be changed in place "
+            f"into a {type(new).__name__} (its class defines __slots__ or a different object "
+            "layout); nothing was changed. Shard a plain nn.Linear / nn.Embedding")
+
+
+def _become(old: nn.Module, new: nn.Module) -> None:
+    """Turns the object ``old`` into ``new`` in place: every reference to ``old`` (the caller's,
+    a parent's, a list's) now holds the parallel module. Hooks registered on ``old`` are kept
+    (before the style's own), and so is its train/eval mode."""
+    new.train(old.training)
+    for name in _HOOK_DICTS:
+        mine, theirs = old.__dict__.get(name), new.__dict__.get(name)
+        if mine and theirs is not None:
+            merged = type(theirs)()
+            merged.update(mine)
+            merged.update(theirs)
+            new.__dict__[name] = merged
+    old.__class__ = new.__class__
+    old.__dict__ = new.__dict__
+
+
+def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
+                            keep: set = frozenset()) -> None:
     """The sharded modules take over the ``Parameter`` objects of the modules they replace
     (now holding the shard), so that an optimizer built before ``parallelize_module`` (as the
     examples of earlier PyTorch releases do) steps the sharded weights, and ``requires_grad``
-    (a frozen weight) is kept."""
+    (a frozen weight) is kept. Attributes tpx attaches to a new parameter (``_tpx*``) move with
+    it. ``keep``: ids of parameters that also belong to a module the call left whole (a tie
+    across calls): those stay full, with their owner, and the sharded module keeps its own."""
     for path, new in list(module.named_parameters(remove_duplicate=False)):
         old = before.get(path)
         owner_name, _, attr = path.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        if old is None or old is new or not hasattr(owner, "_shards"):
+        if old is None or old is new or not hasattr(owner, "_shards") or id(old) in keep:
             continue
         if old.data is not new.data:
             requires_grad = old.requires_grad
@@ -119,6 +167,9 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter]) 
             old.requires_grad_(requires_grad)
             if old.grad is not None and old.grad.shape != new.shape:
                 old.grad = None
+        for key, value in vars(new).items():
+            if key.startswith("_tpx"):
+                setattr(old, key, value)
         setattr(owner, attr, old)
 
 
@@ -144,7 +195,11 @@ def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Te
 
 
 def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, ParallelStyle],
-                src_rank: Optional[int], strict: bool) -> None:
+                src_rank: Optional[int], strict: bool) -> set:
+    """Applies the plan; returns the ids of parameters tied to a module the plan left whole.
+
+    Every replacement is built first (the modules of ``module`` are not touched while the
+    styles build their sharded layers), then each replaced module is changed in place."""
     names = [name for name, _ in module.named_modules() if name]
     # Parameters shared by several modules (tied embeddings: GPT-2's wte and lm_head) are tied
     # again after sharding, when the sharded modules hold the same block.
@@ -164,20 +219,38 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
                              f"module (some module names: {names[:8]}); fix the pattern or pass "
                              "strict=False")
         work += [(n, style) for n in matches]
+    replaced = []
     for name, style in work:
-        parent_name, _, child = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        old = getattr(parent, child)
+        old = module.get_submodule(name)
         try:
             new = apply_style(style, old, pg, src_rank)
+            if new is not old:
+                _check_can_become(old, new, repr(name))
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
                           f"({type(old).__name__}) with {style!r}: {msg}") from e
         if new is not old:
-            setattr(parent, child, new)
+            replaced.append((name, old, new))
+    # A parameter shared with a module the plan leaves whole (a tie PyTorch users break and
+    # make again across calls) stays full with that module; the sharded one gets its own.
+    gone = {name for name, _, _ in replaced}
+
+    def inside(m: str) -> bool:
+        return any(m == g or m.startswith(g + ".") for g in gone)
+
+    keep, partial = set(), []
     for tie in ties:
-        _retie(module, tie)
+        if all(inside(m) for m, _ in tie) or not any(inside(m) for m, _ in tie):
+            continue
+        partial.append(tie)
+        keep.add(id(getattr(module.get_submodule(tie[0][0]), tie[0][1])))
+    for _, old, new in replaced:
+        _become(old, new)
+    for tie in ties:
+        if tie not in partial:
+            _retie(module, tie)
+    return keep
 
 
 def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
@@ -251,7 +324,8 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
                 raise ValueError("tpx.parallelize_module: the style of the model itself "
                                  "('') must keep the module")
         elif new is not old:
-            setattr(parent, child, new)
+            _check_can_become(old, new, repr(name))
+            _become(old, new)
     if src_rank is not None and pg.size() > 1:
         # The replaced layers took their blocks from the source rank; everything else (a
         # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.

@@ -8,7 +8,6 @@ carries the same full gradient on every rank.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -19,52 +18,80 @@ from .. import autograd as tpx_autograd
 from ..group import shard_sizes, _range
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
+from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
            "apply_style"]
 
 
-@dataclass(frozen=True)
-class Replicate:
-    """R: every rank holds the full tensor."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-@dataclass(frozen=True)
-class Shard:
-    """S(dim): every rank holds its block of dimension ``dim`` (``tpx.shard_range``)."""
-
-    dim: int
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
-
-
 def _check_placement(style: str, name: str, value, allowed: tuple) -> None:
-    if value is not None and not isinstance(value, allowed):
-        raise TypeError(f"tpx.{style}: `{name}` must be one of "
-                        f"{[a.__name__ + '()' for a in allowed]}; got {value!r}")
+    if value is None or isinstance(value, allowed):
+        return
+    names = [a.__name__ + ("(dim)" if a is Shard else "()") for a in allowed]
+    if isinstance(value, Partial):
+        raise ValueError(f"tpx.{style}: `{name}`={value!r}: a plain tensor of partial sums is not a "
+                         f"layout this style takes (one of {names}); reduce it first, or pass "
+                         "a DTensor with that placement (it is redistributed to what the layer "
+                         "needs)")
+    raise TypeError(f"tpx.{style}: `{name}` must be one of {names} (torch.distributed.tensor's "
+                    f"placements, which tpx.Replicate / tpx.Shard are); got {value!r}")
 
 
-def redistribute(x, src, dst, pg: dist.ProcessGroup):
-    """Changes the placement of a plain tensor from ``src`` to ``dst`` (R <-> S(d))."""
-    if src is None or dst is None or src == dst or not isinstance(x, Tensor):
+# The DeviceMesh a parallelize_module call was given: DTensor outputs are built on it.
+_MESH_HINT = [None]
+
+
+def _mesh_hint():
+    return _MESH_HINT[0]
+
+
+def _local_out(use_local_output) -> bool:
+    """tpx hands back local tensors unless ``use_local_output=False`` is passed explicitly."""
+    return use_local_output is None or bool(use_local_output)
+
+
+def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True):
+    """Changes the placement of a tensor from ``src`` to ``dst`` (R <-> S(d)).
+
+    A plain tensor is this rank's part of ``src``; a ``DTensor`` carries its own placement
+    (``src`` is ignored) and is redistributed to ``dst``. The result is local, or a ``DTensor``
+    with placement ``dst`` when ``local=False``."""
+    if isinstance(x, DTensor):
+        if dst is not None:
+            d = Shard(dst.dim % x.dim()) if isinstance(dst, Shard) else dst
+            if tuple(x.placements) != (d,):
+                x = x.redistribute(x.device_mesh, [d])
+        return x.to_local() if local else x
+    if not isinstance(x, Tensor):
         return x
-    world = pg.size()
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        d = dst.dim % x.dim()
-        sizes = shard_sizes(x.shape[d], world)
-        start, _ = _range(x.shape[d], dist.get_rank(pg), world)
-        return tpx_autograd.split_dim(x, d, sizes, start, pg)
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        d = src.dim % x.dim()
-        # Shards of a plain tensor are equal-sized: the full size is local * world.
-        sizes = [x.shape[d]] * world
-        return tpx_autograd.gather_dim(x, d, sizes, dist.get_rank(pg) * x.shape[d], pg)
-    raise ValueError(f"tpx: cannot redistribute a tensor from {src} to {dst}")
+    if isinstance(src, Partial) or isinstance(dst, Partial):
+        raise ValueError(f"tpx: a plain tensor cannot be redistributed from {src} to {dst}; "
+                         "partial sums are accepted as DTensor inputs only")
+    y = x
+    if not (src is None or dst is None or src == dst):
+        world = pg.size()
+        if isinstance(src, Replicate) and isinstance(dst, Shard):
+            d = dst.dim % x.dim()
+            sizes = shard_sizes(x.shape[d], world)
+            start, _ = _range(x.shape[d], dist.get_rank(pg), world)
+            y = tpx_autograd.split_dim(x, d, sizes, start, pg)
+        elif isinstance(src, Shard) and isinstance(dst, Replicate):
+            d = src.dim % x.dim()
+            # Shards of a plain tensor are equal-sized: the full size is local * world.
+            sizes = [x.shape[d]] * world
+            y = tpx_autograd.gather_dim(x, d, sizes, dist.get_rank(pg) * x.shape[d], pg)
+        else:
+            raise ValueError(f"tpx: cannot redistribute a tensor from {src} to {dst}")
+    if local:
+        return y
+    placement = dst if dst is not None else src
+    if placement is None:
+        return y
+    shape = list(y.shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim % y.dim()] *= pg.size()
+    return wrap_output(y, placement, pg, shape, _mesh_hint())
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -74,10 +101,35 @@ def _is_conv1d(module: nn.Module) -> bool:
             and tuple(module.weight.shape) == (module.nx, module.nf))
 
 
+def _check_plain(module: nn.Module, base: type, style: str) -> None:
+    """A subclass with its own ``forward`` would lose it when tpx's layer takes its place."""
+    if type(module).forward is not base.forward:
+        raise ValueError(
+            f"tpx.{style}: {type(module).__name__} subclasses {base.__name__} with its own "
+            f"forward; tpx replaces the module by a sharded {base.__name__}, which would drop that "
+            "forward. Shard a plain nn.Linear / nn.Embedding, or write a style for this module")
+    if isinstance(module, nn.Embedding) and (
+            tuple(module.weight.shape) != (module.num_embeddings, module.embedding_dim)):
+        raise ValueError(
+            f"tpx.{style}: the weight of this nn.Embedding has the shape "
+            f"{tuple(module.weight.shape)}, not (num_embeddings, embedding_dim) = "
+            f"{(module.num_embeddings, module.embedding_dim)}: it was sharded already (a "
+            "parameter tied to one an earlier parallelize_module call sharded?). Tie "
+            "parameters again after both modules are parallelized")
+
+
 def _linear_parts(style: str, module: nn.Module):
     """(in_features, out_features, weight [out, in], bias, transposed) of an ``nn.Linear`` or a
     Hugging Face ``Conv1D``."""
     if isinstance(module, nn.Linear):
+        _check_plain(module, nn.Linear, style)
+        if tuple(module.weight.shape) != (module.out_features, module.in_features):
+            raise ValueError(
+                f"tpx.{style}: the weight of this nn.Linear has the shape "
+                f"{tuple(module.weight.shape)}, not (out_features, in_features) = "
+                f"{(module.out_features, module.in_features)}: it was sharded already (a "
+                "parameter tied to one an earlier parallelize_module call sharded?). Tie "
+                "parameters again after both modules are parallelized")
         return module.in_features, module.out_features, module.weight, module.bias, False
     if _is_conv1d(module):
         return module.nx, module.nf, module.weight.t(), module.bias, True
@@ -171,6 +223,7 @@ class ColwiseParallel(ParallelStyle):
             raise ValueError("tpx.ColwiseParallel: output_layouts must be Shard(-1) or Replicate()")
         self.input_layouts = input_layouts or Replicate()
         self.output_layouts = output_layouts or Shard(-1)
+        self.use_local_output = bool(use_local_output)
         self.chunks = chunks
         self.segments = tuple(segments) if segments is not None else None
         self.head_size, self.replicate_heads = head_size, bool(replicate_heads)
@@ -182,8 +235,10 @@ class ColwiseParallel(ParallelStyle):
         if isinstance(module, nn.Embedding):
             if sp:
                 raise ValueError("tpx.ColwiseParallel: an nn.Embedding takes Replicate() ids")
-            return ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather,
-                                                          src_rank=src_rank)
+            _check_plain(module, nn.Embedding, "ColwiseParallel")
+            new = ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather,
+                                                         src_rank=src_rank)
+            return self._wrap(new, pg, module.embedding_dim)
         in_f, out_f, weight, bias, transposed = _linear_parts("ColwiseParallel", module)
         out_rows = None
         if self.segments is not None or self.head_size is not None:
@@ -200,6 +255,28 @@ class ColwiseParallel(ParallelStyle):
             chunks=self.chunks, device=weight.device, dtype=weight.dtype, out_rows=out_rows,
             src_rank=src_rank, _full_weights=(weight, bias))
         new._transposed_weight = transposed
+        return self._wrap(new, pg, out_f)
+
+    def _wrap(self, new: nn.Module, pg: dist.ProcessGroup, features: int) -> nn.Module:
+        """With ``use_local_output=False`` the output leaves as a ``DTensor`` (from_local, no
+        communication): ``Shard(-1)`` over ``features`` or ``Replicate()``."""
+        if self.use_local_output:
+            return new
+        if getattr(new, "out_rows", None) is not None and (
+                new.out_rows != [[_range(features, r, pg.size())] for r in range(pg.size())]):
+            raise ValueError("tpx.ColwiseParallel: use_local_output=False needs the contiguous "
+                             "split of the output features that Shard(-1) describes; a split by "
+                             "segments or replicated heads has no DTensor placement (keep "
+                             "use_local_output=True)")
+        placement, mesh = self.output_layouts, _mesh_hint()
+
+        def hook(mod, args, y):
+            shape = list(y.shape)
+            if isinstance(placement, Shard):
+                shape[-1] = features
+            return wrap_output(y, placement, pg, shape, mesh)
+
+        new.register_forward_hook(hook)
         return new
 
     def __repr__(self) -> str:
@@ -220,6 +297,7 @@ class RowwiseParallel(ParallelStyle):
         _check_placement("RowwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
         _check_placement("RowwiseParallel", "output_layouts", output_layouts, (Replicate, Shard))
         self.input_layouts, self.output_layouts = input_layouts, output_layouts or Replicate()
+        self.use_local_output = bool(use_local_output)
         self.chunks = chunks
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup,
@@ -229,8 +307,10 @@ class RowwiseParallel(ParallelStyle):
         if isinstance(module, nn.Embedding):
             if self.input_layouts is not None and not isinstance(self.input_layouts, Replicate):
                 raise ValueError("tpx.RowwiseParallel: an nn.Embedding takes Replicate() ids")
-            return VocabParallelEmbedding.from_embedding(module, group=pg, sequence_parallel=sp,
-                                                         sequence_dim=seq_dim, src_rank=src_rank)
+            _check_plain(module, nn.Embedding, "RowwiseParallel")
+            new = VocabParallelEmbedding.from_embedding(module, group=pg, sequence_parallel=sp,
+                                                        sequence_dim=seq_dim, src_rank=src_rank)
+            return self._wrap(new, pg)
         in_f, out_f, weight, bias, transposed = _linear_parts("RowwiseParallel", module)
         layout = self.input_layouts or Shard(-1)
         if isinstance(layout, Shard) and layout.dim != -1:
@@ -242,6 +322,22 @@ class RowwiseParallel(ParallelStyle):
             sequence_dim=seq_dim, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
             src_rank=src_rank, _full_weights=(weight, bias))
         new._transposed_weight = transposed
+        return self._wrap(new, pg)
+
+    def _wrap(self, new: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        """With ``use_local_output=False`` the output leaves as a ``DTensor`` (from_local, no
+        communication): ``Replicate()`` or ``Shard(d)`` along the sequence."""
+        if self.use_local_output:
+            return new
+        placement, mesh = self.output_layouts, _mesh_hint()
+
+        def hook(mod, args, y):
+            shape = list(y.shape)
+            if isinstance(placement, Shard):
+                shape[placement.dim % y.dim()] *= pg.size()
+            return wrap_output(y, placement, pg, shape, mesh)
+
+        new.register_forward_hook(hook)
         return new
 
     def __repr__(self) -> str:
@@ -256,8 +352,9 @@ class SequenceParallel(ParallelStyle):
     (The sums are tensor hooks on the parameters, which a ``copy.deepcopy`` of the model does
     not carry over: parallelize the copy instead of copying a parallelized model.)"""
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: Optional[bool] = None) -> None:
         self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
         linears = [n for n, m in module.named_modules()
@@ -274,6 +371,18 @@ class SequenceParallel(ParallelStyle):
             for p in module.parameters():
                 if p.requires_grad:
                     p.register_hook(lambda g, pg=pg: tpx_autograd.all_reduce_grad_value(g, pg))
+        seq = Shard(self.sequence_dim)
+        local = _local_out(self.use_local_output)
+
+        def pre(mod, args):
+            # DTensor inputs (any placement) become this rank's block of the sequence.
+            return tuple(redistribute(a, seq, seq, pg) for a in args)
+
+        def post(mod, args, out):
+            return out if local else redistribute(out, seq, seq, pg, local=False)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
         return module
 
     def __repr__(self) -> str:
@@ -292,7 +401,8 @@ class PrepareModuleInput(ParallelStyle):
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None,
                  input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
-                 use_local_output: bool = False) -> None:
+                 use_local_output: Optional[bool] = None) -> None:
+        self.use_local_output = use_local_output
         self.input_layouts = _as_tuple(input_layouts)
         self.desired_input_layouts = _as_tuple(desired_input_layouts)
         if len(self.input_layouts) != len(self.desired_input_layouts):
@@ -302,15 +412,18 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        local = _local_out(self.use_local_output)
+
         def hook(mod, args, kwargs):
             args = list(args)
             for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
                 if i < len(args):
-                    args[i] = redistribute(args[i], src, dst, pg)
+                    args[i] = redistribute(args[i], src, dst, pg, local=local)
             for key, src in self.kwarg_layouts.items():
                 if key in kwargs:
                     kwargs[key] = redistribute(kwargs[key], src,
-                                               self.desired_kwarg_layouts.get(key), pg)
+                                               self.desired_kwarg_layouts.get(key), pg,
+                                               local=local)
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -322,6 +435,7 @@ class PrepareModuleOutput(ParallelStyle):
 
     def __init__(self, *, output_layouts, desired_output_layouts,
                  use_local_output: bool = True) -> None:
+        self.use_local_output = use_local_output
         self.output_layouts = _as_tuple(output_layouts)
         self.desired_output_layouts = _as_tuple(desired_output_layouts)
         if len(self.output_layouts) != len(self.desired_output_layouts):
@@ -329,10 +443,13 @@ class PrepareModuleOutput(ParallelStyle):
                              "must have the same length")
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        local = _local_out(self.use_local_output)
+
         def hook(mod, args, output):
             single = not isinstance(output, tuple)
             outs = (output,) if single else list(output)
-            outs = [redistribute(o, src, dst, pg) if i < len(self.output_layouts) else o
+            outs = [redistribute(o, src, dst, pg, local=local) if i < len(self.output_layouts)
+                    else o
                     for i, (o, src, dst) in enumerate(zip(
                         outs, self.output_layouts + (None,) * len(outs),
                         self.desired_output_layouts + (None,) * len(outs)))]

@@ -1,0 +1,91 @@
+"""The boundary with ``torch.distributed.tensor``: DTensors in, DTensors out.
+
+tpx computes on local tensors. A ``DTensor`` handed to a tpx layer is redistributed to the
+placement the layer needs and made local (both differentiable, so its gradient comes back as a
+``DTensor`` with the input's placement); a style with ``use_local_output=False`` wraps the
+layer's local output into a ``DTensor`` with ``DTensor.from_local`` (no communication).
+
+The placements are torch's own classes (``Replicate``, ``Shard``, ``Partial``). tpx splits an
+uneven dimension as ``torch.chunk`` does (``tpx.shard_range``: the first ranks hold
+``ceil(size / P)``), which is the layout ``Shard(d)`` describes, so the local blocks of a tpx
+layer and of a DTensor agree.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # public since torch 2.5
+    from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+except ImportError:  # pragma: no cover - older layout of the same classes
+    from torch.distributed._tensor import DTensor, Partial, Placement, Replicate, Shard  # type: ignore
+
+__all__ = ["DTensor", "Partial", "Placement", "Replicate", "Shard", "is_dtensor", "local_input",
+           "mesh_for_group", "wrap_output"]
+
+
+def is_dtensor(x) -> bool:
+    return isinstance(x, DTensor)
+
+
+def _group_ranks(pg: dist.ProcessGroup) -> Tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(pg))
+
+
+def local_input(x, placement: Placement, pg: dist.ProcessGroup, who: str):
+    """``x`` as the local tensor of ``placement`` over ``pg``: a plain tensor is returned as it
+    is (it already is this rank's part); a ``DTensor`` on a 1-D mesh over the ranks of ``pg`` is
+    redistributed to ``placement`` and made local."""
+    if not isinstance(x, DTensor):
+        return x
+    mesh = x.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"tpx.{who}: the input is a DTensor on a {mesh.ndim}-D mesh; a 1-D tpx layer takes a "
+            "DTensor on the 1-D TP mesh it was built on (take the TP sub-mesh, e.g. mesh['tp'], "
+            "or pass x.to_local())")
+    if tuple(mesh.mesh.flatten().tolist()) != _group_ranks(pg):
+        raise ValueError(
+            f"tpx.{who}: the input DTensor lives on the ranks {mesh.mesh.flatten().tolist()}, but "
+            f"the layer is sharded over the ranks {list(_group_ranks(pg))}; redistribute the "
+            "input onto the layer's mesh first")
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim % x.dim())
+    if tuple(x.placements) != (placement,):
+        x = x.redistribute(mesh, [placement])
+    return x.to_local()
+
+
+_MESHES: Dict[Tuple[str, str], object] = {}
+
+
+def mesh_for_group(pg: dist.ProcessGroup, device_type: str, mesh=None):
+    """The 1-D ``DeviceMesh`` over ``pg`` (``mesh`` itself when it is one over the same ranks)."""
+    if mesh is not None and getattr(mesh, "ndim", None) == 1 and mesh.device_type == device_type:
+        if tuple(mesh.mesh.flatten().tolist()) == _group_ranks(pg):
+            return mesh
+    key = (pg.group_name, device_type)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        _MESHES[key] = DeviceMesh.from_group(pg, device_type)
+    return _MESHES[key]
+
+
+def wrap_output(y: Tensor, placement: Placement, pg: dist.ProcessGroup, global_shape: Sequence[int],
+                mesh=None) -> Tensor:
+    """The local tensor ``y`` as a ``DTensor`` with ``placement`` and ``global_shape`` over
+    ``pg`` (no communication). The gradient flowing back is made local with the same
+    placement."""
+    if not isinstance(y, Tensor) or isinstance(y, DTensor):
+        return y
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim % y.dim())
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(y, mesh_for_group(pg, y.device.type, mesh), [placement],
+                              run_check=False, shape=shape, stride=stride)
