@@ -42,8 +42,15 @@ def _tp_group(device_mesh: GroupLike, tp_mesh_dim: Optional[int]) -> dist.Proces
 
 
 def _structure(module: nn.Module) -> str:
-    """A digest of the names, shapes and dtypes of a module's parameters and buffers."""
-    parts = [(n, tuple(t.shape), str(t.dtype)) for n, t in module.named_parameters()]
+    """A digest of the names, shapes and dtypes of a module's parameters and buffers. The
+    parameters of layers sharded already (whose local shapes differ across ranks when a size
+    does not divide) count by their layer's type and dtype only."""
+    sharded = {id(p) for m in module.modules()
+               if hasattr(m, "_shards") or hasattr(m, "_param_splits") for p in m.parameters()}
+
+    def shape(t):
+        return "sharded" if id(t) in sharded else tuple(t.shape)
+    parts = [(n, shape(t), str(t.dtype)) for n, t in module.named_parameters()]
     parts += [(n, tuple(t.shape), str(t.dtype)) for n, t in module.named_buffers()]
     return hashlib.sha1(repr(parts).encode()).hexdigest()
 

@@ -46,12 +46,16 @@ def _mesh_hint():
     return _MESH_HINT[0]
 
 
+def _mesh_hint_or(mesh):
+    return mesh if mesh is not None else _MESH_HINT[0]
+
+
 def _local_out(use_local_output) -> bool:
     """tpx hands back local tensors unless ``use_local_output=False`` is passed explicitly."""
     return use_local_output is None or bool(use_local_output)
 
 
-def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True):
+def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh=None):
     """Changes the placement of a tensor from ``src`` to ``dst`` (R <-> S(d)).
 
     A plain tensor is this rank's part of ``src``; a ``DTensor`` carries its own placement
@@ -91,7 +95,7 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True):
     shape = list(y.shape)
     if isinstance(placement, Shard):
         shape[placement.dim % y.dim()] *= pg.size()
-    return wrap_output(y, placement, pg, shape, _mesh_hint())
+    return wrap_output(y, placement, pg, shape, _mesh_hint_or(mesh))
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -350,7 +354,14 @@ class SequenceParallel(ParallelStyle):
     rank sees only part of the sequence, so the gradients of the parameters are summed over
     the group as they are produced: every rank ends with the full, identical gradient.
     (The sums are tensor hooks on the parameters, which a ``copy.deepcopy`` of the model does
-    not carry over: parallelize the copy instead of copying a parallelized model.)"""
+    not carry over: parallelize the copy instead of copying a parallelized model.)
+
+    A plain tensor input is this rank's block; a ``DTensor`` input (any placement) is
+    redistributed to ``Shard(sequence_dim)`` first. The output is a local tensor for a plain
+    input and a ``DTensor`` ``Shard(sequence_dim)`` for a ``DTensor`` input (PyTorch's behaviour);
+    ``use_local_output=True`` / ``False`` forces one or the other. Unlike PyTorch, whose
+    parameters become ``DTensor`` s with ``Partial`` gradients reduced later, tpx keeps the
+    parameters plain and their gradients full (summed in the backward pass)."""
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: Optional[bool] = None) -> None:
         self.sequence_dim = sequence_dim
@@ -372,14 +383,25 @@ class SequenceParallel(ParallelStyle):
                 if p.requires_grad:
                     p.register_hook(lambda g, pg=pg: tpx_autograd.all_reduce_grad_value(g, pg))
         seq = Shard(self.sequence_dim)
-        local = _local_out(self.use_local_output)
+        want = self.use_local_output
+        state = {}
 
         def pre(mod, args):
             # DTensor inputs (any placement) become this rank's block of the sequence.
+            first = next((a for a in args if isinstance(a, DTensor)), None)
+            state["shape"] = tuple(first.shape) if first is not None else None
             return tuple(redistribute(a, seq, seq, pg) for a in args)
 
         def post(mod, args, out):
-            return out if local else redistribute(out, seq, seq, pg, local=False)
+            shape = state.pop("shape", None)
+            local = want if want is not None else shape is None
+            if local or not isinstance(out, Tensor):
+                return out
+            if shape is not None and len(shape) == out.dim():
+                return wrap_output(out, seq, pg, shape, _mesh_hint_or(mesh))
+            return redistribute(out, seq, seq, pg, local=False, mesh=mesh)
+
+        mesh = _mesh_hint()
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -397,7 +419,13 @@ def _as_tuple(x) -> tuple:
 
 class PrepareModuleInput(ParallelStyle):
     """Redistributes the positional (and keyword) inputs of a module before it runs:
-    ``input_layouts[i] -> desired_input_layouts[i]`` (``None`` leaves an input alone)."""
+    ``input_layouts[i] -> desired_input_layouts[i]`` (``None`` leaves an input alone).
+
+    A plain tensor is taken as this rank's part of ``input_layouts[i]`` (shards of a plain
+    tensor are equal-sized) and handed on as a local tensor; a ``DTensor`` is redistributed to
+    ``desired_input_layouts[i]`` and handed on as a ``DTensor`` (PyTorch's behaviour).
+    ``use_local_output=True`` / ``False`` forces local tensors / ``DTensor`` s for every input.
+    The module must be called with as many positional inputs as ``input_layouts`` names."""
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None,
                  input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
@@ -412,18 +440,27 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        local = _local_out(self.use_local_output)
+        want, mesh = self.use_local_output, _mesh_hint()
+
+        def local(x) -> bool:
+            return want if want is not None else not isinstance(x, DTensor)
 
         def hook(mod, args, kwargs):
+            if self.input_layouts and len(args) != len(self.input_layouts):
+                raise ValueError(
+                    f"tpx.PrepareModuleInput: {type(mod).__name__} was called with {len(args)} "
+                    f"positional inputs, but input_layouts names {len(self.input_layouts)}; give "
+                    "one layout per positional input (None for an input to leave alone)")
             args = list(args)
             for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
-                if i < len(args):
-                    args[i] = redistribute(args[i], src, dst, pg, local=local)
+                if src is not None or dst is not None:
+                    args[i] = redistribute(args[i], src, dst, pg, local=local(args[i]),
+                                           mesh=mesh)
             for key, src in self.kwarg_layouts.items():
                 if key in kwargs:
                     kwargs[key] = redistribute(kwargs[key], src,
                                                self.desired_kwarg_layouts.get(key), pg,
-                                               local=local)
+                                               local=local(kwargs[key]), mesh=mesh)
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -443,12 +480,13 @@ class PrepareModuleOutput(ParallelStyle):
                              "must have the same length")
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        local = _local_out(self.use_local_output)
+        local, mesh = _local_out(self.use_local_output), _mesh_hint()
 
         def hook(mod, args, output):
             single = not isinstance(output, tuple)
             outs = (output,) if single else list(output)
-            outs = [redistribute(o, src, dst, pg, local=local) if i < len(self.output_layouts)
+            outs = [redistribute(o, src, dst, pg, local=local, mesh=mesh)
+                    if i < len(self.output_layouts)
                     else o
                     for i, (o, src, dst) in enumerate(zip(
                         outs, self.output_layouts + (None,) * len(outs),
