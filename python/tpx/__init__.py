@@ -16,6 +16,7 @@ from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinea
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
 from . import checkpoint, memory
+from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from . import autograd_multidim, mesh
 from .mesh import init_mesh
 from .nn.multidim import (Embedding2D, Embedding2p5D, Embedding3D, LayerNorm2D, LayerNorm2p5D, LayerNorm3D, Linear2D, Linear2p5D,
@@ -56,6 +57,7 @@ __all__ = [
     "__version__",
 ]
 __all__ += ["MeshParallel", "MeshAttention", "MeshInput"]
+__all__ += ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 __all__ += ["init_mesh", "mesh", "Linear2D", "Linear2p5D", "Linear3D", "gather_output",
             "split_input", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D", "RMSNorm2D",
             "RMSNorm2p5D", "RMSNorm3D", "Embedding2D", "Embedding2p5D", "Embedding3D"]
