@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import glob
 import json
 import os
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,8 @@ from .autograd import gather_dim
 from .nn.multidim import BlockSpec, _block_specs
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "save", "load",
-           "sharded_state_dict"]
+           "sharded_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
+           "full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
 
 @dataclass
@@ -128,8 +129,9 @@ def _mesh_params(model: nn.Module) -> Iterator[_MeshSharded]:
 _DCP_MESHES: Dict[tuple, tuple] = {}
 
 
-def _mesh_dtensor(sh: _MeshSharded) -> Tensor:
-    """The block as a ``DTensor`` of the full shape over the layer's mesh: mesh dimension ``m``
+def _mesh_dtensor(sh: _MeshSharded, local: Optional[Tensor] = None) -> Tensor:
+    """The block (``local``: a tensor of the block's shape in its place, by default the
+    parameter itself) as a ``DTensor`` of the full shape over the layer's mesh: mesh dimension ``m``
     is ``Shard(d)`` when it splits dim ``d``, else ``Replicate()``. A dim split by several
     mesh dimensions needs them in its order, outermost first (DTensor shards left to right):
     when the mesh's own order differs (3-D weight rows, split by the output dimension then
@@ -146,7 +148,7 @@ def _mesh_dtensor(sh: _MeshSharded) -> Tensor:
             lead = [d for dims_ in spec.splits for d in dims_]
             order = lead + [n for n in names if n not in lead]
             break
-    local = sh.local().detach()
+    local = (sh.local() if local is None else local).detach()
     key = (info.ranks, tuple(order), local.device.type)
     world = dist.group.WORLD
     cached = _DCP_MESHES.get(key)
@@ -168,9 +170,10 @@ def _mesh_dtensor(sh: _MeshSharded) -> Tensor:
                               shape=shape, stride=stride)
 
 
-def _gather_full(sh: _Sharded) -> Tensor:
-    """The full tensor (original orientation) assembled from every rank's pieces."""
-    local = sh.local().detach()
+def _gather_full(sh: _Sharded, local: Optional[Tensor] = None) -> Tensor:
+    """The full tensor (original orientation) assembled from every rank's pieces (``local``:
+    a tensor of the parameter's local shape in its place, by default the parameter)."""
+    local = (sh.local() if local is None else local).detach()
     sizes = [sum(e - s for s, e in r) for r in sh.rows]
     rank = sh.rank
     gathered = gather_dim(local, sh.dim, sizes, sum(sizes[:rank]), sh.module.group)
@@ -334,6 +337,24 @@ def _mesh(pg: dist.ProcessGroup, device: torch.device):
     return DeviceMesh.from_group(pg, device.type)
 
 
+def _chunked_dtensor(sh: _Sharded, local: Tensor) -> Tensor:
+    """``local`` (this rank's ``shard_range`` block, local orientation) as a ``DTensor`` of
+    the full shape in the original orientation, ``Shard(dim)`` over the layer's group. No
+    communication."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = local.detach()
+    if sh.transposed:
+        local = local.t()
+    shape = list(local.shape)
+    d = sh.orig_dim()
+    shape[d] = sh.full_size()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.contiguous(), _mesh(sh.module.group, local.device),
+                              [Shard(d)], run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
 @torch.no_grad()
 def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     """The model's state as ``torch.distributed.checkpoint`` saves it, in the ORIGINAL model's
@@ -344,24 +365,12 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     mesh, ``Shard(d)`` on each mesh dimension that splits dim ``d`` of the original tensor and
     ``Replicate()`` on the others (one copy of each block is written); everything else is the
     replicated tensor itself. Collective."""
-    from torch.distributed.tensor import DTensor, Shard
-
     state = {k: v.detach() for k, v in model.state_dict().items()}
     for sh in _sharded_params(model):
         if sh.key not in state:
             continue
         if _is_chunked(sh):
-            local = sh.local().detach()
-            if sh.transposed:
-                local = local.t()
-            shape = list(local.shape)
-            d = sh.orig_dim()
-            shape[d] = sh.full_size()
-            stride = torch.empty(shape, device="meta").stride()
-            state[sh.key] = DTensor.from_local(local.contiguous(),
-                                               _mesh(sh.module.group, local.device), [Shard(d)],
-                                               run_check=False, shape=torch.Size(shape),
-                                               stride=stride)
+            state[sh.key] = _chunked_dtensor(sh, sh.local())
         else:
             state[sh.key] = _gather_full(sh)
     for ms in _mesh_params(model):
@@ -370,29 +379,88 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     return state
 
 
-def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
+_OPTIM = "optim"  # the key of the optimizer state in a checkpoint written by :func:`save`
+
+
+def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
+         optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Saves ``model`` (sharded by tpx) with ``torch.distributed.checkpoint``: every rank writes
     its own blocks into the directory ``checkpoint_id``. The checkpoint holds the original
     model's keys and global shapes, so :func:`load` reads it back at ANY TP degree or layout
     (TP 2 -> TP 4, TP 2 -> TP 1, 2-D -> 1-D, 3-D -> one device, ...), and
-    ``torch.distributed.checkpoint.load`` into the unsharded model reads it too. Collective
-    over the default group."""
+    ``torch.distributed.checkpoint.load`` into the unsharded model reads it too.
+
+    With ``optimizer``, its state is saved too, under the key ``"optim"`` in the layout of
+    :func:`get_optimizer_state_dict` (the one of
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``): each state tensor
+    of a parameter's shape (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``)
+    with the parameter's global shape and placement, keyed by the parameter's name in the
+    original model; scalar state (``step``) once. Collective over the default group."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(sharded_state_dict(model), checkpoint_id=os.fspath(checkpoint_id))
+    state = sharded_state_dict(model)
+    if optimizer is not None:
+        if any(k == _OPTIM or k.startswith(_OPTIM + ".") for k in state):
+            raise ValueError(f"tpx.checkpoint.save: the model has state under {_OPTIM!r}, the key "
+                             "the optimizer state is saved under; rename that submodule or "
+                             "save the optimizer separately with get_optimizer_state_dict")
+        state[_OPTIM] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=os.fspath(checkpoint_id))
+
+
+def _read_metadata(where: str, checkpoint_id: Union[str, os.PathLike]):
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(checkpoint_id)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tpx.checkpoint.{where}: no checkpoint directory at {path!r}")
+    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _check_model_keys(checkpoint_id, metadata, state: Dict[str, Any]) -> None:
+    """Every tensor of ``state`` is in the checkpoint, with its global shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    held = metadata.state_dict_metadata
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            continue
+        md = held.get(key)
+        if md is None:
+            raise ValueError(f"tpx.checkpoint.load: {os.fspath(checkpoint_id)!r} does not hold "
+                             f"{key!r} (a parameter or buffer of the model); load into the model "
+                             "the checkpoint was saved from")
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(value.shape):
+            shape = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "a non-tensor"
+            raise ValueError(f"tpx.checkpoint.load: {key} has shape {shape} in "
+                             f"{os.fspath(checkpoint_id)!r}; the model expects "
+                             f"{tuple(value.shape)} (global shape)")
 
 
 @torch.no_grad()
-def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
+def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
+         optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Loads a checkpoint written by :func:`save` (at any TP degree, or from an unsharded model
     saved with ``torch.distributed.checkpoint``) into ``model``, sharded by tpx at this run's
     TP degree, or over a 2-D / 2.5-D / 3-D mesh: each rank reads only the blocks it holds
-    where the layout is ``shard_range`` or a multi-dimensional layer's. Collective over the
-    default group."""
+    where the layout is ``shard_range`` or a multi-dimensional layer's.
+
+    With ``optimizer`` (built over ``model``'s parameters, before or after
+    ``parallelize_module``), the optimizer state saved by ``save(..., optimizer=...)`` is
+    loaded too, each state tensor resharded to this run's layout, and the param groups'
+    hyper-parameters restored: the next ``optimizer.step()`` is the one the saved run would
+    have taken. Shapes are checked against the checkpoint (``ValueError`` naming the
+    parameter) and a checkpoint without optimizer state raises ``ValueError``, before
+    anything is modified. Collective over the default group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
+    metadata = _read_metadata("load", checkpoint_id)
     state = sharded_state_dict(model)
+    _check_model_keys(checkpoint_id, metadata, state)
+    optim_state = None
+    if optimizer is not None:
+        optim_state = _load_optimizer_part("load", model, optimizer, checkpoint_id, metadata)
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
     sharded = {sh.key: sh for sh in _sharded_params(model)}
     blocks = {ms.key: ms for ms in _mesh_params(model)}
@@ -409,3 +477,444 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike]) -> None:
                 sh.local().copy_(sh.slice_of(value))
         elif key in own:
             own[key].copy_(value)
+    if optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer state: every state tensor of a parameter's local shape takes the parameter's layout.
+
+class _ParamLayout:
+    """How one parameter of a model sharded by tpx, and every optimizer state tensor of the
+    parameter's local shape, lies over the ranks. ``kind``: ``"shard"`` (1-D layer,
+    ``shard_range`` rows: a ``DTensor`` ``Shard(d)`` over the layer's group), ``"mesh"`` (a
+    block of a multi-dimensional layer: a ``DTensor`` over its mesh), ``"gather"`` (another
+    1-D layout: fused per-part projections, replicated KV heads; exchanged as the full
+    tensor) or ``"replicate"`` (every rank holds all of it). ``full_shape`` is the global
+    shape in the original model's orientation."""
+
+    def __init__(self, fqn: str, param: Tensor, sh: Optional[_Sharded] = None,
+                 ms: Optional[_MeshSharded] = None) -> None:
+        self.fqn, self.param, self.sh, self.ms = fqn, param, sh, ms
+        if ms is not None:
+            self.kind, self.full_shape = "mesh", tuple(ms.spec.full_shape)
+        elif sh is not None:
+            self.kind = "shard" if _is_chunked(sh) else "gather"
+            shape = list(param.shape)
+            shape[sh.dim] = sh.full_size()
+            self.full_shape = tuple(shape[::-1] if sh.transposed else shape)
+        else:
+            self.kind, self.full_shape = "replicate", tuple(param.shape)
+
+    def saved(self, local: Tensor) -> Tensor:
+        """``local`` (a tensor of the parameter's local shape) as
+        ``torch.distributed.checkpoint`` saves it: a ``DTensor`` of the global shape
+        (``"shard"``, ``"mesh"``: no communication), else the full tensor (``"gather"``
+        all-gathers over the layer's group)."""
+        if self.kind == "shard":
+            return _chunked_dtensor(self.sh, local)
+        if self.kind == "mesh":
+            return _mesh_dtensor(self.ms, local)
+        if self.kind == "gather":
+            return _gather_full(self.sh, local)
+        return local.detach()
+
+    def full(self, local: Tensor) -> Tensor:
+        """The full tensor (original orientation). Collective over the layer's group or mesh
+        unless replicated."""
+        if self.kind == "mesh":
+            return self.ms.spec.gather(local.detach(), self.ms.info)
+        if self.sh is not None:
+            return _gather_full(self.sh, local)
+        return local.detach()
+
+    def slice(self, full: Tensor) -> Tensor:
+        """This rank's part of the full tensor, in the parameter's local orientation."""
+        if self.kind == "mesh":
+            return self.ms.slice_of(full)
+        if self.sh is not None:
+            return self.sh.slice_of(full)
+        return full
+
+    def dest(self, dtype: torch.dtype) -> Tensor:
+        """An empty tensor of :meth:`saved`'s form for ``torch.distributed.checkpoint.load``."""
+        if self.kind in ("shard", "mesh"):
+            return self.saved(torch.empty(self.param.shape, dtype=dtype,
+                                          device=self.param.device))
+        return torch.empty(self.full_shape, dtype=dtype, device=self.param.device)
+
+    def local_of(self, value: Tensor) -> Tensor:
+        """``value`` (full tensor, or ``DTensor`` of the global shape) cut to this rank's part,
+        in the local orientation, in fresh memory. A ``DTensor`` in another layout than this
+        parameter's is gathered first (collective over its mesh)."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            if self.kind in ("shard", "mesh"):
+                ref = self.saved(self.param)
+                if (tuple(value.placements) == tuple(ref.placements)
+                        and value.device_mesh.mesh.tolist() == ref.device_mesh.mesh.tolist()):
+                    local = value.to_local()
+                    if self.kind == "shard" and self.sh.transposed:
+                        local = local.t()
+                    return local.clone(memory_format=torch.contiguous_format)
+            value = value.full_tensor()
+        return self.slice(value).clone(memory_format=torch.contiguous_format)
+
+
+class _Params:
+    """The parameters of ``model`` with their names and layouts: ``fqn`` is the first name
+    ``model.named_parameters()`` gives (the name PyTorch's distributed state dicts use);
+    every other name of a tied parameter resolves to it too."""
+
+    def __init__(self, model: nn.Module) -> None:
+        sharded: Dict[int, _Sharded] = {}
+        for sh in _sharded_params(model):
+            if sh.local() is not None:
+                sharded.setdefault(id(sh.local()), sh)
+        meshed: Dict[int, _MeshSharded] = {}
+        for ms in _mesh_params(model):
+            if ms.local() is not None:
+                meshed.setdefault(id(ms.local()), ms)
+        self.by_id: Dict[int, _ParamLayout] = {}
+        for fqn, p in model.named_parameters():
+            self.by_id[id(p)] = _ParamLayout(fqn, p, sharded.get(id(p)), meshed.get(id(p)))
+        self.by_name: Dict[str, _ParamLayout] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.by_name[name] = self.by_id[id(p)]
+
+    def of(self, where: str, p: Tensor) -> _ParamLayout:
+        lay = self.by_id.get(id(p))
+        if lay is None:
+            raise ValueError(f"tpx.checkpoint.{where}: the optimizer holds a parameter of shape "
+                             f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                             "optimizer from model.parameters() as they are after "
+                             "parallelize_module (a 1-D parallelize_module keeps the parameter "
+                             "objects, so an optimizer built before it works too)")
+        return lay
+
+
+def _options(where: str, options) -> Tuple[bool, bool, bool]:
+    """(full_state_dict, cpu_offload, strict) of a ``StateDictOptions``."""
+    if options is None:
+        return False, False, True
+    for name in ("broadcast_from_rank0", "flatten_optimizer_state_dict"):
+        if getattr(options, name, False):
+            raise ValueError(f"tpx.checkpoint.{where}: StateDictOptions({name}=True) is not "
+                             "supported for models sharded by tpx; leave it False")
+    return (bool(getattr(options, "full_state_dict", False)),
+            bool(getattr(options, "cpu_offload", False)), bool(getattr(options, "strict", True)))
+
+
+def _export(where: str, lay: _ParamLayout, name: str, value: Any, full: bool) -> Any:
+    """One optimizer state entry of ``lay``'s parameter as a state dict holds it."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or lay.kind == "replicate":
+        return value
+    if tuple(value.shape) != tuple(lay.param.shape):
+        raise ValueError(f"tpx.checkpoint.{where}: optimizer state {name!r} of parameter "
+                         f"{lay.fqn!r} has shape {tuple(value.shape)}, neither a scalar nor the "
+                         f"parameter's local shape {tuple(lay.param.shape)}; tpx cannot tell how "
+                         "it is sharded (use an optimizer whose state is per element, such as "
+                         "Adam, AdamW or SGD)")
+    return lay.full(value) if full else lay.saved(value)
+
+
+def _positions(where: str, params: _Params, optimizer) -> List[Tuple[int, Tensor]]:
+    """(id in ``optimizer.state_dict()``, parameter) in the optimizer's order: a parameter's
+    id is its first position over the param groups, as ``torch.optim.Optimizer`` numbers
+    them."""
+    out, seen, pos = [], {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            params.of(where, p)
+            seen.setdefault(id(p), pos)
+            out.append((seen[id(p)], p))
+            pos += 1
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+@torch.no_grad()
+def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                             options=None) -> Dict[str, Any]:
+    """The state of ``optimizer`` (over ``model``, sharded by tpx) keyed by the ORIGINAL
+    model's parameter names, as ``torch.distributed.checkpoint.state_dict.
+    get_optimizer_state_dict`` gives it for an unsharded model:
+    ``{"state": {fqn: {"step": ..., "exp_avg": ..., ...}}, "param_groups": [{"lr": ...,
+    "params": [fqn, ...]}, ...]}``. A tied parameter appears once, under its first name;
+    a parameter without state (frozen, or before the first step) has no entry in ``state``.
+
+    Each state tensor of the parameter's local shape takes the parameter's placement: by
+    default a ``DTensor`` of the global shape (S(d) over the layer's group for a 1-D layer;
+    S(d) / R over the mesh dimensions of a multi-dimensional layer) or, for 1-D layouts
+    other than ``shard_range``, the full tensor (R); scalar state (``step``) and the state
+    of replicated parameters stay as they are (R). ``options``
+    (``torch.distributed.checkpoint.state_dict.StateDictOptions``): ``full_state_dict=True``
+    gives every tensor in full (R, on every rank: the state dict of the unsharded model's
+    optimizer), ``cpu_offload=True`` moves tensors to the CPU (with ``full_state_dict``, only
+    global rank 0 gets the state dict, the others ``{}``). Collective over every group the
+    model's parameters are sharded over: every rank calls it."""
+    full, cpu_offload, _ = _options("get_optimizer_state_dict", options)
+    params = _Params(model)
+    _positions("get_optimizer_state_dict", params, optimizer)
+    state: Dict[str, Dict[str, Any]] = {}
+    groups: List[Dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        fqns = []
+        for p in group["params"]:
+            lay = params.of("get_optimizer_state_dict", p)
+            fqns.append(lay.fqn)
+            entry = optimizer.state.get(p)
+            if lay.fqn in state or not entry:
+                continue
+            state[lay.fqn] = {k: _export("get_optimizer_state_dict", lay, k, v, full)
+                              for k, v in entry.items()}
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = fqns
+        groups.append(packed)
+    out = {"state": state, "param_groups": groups}
+    if cpu_offload:
+        if full and dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        out = _to_cpu(out)
+    return out
+
+
+def _to_optimizer_format(where: str, params: _Params, optimizer, optim_state_dict,
+                         strict: bool) -> Dict[str, Any]:
+    """An FQN-keyed optimizer state dict (full tensors or ``DTensor``s of the global shape)
+    as ``optimizer.load_state_dict`` takes it: integer ids, this rank's parts. Every check
+    runs before any tensor is converted."""
+    state_in = optim_state_dict.get("state") if isinstance(optim_state_dict, dict) else None
+    groups_in = (optim_state_dict.get("param_groups") if isinstance(optim_state_dict, dict)
+                 else None)
+    if not isinstance(state_in, dict) or not isinstance(groups_in, list):
+        raise ValueError(f"tpx.checkpoint.{where}: `optim_state_dict` must be "
+                         "{'state': {name: {...}}, 'param_groups': [...]} keyed by parameter "
+                         "names, as get_optimizer_state_dict returns it; for a state dict of "
+                         "torch.optim.Optimizer.state_dict() (integer ids) use "
+                         "load_full_optimizer_state_dict")
+    order = _positions(where, params, optimizer)
+    ids = {id(p): i for i, p in reversed(order)}
+    entries = []
+    for fqn, entry in state_in.items():
+        lay = params.by_name.get(fqn)
+        if lay is None:
+            if strict:
+                raise ValueError(f"tpx.checkpoint.{where}: the optimizer state holds "
+                                 f"{fqn!r}, which is not a parameter of the model; load into "
+                                 "the model it was saved from, or pass "
+                                 "StateDictOptions(strict=False) to skip it")
+            continue
+        for name, value in entry.items():
+            if (isinstance(value, Tensor) and value.dim() > 0
+                    and tuple(value.shape) != lay.full_shape):
+                raise ValueError(f"tpx.checkpoint.{where}: optimizer state {name!r} of "
+                                 f"parameter {fqn!r} has shape {tuple(value.shape)}; the "
+                                 f"model's parameter has global shape {lay.full_shape}")
+        if id(lay.param) in ids:
+            entries.append((lay, entry))
+    saved_group: Dict[int, int] = {}
+    for i, g in enumerate(groups_in):
+        for fqn in g.get("params", []):
+            lay = params.by_name.get(fqn)
+            if lay is not None:
+                saved_group[id(lay.param)] = i
+            elif strict:
+                raise ValueError(f"tpx.checkpoint.{where}: param_groups[{i}] names {fqn!r}, "
+                                 "which is not a parameter of the model; load into the model it "
+                                 "was saved from, or pass StateDictOptions(strict=False)")
+    groups, pos = [], 0
+    for n, group in enumerate(optimizer.param_groups):
+        src = set()
+        for p in group["params"]:
+            if id(p) in saved_group:
+                src.add(saved_group[id(p)])
+        if len(src) > 1:
+            raise ValueError(f"tpx.checkpoint.{where}: param group {n} of the optimizer holds "
+                             f"parameters of the saved param groups {sorted(src)}; build the "
+                             "optimizer with the param groups it was saved with")
+        base = groups_in[src.pop()] if src else group
+        new = {k: v for k, v in base.items() if k not in ("params", "param_names")}
+        new["params"] = [i for i, _ in order[pos:pos + len(group["params"])]]
+        pos += len(group["params"])
+        groups.append(new)
+    state: Dict[int, Dict[str, Any]] = {}
+    for lay, entry in entries:
+        local = {}
+        for name, value in entry.items():
+            if isinstance(value, Tensor):
+                if lay.kind == "replicate" or value.dim() == 0:
+                    from torch.distributed.tensor import DTensor
+
+                    if isinstance(value, DTensor):
+                        value = value.full_tensor()
+                    value = value.detach().clone()
+                else:
+                    value = lay.local_of(value)
+            local[name] = value
+        state[ids[id(lay.param)]] = local
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                             optim_state_dict: Dict[str, Any], *, options=None) -> None:
+    """Loads an optimizer state dict keyed by parameter names into ``optimizer`` (over
+    ``model``, sharded by tpx at any TP degree or layout): the one
+    :func:`get_optimizer_state_dict` gives at any TP degree (``DTensor``s, or full tensors
+    with ``full_state_dict=True``), or the one PyTorch's ``get_optimizer_state_dict`` gives
+    for the unsharded model. Each state tensor of the parameter's global shape is cut to this
+    rank's part (a ``DTensor`` in another layout is gathered first); param groups are matched
+    by the names of their parameters and their hyper-parameters restored. ``options``:
+    ``StateDictOptions(strict=False)`` skips names the model does not have. Shapes that
+    disagree raise ``ValueError`` naming the parameter, before anything is modified.
+    Collective where a ``DTensor`` is resharded."""
+    _, _, strict = _options("set_optimizer_state_dict", options)
+    params = _Params(model)
+    optimizer.load_state_dict(_to_optimizer_format("set_optimizer_state_dict", params, optimizer,
+                                                   optim_state_dict, strict))
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                              rank0_only: bool = False) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` with every state tensor in full (R): the state dict of the
+    same optimizer over the UNSHARDED model, which
+    ``torch.optim.Adam(unsharded.parameters()).load_state_dict(...)`` accepts (integer ids
+    follow the optimizer's parameter order, the order of the unsharded model's
+    ``parameters()`` when the optimizer was built from ``model.parameters()``, before or
+    after ``parallelize_module``). On every rank, or only on global rank 0 with
+    ``rank0_only=True`` (the others return ``{}`` but must still call). Collective."""
+    params = _Params(model)
+    order = _positions("full_optimizer_state_dict", params, optimizer)
+    groups, pos = [], 0
+    for group in optimizer.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [i for i, _ in order[pos:pos + len(group["params"])]]
+        pos += len(group["params"])
+        groups.append(packed)
+    state: Dict[int, Dict[str, Any]] = {}
+    for i, p in order:
+        entry = optimizer.state.get(p)
+        if i in state or not entry:
+            continue
+        lay = params.of("full_optimizer_state_dict", p)
+        state[i] = {k: _export("full_optimizer_state_dict", lay, k, v, True)
+                    for k, v in entry.items()}
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   state_dict: Dict[str, Any]) -> None:
+    """Loads the state dict of an optimizer over the UNSHARDED model
+    (``torch.optim.Optimizer.state_dict()``: integer ids, full tensors, R) into ``optimizer``
+    over ``model`` sharded by tpx: each state tensor of a parameter's full shape is cut to
+    this rank's part; ids map to parameters by position, as
+    ``torch.optim.Optimizer.load_state_dict`` maps them. Group sizes or shapes that
+    disagree raise ``ValueError`` (naming the parameter) before anything is modified. No
+    communication."""
+    where = "load_full_optimizer_state_dict"
+    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list)):
+        raise ValueError(f"tpx.checkpoint.{where}: `state_dict` must be "
+                         "torch.optim.Optimizer.state_dict()'s {'state': {id: {...}}, "
+                         "'param_groups': [...]}; for one keyed by parameter names use "
+                         "set_optimizer_state_dict")
+    params = _Params(model)
+    order = _positions(where, params, optimizer)
+    saved_groups = state_dict["param_groups"]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in saved_groups]
+    if mine != theirs:
+        raise ValueError(f"tpx.checkpoint.{where}: the state dict has param groups of "
+                         f"{theirs} parameters, the optimizer {mine}; build the optimizer "
+                         "with the same param groups, in the same order, as the one saved")
+    id_map = {}
+    flat_saved = [i for g in saved_groups for i in g["params"]]
+    for saved_id, (_, p) in zip(flat_saved, order):
+        id_map[saved_id] = p
+    local_state: Dict[Any, Dict[str, Any]] = {}
+    checked = []
+    for saved_id, entry in state_dict["state"].items():
+        p = id_map.get(saved_id)
+        if p is None:
+            raise ValueError(f"tpx.checkpoint.{where}: state id {saved_id!r} belongs to no "
+                             "param group of the state dict")
+        lay = params.of(where, p)
+        for name, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != lay.full_shape:
+                raise ValueError(f"tpx.checkpoint.{where}: optimizer state {name!r} of "
+                                 f"parameter {lay.fqn!r} (id {saved_id}) has shape "
+                                 f"{tuple(value.shape)}; the model's parameter has global shape "
+                                 f"{lay.full_shape}")
+        checked.append((saved_id, lay, entry))
+    for saved_id, lay, entry in checked:
+        local_state[saved_id] = {  # fresh memory: the optimizer steps it in place
+            k: (v if not isinstance(v, Tensor) else lay.local_of(v) if v.dim() > 0
+                else v.detach().clone()) for k, v in entry.items()}
+    optimizer.load_state_dict({"state": local_state, "param_groups": saved_groups})
+
+
+def _load_optimizer_part(where: str, model: nn.Module, optimizer, checkpoint_id, metadata):
+    """Reads the optimizer state of a checkpoint written by ``save(..., optimizer=...)`` into
+    buffers of this run's layout and returns it as ``optimizer.load_state_dict`` takes it.
+    The optimizer and the model are not touched."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(checkpoint_id)
+    mappings = metadata.planner_data or {}
+    keys = {k: p for k, p in mappings.items()
+            if isinstance(p, tuple) and len(p) > 1 and p[0] == _OPTIM}
+    if not keys:
+        raise ValueError(f"tpx.checkpoint.{where}: {path!r} holds no optimizer state (it was "
+                         "saved without `optimizer`); call load without optimizer=, or save with "
+                         "tpx.checkpoint.save(model, checkpoint_id, optimizer=optimizer)")
+    params = _Params(model)
+    _positions(where, params, optimizer)
+    dest: Dict[str, Any] = {}
+    for key, p in keys.items():
+        md = metadata.state_dict_metadata[key]
+        if not isinstance(md, TensorStorageMetadata):
+            dest[key] = None  # a pickled object (hyper-parameters, non-tensor state)
+            continue
+        size, dtype = tuple(md.size), md.properties.dtype
+        if p[1] == "state" and len(p) == 4:
+            lay = params.by_name.get(p[2])
+            if lay is None:
+                raise ValueError(f"tpx.checkpoint.{where}: {path!r} holds optimizer state for "
+                                 f"{p[2]!r}, which is not a parameter of the model; load into "
+                                 "the model the checkpoint was saved from")
+            if len(size) > 0 and size != lay.full_shape:
+                raise ValueError(f"tpx.checkpoint.{where}: optimizer state {p[3]!r} of "
+                                 f"parameter {p[2]!r} has shape {size} in {path!r}; the "
+                                 f"model's parameter has global shape {lay.full_shape}")
+            if len(size) > 0 and lay.kind != "replicate":
+                dest[key] = lay.dest(dtype)
+                continue
+        dest[key] = torch.empty(size, dtype=dtype)
+    # Flat keys as stored; the pickled objects are put back into ``dest`` itself.
+    dcp.load(dest, checkpoint_id=path,
+             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    nested: Dict[str, Any] = {}
+    for key, p in keys.items():
+        set_element(nested, p, dest[key])
+    saved = nested[_OPTIM]
+    saved.setdefault("state", {})
+    saved.setdefault("param_groups", [])
+    return _to_optimizer_format(where, params, optimizer, saved, True)
