@@ -166,7 +166,8 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
         old = before.get(path)
         owner_name, _, attr = path.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        if old is None or old is new or not hasattr(owner, "_shards") or id(old) in keep:
+        sharded = hasattr(owner, "_shards") or hasattr(owner, "_param_splits")
+        if old is None or old is new or not sharded or id(old) in keep:
             continue
         if old.data is not new.data:
             requires_grad = old.requires_grad
@@ -300,6 +301,7 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
         src_rank=src_rank, layout=info.layout, mesh=tuple(mesh.shape),
         plan=[(k, repr(v)) for k, v in plan.items()], module=_structure(module)))
     check_src_rank("parallelize_module", src_rank, pg.size())
+    before = dict(module.named_parameters(remove_duplicate=False))
     names = [name for name, _ in module.named_modules()]
     work = []
     for pattern, style in plan.items():
@@ -333,6 +335,7 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
         elif new is not old:
             _check_can_become(old, new, repr(name))
             _become(old, new)
+    _keep_parameter_objects(module, before)
     if src_rank is not None and pg.size() > 1:
         # The replaced layers took their blocks from the source rank; everything else (a
         # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.
