@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import glob
+import json
 import os
 import sys
 import sysconfig
@@ -63,10 +64,24 @@ def parse_args():
     p.add_argument("--layout", choices=["1d", "2d", "2.5d", "3d"], default="1d",
                    help="1d: TP over all processes; 2d / 2.5d / 3d: a mesh (tpx.init_mesh)")
     p.add_argument("--depth", type=int, default=2, help="depth of the 2.5d layout")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="clip the gradient norm of the whole model to this (0: no clipping)")
+    p.add_argument("--ckpt-every", type=int, default=200,
+                   help="save model and optimizer state every N steps to OUT/ckpt-STEP (0: never)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint directory OUT/ckpt-STEP (any TP degree)")
+    p.add_argument("--resume-check", type=int, default=3,
+                   help="after training, reload the last mid-run checkpoint and replay this many "
+                        "steps: the losses must equal the uninterrupted run's")
+    p.add_argument("--amp", action="store_true",
+                   help="compute under torch.autocast in bfloat16 (parameters, gradients and "
+                        "optimizer state stay float32)")
     args = p.parse_args()
     for name in ("steps", "batch", "seq", "dim", "layers", "heads", "kv_heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.ckpt_every < 0 or args.resume_check < 0 or args.clip < 0:
+        p.error("--ckpt-every, --resume-check and --clip must be >= 0")
     if args.check_steps < 0 or args.check_steps > args.steps:
         p.error("--check-steps must lie in [0, --steps]")
     if args.dim % args.heads or args.heads % args.kv_heads:
@@ -196,31 +211,50 @@ def main():
 
     from tqdm import tqdm
 
-    losses, t0 = [], time.perf_counter()
-    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True)
+    losses, start, original = [], 0, None   # losses[i]: the loss of step i + 1
+    if args.resume:
+        start, losses = resume(args, model, opt, rank)
+        previous = os.path.join(args.out, "losses.json")
+        if os.path.exists(previous):   # the curve of the run that wrote the checkpoint
+            with open(previous) as f:
+                original = json.load(f)["losses"]
+        dist.barrier()
+    t0 = time.perf_counter()
+    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step",
+               dynamic_ncols=True)
+    saved = []
     for step, (x, y) in enumerate(batches(corpus, args.steps, args.batch, args.seq, args.seed)):
-        x, y = x.to(device), y.to(device)
-        loss = loss_fn(step_fn(x), y, args.loss_parallel, mesh)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        tok_s = (step + 1) * x.numel() / (time.perf_counter() - t0)
+        if step < start:
+            continue  # the batches a resumed run has already trained on
+        losses.append(train_step(args, step_fn, opt, model, x.to(device), y.to(device), mesh))
+        tok_s = (step + 1 - start) * x.numel() / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
         bar.update()
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+            saved.append(save_checkpoint(args, model, opt, step + 1, losses, rank))
     bar.close()
     elapsed = time.perf_counter() - t0
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump({"losses": losses}, f)
+    resume_report = check_resume(args, reference, saved, losses, corpus, device, mesh, rank)
+    if args.resume:
+        resume_report = compare_with_original(args, start, losses, original) or resume_report
 
     # The same first steps on one process, unsharded, with the same seed and batches.
     worst = 0.0
-    if rank == 0 and args.check_steps:
+    if rank == 0 and args.check_steps and not args.resume:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
         for step, (x, y) in enumerate(batches(corpus, args.check_steps, args.batch, args.seq,
                                               args.seed)):
             x, y = x.to(device), y.to(device)
-            ref_loss = F.cross_entropy(reference(x).reshape(-1, VOCAB), y.reshape(-1))
+            with autocast(args, device):
+                ref_loss = F.cross_entropy(reference(x).reshape(-1, VOCAB).float(), y.reshape(-1))
             ref_opt.zero_grad(set_to_none=True)
             ref_loss.backward()
+            if args.clip:  # one process: torch's own clipping is right
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
             ref_opt.step()
             worst = max(worst, abs(ref_loss.item() - losses[step]))
     dist.barrier()
@@ -231,8 +265,10 @@ def main():
                for p in (b"def ", b"import ", b"    return ")]
     if rank == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {elapsed:.0f} s "
-              f"({args.steps * args.batch * args.seq / elapsed:,.0f} tokens/s)")
-        if args.check_steps:
+              f"({(args.steps - start) * args.batch * args.seq / elapsed:,.0f} tokens/s)")
+        if resume_report:
+            print(resume_report)
+        if args.check_steps and not args.resume:
             print(f"self-check: the first {args.check_steps} steps replayed on one process; "
                   f"largest loss difference {worst:.2e}")
         os.makedirs(args.out, exist_ok=True)
@@ -241,8 +277,97 @@ def main():
         for s in samples:
             print("  " + repr(s))
     dist.destroy_process_group()
-    if rank == 0 and (worst > 1e-3 or losses[-1] >= losses[0]):
+    limit = 3e-2 if args.amp else 1e-3   # bfloat16 GEMMs round differently in the two runs
+    if rank == 0 and (worst > limit or losses[-1] >= losses[0]):
         raise SystemExit("the TP run does not match one process, or the loss did not fall")
+    if rank == 0 and resume_report and "DIFFER" in resume_report:
+        raise SystemExit("resuming from the checkpoint does not continue the loss curve")
+
+
+def autocast(args, device):
+    """``torch.autocast`` in bfloat16 with ``--amp``, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp)
+
+
+def train_step(args, step_fn, opt, model, x, y, mesh) -> float:
+    with autocast(args, x.device):
+        loss = loss_fn(step_fn(x), y, args.loss_parallel, mesh)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if args.clip:
+        # The norm of the whole model, the same on every rank (torch's clip_grad_norm_ would
+        # see only this rank's shards).
+        tpx.clip_grad_norm_(model.parameters(), args.clip)
+    opt.step()
+    return loss.item()
+
+
+def save_checkpoint(args, model, opt, step, losses, rank) -> str:
+    """Model and optimizer state (each tensor with its global shape: it loads at any TP
+    degree) and the loss curve so far."""
+    path = os.path.join(args.out, f"ckpt-{step}")
+    tpx.checkpoint.save(model, path, optimizer=opt)
+    if rank == 0:
+        with open(os.path.join(path, "progress.json"), "w") as f:
+            json.dump({"step": step, "losses": losses}, f)
+    dist.barrier()
+    return path
+
+
+def resume(args, model, opt, rank):
+    progress = os.path.join(args.resume, "progress.json")
+    if not os.path.exists(progress):
+        raise SystemExit(f"--resume {args.resume}: no progress.json there; pass a directory "
+                         f"the demo saved (OUT/ckpt-STEP)")
+    with open(progress) as f:
+        info = json.load(f)
+    tpx.checkpoint.load(model, args.resume, optimizer=opt)
+    if rank == 0:
+        print(f"resumed from {args.resume} at step {info['step']} "
+              f"(TP={dist.get_world_size()} now)")
+    return info["step"], list(info["losses"])
+
+
+def compare_with_original(args, start, losses, original):
+    """With --resume: the steps trained again compared with the losses the original run wrote
+    to OUT/losses.json (when it trained that far)."""
+    if not original:
+        return None
+    n = min(len(original) - start, len(losses) - start)
+    if n <= 0:
+        return None
+    worst = max(abs(a - b) for a, b in zip(losses[start:start + n], original[start:start + n]))
+    verdict = "equal" if worst <= (3e-2 if args.amp else 1e-4) else "DIFFER from"
+    return (f"resume check: steps {start + 1}-{start + n} after resuming {verdict} the original "
+            f"run's (largest loss difference {worst:.1e})")
+
+
+def check_resume(args, reference, saved, losses, corpus, device, mesh, rank):
+    """Reloads the last mid-run checkpoint into a fresh model and optimizer and replays the
+    next steps: their losses must equal the uninterrupted run's."""
+    if not saved or not args.resume_check:
+        return None
+    path = saved[-1]
+    step0 = int(os.path.basename(path).split("-")[-1])
+    fresh = copy.deepcopy(reference)
+    if mesh is None:
+        tpx.parallelize_module(fresh, None, tp_plan(args.sequence_parallel, args.loss_parallel))
+    else:
+        tpx.parallelize_module(fresh, mesh, tpx.plans.auto(fresh, layout=args.layout,
+                                                           loss_parallel=args.loss_parallel))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=args.lr, weight_decay=0.0)
+    tpx.checkpoint.load(fresh, path, optimizer=fresh_opt)
+    n = min(args.resume_check, args.steps - step0)
+    worst = 0.0
+    for step, (x, y) in enumerate(batches(corpus, step0 + n, args.batch, args.seq, args.seed)):
+        if step < step0:
+            continue
+        loss = train_step(args, fresh, fresh_opt, fresh, x.to(device), y.to(device), mesh)
+        worst = max(worst, abs(loss - losses[step]))
+    verdict = "equal" if worst <= (3e-2 if args.amp else 1e-4) else "DIFFER from"
+    return (f"resume check: steps {step0 + 1}-{step0 + n} replayed from {path} (model and "
+            f"optimizer state) {verdict} the uninterrupted run (largest loss difference "
+            f"{worst:.1e})")
 
 
 def save_outputs(args, losses, full, device):
