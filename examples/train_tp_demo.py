@@ -4,6 +4,10 @@ The model (examples/tiny_llama.py) is plain PyTorch; tpx.parallelize_module shar
 TP group. The data are the Python standard library's own .py sources, read from this machine
 and tokenised byte by byte: nothing is downloaded. Rank 0 shows a progress bar, then:
 
+- clips the gradient norm of the whole model (``tpx.clip_grad_norm_``, ``--clip``), saves model
+  and optimizer state every ``--ckpt-every`` steps (``tpx.checkpoint.save(..., optimizer=)``),
+  and at the end reloads the last of them into a fresh model and optimizer and replays the
+  next steps: the losses must equal the uninterrupted run's ("resume check");
 - replays the first steps on one process with the same seed and prints the largest loss
   difference (it must be at rounding level);
 - saves the loss curve (PNG) and a full checkpoint (safetensors) that loads into the
@@ -11,7 +15,10 @@ and tokenised byte by byte: nothing is downloaded. Rank 0 shows a progress bar, 
 - prints a few lines sampled from the trained model.
 
     torchrun --nproc-per-node 2 examples/train_tp_demo.py [--steps 600] [--sequence-parallel]
-        [--loss-parallel] [--compile] [--device cpu|cuda] [--out demo_out]
+        [--loss-parallel] [--compile] [--device cpu|cuda] [--out demo_out] [--clip 1.0]
+        [--ckpt-every 200] [--amp]
+    torchrun --nproc-per-node 1 examples/train_tp_demo.py --resume demo_out/ckpt-400
+        (continues at another TP degree; compared with demo_out/losses.json of the first run)
 
 Beyond 1-D, ``--layout 2d`` (q x q processes, e.g. 4), ``--layout 2.5d --depth 2`` (2 x q x q,
 e.g. 8) or ``--layout 3d`` (q x q x q, e.g. 8) shards the same model over a mesh from
