@@ -11,6 +11,8 @@ ranks, and checkpoints across layouts (2-D -> 1-D / one device, 3-D -> one devic
 The expected blocks are cut from the full tensors here, by hand, from the placements the
 layers document (not with tpx.split_input, which is tested against them)."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -147,10 +149,11 @@ def _check_linear(rank, world, layout):
 
     # The constructor draws the full nn.Linear, then slices: same seed -> same model.
     cls = {"2d": tpx.Linear2D, "2.5d": tpx.Linear2p5D, "3d": tpx.Linear3D}[layout]
+    hk = dict(hidden_mesh_dim="output") if layout == "3d" else {}
     torch.manual_seed(11)
     full = nn.Linear(k, n)
     torch.manual_seed(11)
-    layer = cls(k, n, mesh)
+    layer = cls(k, n, mesh, **hk)
     c = _coord(mesh)
     close(layer.weight, _weight_block(full.weight.detach(), layout, c, q), "constructor weight")
     close(layer.bias, _bias_block(full.bias.detach(), layout, c, q), "constructor bias")
@@ -161,7 +164,7 @@ def _check_linear(rank, world, layout):
     # activation dim, two reduce-scatters of Y over the hidden dim.
     xs = torch.randn(nb, 3, k, generator=gen)[:, :, :k // q].contiguous()
     if layout == "3d":
-        layer3 = tpx.Linear3D.from_linear(full, mesh, chunks=2)
+        layer3 = tpx.Linear3D.from_linear(full, mesh, hidden_mesh_dim="output", chunks=2)
         with tpx.comm_stats() as stats:
             y3 = layer3(torch.randn(nb // (q * q) * q, 3, k // q))
         g = mesh.get_group
@@ -199,9 +202,9 @@ def _check_linear(rank, world, layout):
 
     # Bad sizes and meshes raise before any collective.
     with pytest.raises(ValueError, match=r"in_features = %d must divide by %d" % (q + 1, q)):
-        cls(q + 1, n, mesh)
+        cls(q + 1, n, mesh, **hk)
     with pytest.raises(ValueError, match=r"out_features = %d must divide by %d" % (q + 1, nf)):
-        cls(k, q + 1, mesh)
+        cls(k, q + 1, mesh, **hk)
     emb_cls = {"2d": tpx.Embedding2D, "2.5d": tpx.Embedding2p5D, "3d": tpx.Embedding3D}[layout]
     with pytest.raises(ValueError, match=r"embedding_dim = %d must divide by %d" % (q + 1, q)):
         emb_cls.from_embedding(nn.Embedding(5, q + 1), mesh)
@@ -215,9 +218,9 @@ def _check_linear(rank, world, layout):
         if bad is None:
             continue
         with pytest.raises(ValueError, match=f"needs a {len(mesh.shape)}-D mesh"):
-            cls(k, n, bad)
+            cls(k, n, bad, **hk)
     with pytest.raises(TypeError, match="must be a torch DeviceMesh"):
-        cls(k, n, dist.group.WORLD)
+        cls(k, n, dist.group.WORLD, **hk)
     del wrong
 
 
@@ -232,7 +235,7 @@ def _check_world_one(rank, world):
     # A copied layer shares the mesh and computes the same thing.
     import copy
 
-    layer = tpx.Linear3D(4, 4, mesh)
+    layer = tpx.Linear3D(4, 4, mesh, hidden_mesh_dim="output")
     x = torch.randn(2, 4)
     close(copy.deepcopy(layer)(x), layer(x), "deepcopy of a layer")
     # Schemas, fakes and autograd registrations of the multi-dimensional ops.
@@ -289,7 +292,7 @@ def _check_mesh_errors(rank, world):
                                          r"'col'\); got a 1-D mesh"):
         tpx.Linear2D(4, 4, mesh1)
     with pytest.raises(ValueError, match="needs a 3-D mesh"):
-        tpx.Linear3D(4, 4, mesh1)
+        tpx.Linear3D(4, 4, mesh1, hidden_mesh_dim="output")
     mesh25 = tpx.init_mesh("2.5d", depth=2)  # 2 x 1 x 1
     with pytest.raises(ValueError, match=r"that is the '2.5d' layout's mesh"):
         tpx.Linear2D(4, 4, mesh25)
@@ -702,6 +705,9 @@ def _check_initial_weights(rank, world, layout):
     k, n, V, D = 2 * q, 2 * q * q, 5 * q, 2 * q
     mid = dict(hidden_mesh_dim="weight") if layout == "3d" else {}
     hid = "weight" if layout == "3d" else "output"
+    if layout == "3d":  # Linear3D has no default hidden_mesh_dim
+        lin = functools.partial(lin, hidden_mesh_dim="output")
+        lin.from_linear = functools.partial(tpx.Linear3D.from_linear, hidden_mesh_dim="output")
 
     def same_linear(layer, ref, hidden="output"):
         assert torch.equal(layer.weight, _weight_block(ref.weight.detach(), layout, c, q, hidden))
@@ -711,7 +717,8 @@ def _check_initial_weights(rank, world, layout):
     # Constructors, each rank seeded differently: rank 0's draws, in rank 0's order.
     torch.manual_seed(1000 + rank)
     layer, table = lin(k, n, mesh), emb(V, D, mesh, padding_idx=1)
-    layer3 = lin(k, n, mesh, bias=False, **mid)
+    layer3 = (tpx.Linear3D(k, n, mesh, bias=False, **mid) if mid
+              else lin(k, n, mesh, bias=False))
     norm = ln(D, mesh)
     torch.manual_seed(1000)
     ref, ref_table = nn.Linear(k, n), nn.Embedding(V, D, padding_idx=1)
@@ -738,7 +745,8 @@ def _check_initial_weights(rank, world, layout):
     src = world - 1
     for src_rank in (0, src):
         refs = [from_rank(m, src_rank) for m in (lin_m, emb_m, ln_m, rms_m)]
-        same_linear(lin.from_linear(lin_m, mesh, src_rank=src_rank, **mid), refs[0], hid)
+        same_linear(tpx.Linear3D.from_linear(lin_m, mesh, src_rank=src_rank, **mid)
+                    if mid else lin.from_linear(lin_m, mesh, src_rank=src_rank), refs[0], hid)
         e = emb.from_embedding(emb_m, mesh, src_rank=src_rank)
         assert torch.equal(e.weight, refs[1].weight.detach()[:, _norm_slice(D, layout, c, q)])
         nl = ln.from_layernorm(ln_m, mesh, src_rank=src_rank)

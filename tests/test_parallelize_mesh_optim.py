@@ -39,3 +39,28 @@ def _optimizer_before(rank, world):
 
 def test_optimizer_built_before_mesh_parallelize():
     run_ranks(_optimizer_before, 4)
+
+
+def _nothing_changes_on_error(rank, world):
+    torch.manual_seed(0)
+    model = Decoder(vocab=36, dim=16, n_heads=4, n_kv_heads=2, hidden=24)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = {n: type(m) for n, m in model.named_modules()}
+    mesh = tpx.init_mesh("2d")
+    plan = tpx.plans.auto(model, layout="2d")
+    bad = {k: (tpx.MeshAttention(num_heads=3) if isinstance(v, tpx.MeshAttention) else v)
+           for k, v in plan.items()}
+    assert bad != plan
+    try:
+        tpx.parallelize_module(model, mesh, bad)
+    except ValueError as e:
+        assert "3 attention heads" in str(e), e
+    else:
+        raise AssertionError("3 heads on a 2 x 2 mesh must be an error")
+    assert {n: type(m) for n, m in model.named_modules()} == types
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_mesh_plan_error_changes_nothing():
+    run_ranks(_nothing_changes_on_error, 4)

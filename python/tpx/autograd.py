@@ -43,7 +43,9 @@ def register(op: str, backward, setup_context) -> None:
     (``torch.library.register_autograd``: direct calls, ``torch.compile``) and one
     ``torch.autograd.Function`` that the op wrappers use in eager mode (see
     ``tpx.ops.register_eager_function``); the Function runs the operator below the autograd
-    key, so both paths compute the same thing."""
+    key, so both paths compute the same thing. Under ``torch.autocast`` the op wrappers cast
+    the inputs before ``Function.apply`` (:func:`tpx.amp.eager_call`), above autograd as the
+    operator's own Autocast kernel does."""
     torch.library.register_autograd(f"tpx::{op}", backward, setup_context=setup_context)
     overload = getattr(torch.ops.tpx, op).default
 

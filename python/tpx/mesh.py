@@ -167,7 +167,9 @@ def check_mesh(mesh: object, layout: str, who: str) -> MeshInfo:
     """Validates that ``mesh`` is a DeviceMesh of ``layout`` (names and shape) containing this
     rank, without any collective, and returns its :class:`MeshInfo`.
 
-    Raises ``TypeError`` for a non-mesh and ``ValueError`` naming the dims/sizes otherwise."""
+    Raises ``TypeError`` for a non-mesh and ``ValueError`` naming the dims/sizes otherwise,
+    and for a mesh whose ranks do not increase along each dimension (a transposed mesh is
+    fine; one listing the ranks of a dimension in another order would misplace blocks)."""
     want = LAYOUTS[layout]
     if not (DeviceMesh and isinstance(mesh, DeviceMesh)):
         raise TypeError(f"tpx.{who}: `mesh` must be a torch DeviceMesh with dimension names "
@@ -191,6 +193,18 @@ def check_mesh(mesh: object, layout: str, who: str) -> MeshInfo:
     if not ok:
         raise ValueError(f"tpx.{who}: the {layout!r} layout needs equal sizes along "
                          f"{[n for n in names if n != 'depth']}; got mesh shape {sizes}")
+    # The collectives order blocks by the rank WITHIN each dim's process group, which is the
+    # order of the global ranks; the layers place blocks by the mesh coordinate. The two agree
+    # only when the ranks increase along every mesh dim (as in tpx.init_mesh's meshes and
+    # their slices, transposed or not); otherwise the blocks would be silently misplaced.
+    grid = mesh.mesh
+    for axis, name in enumerate(names):
+        if grid.shape[axis] > 1 and not bool((torch.diff(grid, dim=axis) > 0).all()):
+            raise ValueError(f"tpx.{who}: the mesh's ranks must increase along each dimension "
+                             f"(the collectives order the blocks by rank within each "
+                             f"dimension's group); along {name!r} they do not: mesh "
+                             f"{grid.tolist()}. Build the mesh with the ranks in increasing "
+                             f"order along every dimension (e.g. tpx.init_mesh({layout!r})).")
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"tpx.{who}: this rank is not part of the mesh given")

@@ -19,6 +19,9 @@ op                           inputs                                  outputs
 
 (*) ``out`` is R when ``b`` is replicated and S(-1) when ``b`` holds this rank's columns.
 
+Under ``torch.autocast`` every op follows its torch counterpart (GEMMs in the autocast
+dtype, the loss in float32, the embedding untouched; see :mod:`tpx.amp`).
+
 Every op is differentiable (see :mod:`tpx.autograd`); ``chunks`` is the pipeline depth:
 ``1`` runs the collective and the GEMM one after the other (the reference), ``None`` picks
 the default (``tpx.build_info()["default_chunks"]``, or ``TPX_DEFAULT_CHUNKS``).
@@ -33,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the operator library)
+from . import amp as _amp  # the operators' torch.autocast kernels (and the eager casts)
 from .group import GroupLike, check_same_on_ranks, resolve_group
 
 __all__ = [
@@ -193,6 +197,12 @@ def local_matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return torch.ops.tpx.local_matmul(a, b, bias)
 
 
+def default_chunks() -> int:
+    """The pipeline depth the ops use when ``chunks=None`` (``TPX_DEFAULT_CHUNKS``, else 2;
+    a small message still runs as one chunk)."""
+    return int(_C.build_info()["default_chunks"])
+
+
 def cpu_gemm_backend() -> str:
     """The GEMM that tpx's ops run for float32 CPU tensors: ``"onednn"`` (oneDNN's matmul,
     which PyTorch ships; fp32 accuracy) or ``"aten"`` (ATen's default BLAS, the one
@@ -283,6 +293,8 @@ def linear_cross_entropy_rows(
 # called below the autograd dispatch key, which skips the generic per-call work of
 # ``torch.library``'s autograd kernel (about 40 us a call on a CPU). ``torch.compile`` and
 # direct ``torch.ops.tpx.*`` calls use the operator's registration: one graph node per op.
+# Under torch.autocast the eager path casts before the Function (tpx.amp.eager_call), where
+# the operator's own Autocast kernel would cast inside it.
 _EAGER_FUNCTIONS: dict = {}
 
 
@@ -295,6 +307,9 @@ def _call(op: str, *args):
     function = _EAGER_FUNCTIONS.get(op)
     if function is None or torch.compiler.is_compiling():
         return getattr(torch.ops.tpx, op)(*args)
+    if torch._C._is_any_autocast_enabled():
+        # Cast above the Function, so autograd records the casts (tpx.amp).
+        return _amp.eager_call(op, function, args)
     return function.apply(*args)
 
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
 from .. import ops
+from ..amp import loss_dtype
 from ..checks import check_values
 from ..group import GroupLike, resolve_group, vocab_layout
 
@@ -79,7 +80,8 @@ def vocab_parallel_cross_entropy(
     The four per-row statistics (max, sum of exp, target logit, sum of logits) of all ranks
     travel in ONE all-gather. Label smoothing is over the FULL vocabulary; ``ignore_index``
     rows contribute nothing and ``mean`` divides by the number of the other rows; the
-    arithmetic is fp32 for bf16/fp16 logits, and the result has the logits' dtype.
+    arithmetic is fp32 for bf16/fp16 logits, and the result has the logits' dtype (float32
+    under ``torch.autocast``, as ``F.cross_entropy``).
 
     Args:
         logits: ``[..., V_local]`` floating point.
@@ -104,7 +106,8 @@ def vocab_parallel_cross_entropy(
     loss_rows, _ = ops.vocab_parallel_cross_entropy_rows(
         logits2, target1, start, full, pg, ignore_index, float(label_smoothing),
         bool(inplace_backward))
-    return _reduce(loss_rows, target1, ignore_index, reduction, target.shape, logits.dtype)
+    return _reduce(loss_rows, target1, ignore_index, reduction, target.shape,
+                   loss_dtype(logits))
 
 
 def default_chunk_size(vocab_size: int, world_size: int) -> int:
@@ -165,4 +168,5 @@ def linear_cross_entropy(
     loss_rows, _ = ops.linear_cross_entropy_rows(
         hidden.reshape(-1, hidden.shape[-1]), weight, target1, start, full, pg, bias,
         chunk_size, ignore_index, float(label_smoothing))
-    return _reduce(loss_rows, target1, ignore_index, reduction, target.shape, hidden.dtype)
+    return _reduce(loss_rows, target1, ignore_index, reduction, target.shape,
+                   loss_dtype(hidden))

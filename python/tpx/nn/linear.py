@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from .. import ops
+from ..amp import autocast_casts
 from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
                      resolve_group, shard_sizes)
 from .dtensor_io import Replicate, Shard, local_input
@@ -39,9 +40,7 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
 def _default_chunks() -> int:
-    from .. import build_info
-
-    return build_info()["default_chunks"]
+    return ops.default_chunks()
 
 
 def _check_features(cls: str, **sizes: int) -> None:
@@ -117,9 +116,10 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         if x.dim() < 1 or x.shape[-1] != features:
             raise ValueError(f"tpx.{name}: input.shape[-1] must be {features} ({what}); got "
                              f"input of shape {tuple(x.shape)}")
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and not autocast_casts(x, self.weight):
             raise ValueError(f"tpx.{name}: input dtype {x.dtype} differs from the weight dtype "
-                             f"{self.weight.dtype}; cast the input, or the module with .to(dtype)")
+                             f"{self.weight.dtype}; cast the input, or the module with .to(dtype), "
+                             f"or run the forward under torch.autocast")
         if x.device != self.weight.device:
             raise ValueError(f"tpx.{name}: input is on {x.device} but the weight is on "
                              f"{self.weight.device}; move one of them")

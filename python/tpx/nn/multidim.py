@@ -22,6 +22,20 @@ blocks ``input*q + output``). A :class:`Linear3D` whose input is split by one of
 its output split by the other, so a pre-norm MLP block (``Linear3D`` with
 ``hidden_mesh_dim="output"``, then one with ``"weight"``) gives back the layout it was given,
 as do attention's QKV and output projections. Norms take the same ``hidden_mesh_dim``.
+``Linear3D`` has no default ``hidden_mesh_dim`` (the two flavours have the same local shape);
+norms, embeddings and ``split_input`` default to ``"output"``, the residual stream's.
+
+Layout checks. The local shape does not say which layout a tensor is in (3-D: which of the
+two flavours; any layout: which mesh, when two meshes order the same ranks differently), so
+every tensor made by ``split_input`` or a layer here records its layout (on the tensor, and
+on the autograd node that made it). Each layer, ``split_input`` and ``gather_output`` compare
+the layout recorded for their input, found directly or by walking back through the ops that
+autograd recorded since (GELU, dropout, residual adds, views), with the one they read, and
+raise ValueError naming the ``hidden_mesh_dim`` (or mesh) to use before any communication;
+an input combining tensors of two layouts (a residual add of mismatched terms) raises too.
+Not seen: a tensor made by other ops while autograd records nothing (``torch.no_grad()``,
+inference mode, nothing requiring grad) carries no record and is taken as it is; under
+``torch.compile`` nothing is recorded or checked.
 
 Weights: ``A = W^T`` of ``nn.Linear``'s ``W [out, in]``. 2-D / 2.5-D rank ``(row i, col j)``
 holds ``A_ij`` (in block ``i``, out block ``j``; ``W[out block j, in block i]``), replicated
@@ -46,9 +60,11 @@ from torch import Tensor, nn
 
 from .. import autograd_multidim  # noqa: F401  (registers the autograd of the ops)
 from .. import ops
+from ..amp import autocast_casts, norm_input
 from ..group import ShardSpec, check_same_on_ranks, load_initial
 from ..mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
 from .linear import _full_linear_init
+from ..sharding import KeepsParamSharding, describe_params
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_input", "gather_output"]
 
@@ -168,7 +184,7 @@ def _check_src_rank(who: str, src_rank, info: MeshInfo) -> None:
                          f"weights every rank takes its block of.")
 
 
-class _MeshParams:
+class _MeshParams(KeepsParamSharding):
     """Construction of a multi-dimensional layer's parameters from full tensors of one rank.
 
     ``_begin`` validates the mesh and compares the layer's arguments across the mesh's ranks
@@ -201,6 +217,7 @@ class _MeshParams:
 
     def _fill(self, who: str, config: dict,
               full_fn: Callable[[], Dict[str, Optional[Tensor]]], *, drawn: bool) -> None:
+        describe_params(self)  # each parameter knows its layout (tpx.sharding)
         info = self.mesh_info
         pg = _mesh_group(info)
         specs = _block_specs(self)
@@ -247,6 +264,147 @@ def _gather_dim(t: Tensor, info: MeshInfo, dim: int, dims: Sequence[str]) -> Ten
         shape[dim] *= stacked.shape[0]
         t = moved.reshape(shape)
     return t
+
+
+# Which layout an activation is in ------------------------------------------------------------
+#
+# Two layouts can give a local tensor the same shape (3-D: features split by "output" or by
+# "weight"; any layout over two meshes whose ranks are ordered differently), so a layer cannot
+# tell from the shape that it was handed the wrong one. Every tpx producer of a local
+# activation (split_input, the Linear / norm / embedding layers) records the layout it
+# produced, in two places:
+#
+# * on the tensor itself (attribute ``_tpx_layout``): seen when the tensor is passed on as is;
+# * on the autograd node that made it (``grad_fn.metadata``): seen through any op autograd
+#   records (GELU, dropout, residual adds, views), by walking the graph back from the input
+#   to the nearest recorded nodes. Each node visited keeps what was found under it, so a
+#   forward pass visits every node at most once.
+#
+# A consumer compares what it finds with the layout it reads and raises before any
+# communication. What cannot be seen: a tensor made by other ops with autograd not recording
+# (``torch.no_grad()``, inference mode, nothing requiring grad) carries no record, and is
+# taken as it is. Under ``torch.compile`` nothing is recorded or checked (eager runs check).
+
+_ATTR = "_tpx_layout"
+_META = "tpx_layouts"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A local activation's layout: the mesh (layout name, its ranks in mesh order, its
+    shape), the mesh dims splitting the batch and (``kind="act"``) the hidden features.
+    ``kind="ids"``: token ids, batch split only; ``kind="full"``: a gathered (replicated)
+    tensor, recorded only so that graph walks stop there."""
+
+    mesh: Tuple[str, Tuple[int, ...], Tuple[int, ...]]
+    batch: Tuple[str, ...]
+    hidden: Tuple[str, ...]
+    kind: str = "act"
+
+    def describe(self) -> str:
+        where = f"the {self.mesh[0]!r} mesh over ranks {list(self.mesh[1])}"
+        if self.kind == "ids":
+            return f"token ids of {where}, batch split by {self.batch}"
+        if self.kind == "full":
+            return f"a full tensor gathered over {where}"
+        return (f"an activation of {where} with its batch split by {self.batch} and its "
+                f"features by {self.hidden[0]!r}")
+
+
+def _layout_of(info: MeshInfo, hidden_mesh_dim: Optional[str], kind: str = "act") -> _Layout:
+    bdims, hdims = _splits(info, hidden_mesh_dim)
+    mesh = (info.layout, tuple(info.ranks), tuple(info.shape))
+    if kind == "act":
+        return _Layout(mesh, tuple(bdims), tuple(hdims))
+    return _Layout(mesh, tuple(bdims) if kind == "ids" else (), (), kind)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _mark(t: Tensor, layout: _Layout) -> Tensor:
+    """Records that ``t`` (a tensor just made by a tpx layer) is in ``layout``."""
+    if _compiling():
+        return t
+    setattr(t, _ATTR, layout)
+    if t.grad_fn is not None:
+        t.grad_fn.metadata[_META] = frozenset((layout,))
+    return t
+
+
+def _node_layouts(root) -> frozenset:
+    """The layouts recorded at the nearest recorded nodes above autograd node ``root``."""
+    if _META in root.metadata:
+        return root.metadata[_META]
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        meta = node.metadata
+        if _META in meta:
+            continue
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((n, False) for n in nexts if _META not in n.metadata)
+        else:
+            found: frozenset = frozenset()
+            for n in nexts:
+                found = found | n.metadata[_META]
+            meta[_META] = found
+    return root.metadata[_META]
+
+
+def _layouts_of(t: Tensor) -> frozenset:
+    """The layouts ``t`` is known to derive from (empty: unknown)."""
+    if _compiling() or not isinstance(t, Tensor):
+        return frozenset()
+    layout = getattr(t, _ATTR, None)
+    if layout is not None:
+        return frozenset((layout,))
+    if t.grad_fn is None:
+        return frozenset()
+    return _node_layouts(t.grad_fn)
+
+
+def _alternation_hint(got: _Layout, want: _Layout, linear: bool) -> str:
+    if got.mesh != want.mesh:
+        return ("it was split over a different device mesh (another order of the ranks, or "
+                "other ranks): split the inputs and build every layer over the same mesh")
+    if want.mesh[0] == "3d" and got.kind == want.kind == "act":
+        h = got.hidden[0]
+        if linear:
+            return (f"build this layer with hidden_mesh_dim={h!r}. Consecutive Linear3D "
+                    f"layers alternate: a Linear3D(hidden_mesh_dim='output') returns its "
+                    f"output with the features split by 'weight', which the next Linear3D "
+                    f"reads with hidden_mesh_dim='weight' (and returns split by 'output')")
+        return (f"build this layer with hidden_mesh_dim={h!r} (the mesh dim splitting the "
+                f"features of its input: 'weight' after a Linear3D(hidden_mesh_dim="
+                f"'output'), 'output' after a Linear3D(hidden_mesh_dim='weight'), "
+                f"tpx.split_input and the norms and embeddings built with 'output')")
+    if want.mesh[0] == "3d" and got.kind == want.kind == "ids":
+        h = "output" if got.batch[1] == "weight" else "weight"
+        return (f"split the ids with the hidden_mesh_dim of this layer, or build it with "
+                f"hidden_mesh_dim={h!r}")
+    return "pass it the tensor it reads"
+
+
+def _check_layout(who: str, t: Tensor, want: _Layout, linear: bool = False) -> None:
+    """Raises ValueError when ``t`` is known to be in a layout other than ``want``
+    (``linear``: the reader is a Linear3D, whose message explains the alternation)."""
+    found = {lay for lay in _layouts_of(t) if lay.kind != "full"}
+    if not found or found == {want}:
+        return
+    if len(found) > 1:
+        parts = "; ".join(sorted(lay.describe() for lay in found))
+        raise ValueError(f"tpx.{who}: the input combines tensors in different layouts ({parts}), "
+                         f"e.g. a residual add of the output of a Linear3D built with the wrong "
+                         f"`hidden_mesh_dim`; every term must be in the layout this layer reads, "
+                         f"{want.describe()}. Check the hidden_mesh_dim of the layers that made "
+                         f"them (consecutive Linear3D layers alternate 'output' / 'weight').")
+    got = found.pop()
+    raise ValueError(f"tpx.{who}: the input is {got.describe()}, but this layer reads "
+                     f"{want.describe()}: {_alternation_hint(got, want, linear)}.")
 
 
 class _SplitInput(torch.autograd.Function):
@@ -296,7 +454,11 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
     * 1-D: ``x`` unchanged (1-D layers take a replicated input).
     * Token ids (an integer tensor ``[B, ...]``): only the batch is split, as above.
 
-    Raises ValueError when B or H does not divide by the number of blocks."""
+    The result records its layout: a layer built for another one (3-D: another
+    ``hidden_mesh_dim``; any layout: another mesh) raises instead of computing on it.
+
+    Raises ValueError when B or H does not divide by the number of blocks, or when ``x`` is
+    already a block of an activation split over this mesh."""
     info = _mesh_info(mesh, "split_input")
     if info.layout == "3d":
         _check_hidden_dim("split_input", hidden_mesh_dim or "output")
@@ -305,6 +467,12 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
     if info.layout == "1d":
         return x
     bdims, hdims = _splits(info, hidden_mesh_dim)
+    mesh_sig = _layout_of(info, hidden_mesh_dim).mesh
+    done = [lay for lay in _layouts_of(x) if lay.kind != "full" and lay.mesh == mesh_sig]
+    if done:
+        raise ValueError(f"tpx.split_input: `x` is already this rank's block "
+                         f"({done[0].describe()}); split_input takes the full tensor "
+                         f"[B, ..., H] (pass the block to the layers as it is)")
     if not x.is_floating_point() and not x.is_complex():
         # Token ids (an integer tensor) have no hidden dimension: batch split only.
         if x.dim() < 1:
@@ -313,7 +481,7 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
                        _block(info, bdims)[1], f"split over mesh dims {bdims}")
         bi, bn = _block(info, bdims)
         b = x.shape[0] // bn
-        return x.narrow(0, bi * b, b)
+        return _mark(x.narrow(0, bi * b, b), _layout_of(info, hidden_mesh_dim, "ids"))
     if x.dim() < 2:
         raise ValueError(f"tpx.split_input: `x` must be [batch, ..., hidden]; got shape "
                          f"{tuple(x.shape)}")
@@ -321,26 +489,46 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
                    f"split over mesh dims {bdims}")
     _check_divides("split_input", "x.shape[-1] (hidden)", x.shape[-1], _block(info, hdims)[1],
                    f"split over mesh dim {hdims}")
-    return _SplitInput.apply(x, info, bdims, hdims)
+    return _mark(_SplitInput.apply(x, info, bdims, hdims), _layout_of(info, hidden_mesh_dim))
 
 
 def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Tensor:
-    """The full tensor ``[B, ..., H]`` from every rank's block ``y`` in the mesh's layout (the
-    inverse of :func:`split_input`, same placements; for 3-D pass the ``hidden_mesh_dim`` that
-    splits ``y``'s last dimension, e.g. ``layer.output_mesh_dim``). Differentiable: the
-    backward keeps this rank's block of the replicated gradient. 1-D: ``y`` unchanged."""
+    """The full tensor ``[B, ..., H]`` (R) from every rank's block ``y`` in the mesh's layout
+    (the inverse of :func:`split_input`, same placements). Differentiable: the backward keeps
+    this rank's block of the replicated gradient. 1-D: ``y`` unchanged.
+
+    3-D: ``hidden_mesh_dim`` is the mesh dim splitting ``y``'s last dimension (e.g.
+    ``layer.output_mesh_dim``: ``"weight"`` for the output of a
+    ``Linear3D(hidden_mesh_dim="output")``). When it is not given, the layout recorded by the
+    tpx layer that made ``y`` is used (directly, or through the ops autograd recorded since);
+    a ``y`` whose layout is unknown (made under ``torch.no_grad()`` by other ops) raises
+    ValueError asking for it. A ``hidden_mesh_dim``, or a mesh, that differs from the recorded
+    one raises ValueError."""
     info = _mesh_info(mesh, "gather_output")
     if info.layout == "3d":
-        _check_hidden_dim("gather_output", hidden_mesh_dim or "output")
+        if hidden_mesh_dim is not None:
+            _check_hidden_dim("gather_output", hidden_mesh_dim)
     elif hidden_mesh_dim is not None:
         raise ValueError("tpx.gather_output: `hidden_mesh_dim` is only for 3-D meshes")
     if info.layout == "1d":
         return y
+    if not isinstance(y, Tensor) or y.dim() < 2:
+        shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+        raise ValueError(f"tpx.gather_output: `y` must be [batch, ..., hidden]; got {shape}")
+    if info.layout == "3d" and hidden_mesh_dim is None:
+        found = [lay for lay in _layouts_of(y) if lay.kind == "act"]
+        if not found and not _compiling():
+            raise ValueError("tpx.gather_output: pass `hidden_mesh_dim` for a 3-D activation "
+                             "whose layout is not recorded (made by other ops under "
+                             "torch.no_grad()): the mesh dim splitting its features, 'weight' "
+                             "for the output of a Linear3D(hidden_mesh_dim='output') (its "
+                             "`output_mesh_dim`), 'output' for tpx.split_input's layout and the "
+                             "output of a Linear3D(hidden_mesh_dim='weight')")
+        hidden_mesh_dim = (found[0].hidden[0] if len(found) == 1
+                           and found[0].hidden[0] in _HIDDEN_3D else "output")
+    _check_layout("gather_output", y, _layout_of(info, hidden_mesh_dim))
     bdims, hdims = _splits(info, hidden_mesh_dim)
-    if y.dim() < 2:
-        raise ValueError(f"tpx.gather_output: `y` must be [batch, ..., hidden]; got shape "
-                         f"{tuple(y.shape)}")
-    return _GatherOutput.apply(y, info, bdims, hdims)
+    return _mark(_GatherOutput.apply(y, info, bdims, hdims), _layout_of(info, None, "full"))
 
 
 def _check_positive(who: str, **sizes) -> None:
@@ -356,6 +544,7 @@ class _MultiDimLinear(_MeshParams, nn.Module):
                  device=None, dtype=None, *, src_rank: Optional[int] = 0, **kw) -> None:
         super().__init__()
         who = type(self).__name__
+        self._check_kw(who, kw)
         self._begin(mesh, who, dict(in_features=in_features, out_features=out_features,
                                     bias=bool(bias), **kw), src_rank)
         _check_positive(who, in_features=in_features, out_features=out_features)
@@ -381,6 +570,7 @@ class _MultiDimLinear(_MeshParams, nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         who = type(self).__name__
+        cls._check_kw(who, kw)
         has_bias = linear.bias is not None
         self._begin(mesh, who, dict(in_features=linear.in_features,
                                     out_features=linear.out_features, bias=has_bias,
@@ -394,6 +584,10 @@ class _MultiDimLinear(_MeshParams, nn.Module):
 
     def _configure(self, in_features, out_features, mesh, **kw) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def _check_kw(cls, who: str, kw: dict) -> None:
+        """Checks of the layout's own arguments made before anything else (no collective)."""
 
     def _layer_config(self) -> dict:
         return dict(in_features=self.in_features, out_features=self.out_features,
@@ -416,9 +610,10 @@ class _MultiDimLinear(_MeshParams, nn.Module):
                              f"{self.weight.shape[1]}] ({self.in_features} input features "
                              f"split {self.in_features // self.weight.shape[1]} ways); got "
                              f"shape {tuple(x.shape)}. Use tpx.split_input(x, mesh).")
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and not autocast_casts(x, self.weight):
             raise ValueError(f"tpx.{who}: input dtype {x.dtype} differs from the weight dtype "
-                             f"{self.weight.dtype}")
+                             f"{self.weight.dtype}; cast the input, or the module with "
+                             f".to(dtype), or run the forward under torch.autocast")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -460,13 +655,15 @@ class Linear2D(_MultiDimLinear):
         self.mesh_info = info
         self._groups = (info.group_name("row"), info.group_name("col"),
                         info.group_name("depth") if self._layout == "2.5d" else None)
+        self._in_layout = self._out_layout = _layout_of(info, None)
 
     def _weight_splits(self):
         return ("col",), ("row",)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
-        return ops.linear_2d(x, self.weight, self.bias, *self._groups)
+        _check_layout(type(self).__name__, x, self._in_layout)
+        return _mark(ops.linear_2d(x, self.weight, self.bias, *self._groups), self._out_layout)
 
 
 class Linear2p5D(Linear2D):
@@ -486,12 +683,18 @@ class Linear2p5D(Linear2D):
 class Linear3D(_MultiDimLinear):
     """``nn.Linear`` over a 3-D ``("input", "weight", "output")`` mesh of q x q x q ranks.
 
-    ``hidden_mesh_dim`` (``"output"`` by default, or ``"weight"``) is the mesh dimension that
-    splits the input's features; call the other one ``o``. Rank (``input`` i, ``o``,
+    ``hidden_mesh_dim`` (required, keyword: ``"output"`` or ``"weight"``) is the mesh dimension
+    that splits the input's features; call the other one ``o``. Rank (``input`` i, ``o``,
     ``hidden_mesh_dim`` h): input ``[B/q^2, ..., in/q]`` (batch block ``i*q + o``, feature
     block ``h``) -> output ``[B/q^2, ..., out/q]`` (batch block ``i*q + h``, out block ``o``),
-    i.e. the output's features are split by ``o`` (``self.output_mesh_dim``): chain a
-    ``Linear3D(hidden_mesh_dim="output")`` with a ``Linear3D(hidden_mesh_dim="weight")``.
+    i.e. the output's features are split by ``o`` (``self.output_mesh_dim``): consecutive
+    layers alternate, a ``Linear3D(hidden_mesh_dim="output")`` (reading ``split_input``'s
+    layout, the residual stream) then a ``Linear3D(hidden_mesh_dim="weight")`` (which returns
+    the residual stream's layout again). There is no default, since the two input layouts
+    have the same local shape: a missing ``hidden_mesh_dim`` raises ValueError (before any
+    communication), and so does, at the call, an input recorded in the other layout or on
+    another mesh (the output of a tpx layer or of ``split_input``, passed on directly or
+    through ops autograd records; see :mod:`tpx.nn.multidim`).
     ``weight = W[out block o*q + i of q^2, in block h]``; ``bias`` block ``o``, replicated
     over "input" and h. Forward: all-gather the input over ``o`` and the weight over "input",
     GEMM, reduce-scatter over h, chunked (``chunks``, as the 1-D ops).
@@ -502,7 +705,21 @@ class Linear3D(_MultiDimLinear):
 
     _layout = "3d"
 
-    def _configure(self, in_features, out_features, mesh, hidden_mesh_dim: str = "output",
+    @classmethod
+    def _check_kw(cls, who: str, kw: dict) -> None:
+        if kw.get("hidden_mesh_dim") is None:
+            raise ValueError(
+                f"tpx.{who}: pass `hidden_mesh_dim`, the 3-D mesh dim splitting the features "
+                f"of this layer's INPUT: 'output' for an input in tpx.split_input's layout "
+                f"(the residual stream: the output of the norms and embeddings, read by "
+                f"attention's QKV and the MLP's up projection), 'weight' for the output of a "
+                f"Linear3D(hidden_mesh_dim='output') (read by attention's output projection and "
+                f"the MLP's down projection). Consecutive Linear3D layers alternate: each "
+                f"returns its output split by the other dim. There is no default: both layouts "
+                f"have the same local shape, and the wrong one gives wrong numbers.")
+        _check_hidden_dim(who, kw["hidden_mesh_dim"])
+
+    def _configure(self, in_features, out_features, mesh, hidden_mesh_dim: Optional[str] = None,
                    chunks: Optional[int] = None) -> None:
         who = type(self).__name__
         info = check_mesh(mesh, "3d", who)
@@ -518,13 +735,16 @@ class Linear3D(_MultiDimLinear):
         self.mesh_info = info
         self.hidden_mesh_dim, self.output_mesh_dim, self.chunks = h, o, chunks
         self._groups = (info.group_name("input"), info.group_name(o), info.group_name(h))
+        self._in_layout, self._out_layout = _layout_of(info, h), _layout_of(info, o)
 
     def _weight_splits(self):
         return (self.output_mesh_dim, "input"), (self.hidden_mesh_dim,)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
-        return ops.linear_3d(x, self.weight, self.bias, *self._groups, self.chunks)[0]
+        _check_layout(type(self).__name__, x, self._in_layout, linear=True)
+        y = ops.linear_3d(x, self.weight, self.bias, *self._groups, self.chunks)[0]
+        return _mark(y, self._out_layout)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", hidden_mesh_dim={self.hidden_mesh_dim!r}"
@@ -667,6 +887,7 @@ class _MultiDimNorm(_MeshParams, nn.Module):
         self._range = (hi * features // q, (hi + 1) * features // q)
         self._hdims = tuple(hdims)
         self._groups = _norm_groups(info, hidden_mesh_dim)
+        self._in_layout = _layout_of(info, hidden_mesh_dim)
 
     def _param_splits(self) -> List[BlockSpec]:
         """Per parameter, the mesh dims splitting it (see :class:`BlockSpec`)."""
@@ -749,9 +970,12 @@ class LayerNorm2D(_MultiDimNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
+        _check_layout(type(self).__name__, x, self._in_layout)
+        x = norm_input(x)  # fp32 where torch's autocast lists layer_norm as fp32 (tpx.amp)
         hidden, batch = self._groups
-        return _LayerNormFn.apply(x, self.weight, self.bias, self.eps,
-                                  self.normalized_shape[0], hidden, batch)
+        y = _LayerNormFn.apply(x, self.weight, self.bias, self.eps, self.normalized_shape[0],
+                               hidden, batch)
+        return _mark(y, self._in_layout)
 
 
 def _shape_arg(normalized_shape):
@@ -783,8 +1007,10 @@ class LayerNorm2p5D(LayerNorm2D):
 
 class LayerNorm3D(LayerNorm2D):
     """``nn.LayerNorm`` on a 3-D activation whose H is split by ``hidden_mesh_dim``
-    (``"output"`` by default, or ``"weight"``); parameters hold that block of H, gradients
-    summed over "input" and the other activation dim."""
+    (``"output"`` by default: the residual stream; ``"weight"`` for the output of a
+    ``Linear3D(hidden_mesh_dim="output")``); parameters hold that block of H, gradients
+    summed over "input" and the other activation dim. An input recorded in the other layout
+    raises ValueError (see :mod:`tpx.nn.multidim`)."""
 
     _layout = "3d"
 
@@ -858,9 +1084,12 @@ class RMSNorm2D(_MultiDimNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
+        _check_layout(type(self).__name__, x, self._in_layout)
+        x = norm_input(x)  # fp32 where torch's autocast lists rms_norm as fp32 (tpx.amp)
         hidden, batch = self._groups
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return _RMSNormFn.apply(x, self.weight, eps, self.normalized_shape[0], hidden, batch)
+        y = _RMSNormFn.apply(x, self.weight, eps, self.normalized_shape[0], hidden, batch)
+        return _mark(y, self._in_layout)
 
 class RMSNorm2p5D(RMSNorm2D):
     """:class:`RMSNorm2D` on a 2.5-D activation (``[B/(d q), ..., H/q]``); the weight
@@ -870,7 +1099,9 @@ class RMSNorm2p5D(RMSNorm2D):
 
 
 class RMSNorm3D(RMSNorm2D):
-    """:class:`RMSNorm2D` on a 3-D activation whose H is split by ``hidden_mesh_dim``."""
+    """:class:`RMSNorm2D` on a 3-D activation whose H is split by ``hidden_mesh_dim``
+    (``"output"`` by default, or ``"weight"``, as :class:`LayerNorm3D`); an input recorded in
+    the other layout raises ValueError."""
 
     _layout = "3d"
 
@@ -972,6 +1203,8 @@ class Embedding2D(_MeshParams, nn.Module):
         self.mesh_info = info
         self._hdims = tuple(hdims)
         self._batch_groups = [info.group_name(b) for b in bdims]
+        self._ids_layout = _layout_of(info, hidden_mesh_dim, "ids")
+        self._out_layout = _layout_of(info, hidden_mesh_dim)
 
     def _param_splits(self) -> List[BlockSpec]:
         """The table's rows are whole, its columns split (see :class:`BlockSpec`)."""
@@ -985,9 +1218,10 @@ class Embedding2D(_MeshParams, nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.is_floating_point():
             raise TypeError(f"tpx.{type(self).__name__}: `ids` must be an integer Tensor")
+        _check_layout(type(self).__name__, ids, self._ids_layout)
         w = _SumGradOver.apply(self.weight, self._batch_groups) if self.weight.requires_grad \
             else self.weight
-        return nn.functional.embedding(ids, w, self.padding_idx)
+        return _mark(nn.functional.embedding(ids, w, self.padding_idx), self._out_layout)
 
 
 class Embedding2p5D(Embedding2D):
@@ -1000,7 +1234,9 @@ class Embedding2p5D(Embedding2D):
 class Embedding3D(Embedding2D):
     """:class:`Embedding2D` for the 3-D layout: ids ``[B/q^2, ...]`` -> ``[B/q^2, ..., D/q]``
     with D split by ``hidden_mesh_dim`` (default "output", the input layout of
-    :class:`Linear3D`); gradient summed over "input" and the other activation dim."""
+    :class:`Linear3D`); gradient summed over "input" and the other activation dim. The ids
+    must be split with the same ``hidden_mesh_dim`` (``tpx.split_input(ids, mesh,
+    hidden_mesh_dim=...)``): ids recorded with the other one raise ValueError."""
 
     _layout = "3d"
 

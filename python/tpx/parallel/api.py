@@ -316,23 +316,49 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
                              f"module (some module names: {names[1:9]}); fix the pattern or "
                              "pass strict=False")
         work += [(n, style) for n in matches]
-    # Modules are replaced deepest first, so that a style on a parent (attention, the model
-    # itself) sees its already-sharded children.
+    # Every style checks its module first (head counts against the mesh, ...); then the
+    # layers that MeshParallel replaces are all built from the untouched modules; only then is
+    # anything changed: the replacements in place, then the styles that adjust a module in
+    # place (attention head counts, input splits), deepest first.
     work.sort(key=lambda w: -len(w[0].split(".")) if w[0] else 1)
+
+    def fail(name, old, style, e):
+        return type(e)(f"tpx.parallelize_module: {name!r} ({type(old).__name__}) with "
+                       f"{style!r}: {e}")
+
     for name, style in work:
-        parent_name, _, child = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        old = module if name == "" else getattr(parent, child)
+        old = module if name == "" else module.get_submodule(name)
+        try:
+            style.validate_mesh(old, mesh)
+        except (ValueError, TypeError) as e:
+            raise fail(name, old, style, e) from e
+    replaced, in_place = [], []
+    for name, style in work:
+        old = module if name == "" else module.get_submodule(name)
+        if not style.replaces:
+            in_place.append((name, style, old))
+            continue
+        try:
+            new = style.apply_mesh(old, mesh, src_rank)
+            if new is not old:
+                if name == "":
+                    raise ValueError("the style of the model itself ('') must keep the module")
+                _check_can_become(old, new, repr(name))
+        except (ValueError, TypeError) as e:
+            raise fail(name, old, style, e) from e
+        if new is not old:
+            replaced.append((old, new))
+    for old, new in replaced:
+        _become(old, new)
+    for name, style, old in in_place:
         try:
             new = style.apply_mesh(old, mesh, src_rank)
         except (ValueError, TypeError) as e:
-            raise type(e)(f"tpx.parallelize_module: {name!r} ({type(old).__name__}) with "
-                          f"{style!r}: {e}") from e
-        if name == "":
-            if new is not module:
-                raise ValueError("tpx.parallelize_module: the style of the model itself "
-                                 "('') must keep the module")
-        elif new is not old:
+            raise fail(name, old, style, e) from e
+        if new is not old:  # a user's style that builds a new module
+            if name == "":
+                raise ValueError("tpx.parallelize_module: the style of the model itself ('') "
+                                 "must keep the module")
             _check_can_become(old, new, repr(name))
             _become(old, new)
     _keep_parameter_objects(module, before)

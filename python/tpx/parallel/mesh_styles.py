@@ -38,8 +38,16 @@ class MeshStyle(ParallelStyle):
     """Base of the styles applied over a multi-dimensional mesh: ``apply_mesh(module, mesh,
     src_rank)`` returns the sharded module."""
 
+    #: whether ``apply_mesh`` returns a new module built from the given one (which it leaves
+    #: untouched) rather than adjusting the given module in place.
+    replaces = False
+
     def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
         raise NotImplementedError  # pragma: no cover
+
+    def validate_mesh(self, module: nn.Module, mesh) -> None:
+        """Raises if the style cannot be applied to ``module`` over ``mesh``; changes nothing.
+        ``parallelize_module`` calls it for every entry of a plan before it changes anything."""
 
     def apply(self, module, pg, src_rank=0):
         raise ValueError(f"tpx.{type(self).__name__} shards over a 2-D, 2.5-D or 3-D mesh: pass "
@@ -81,13 +89,20 @@ class MeshParallel(MeshStyle):
     Args:
         hidden_mesh_dim: 3-D meshes only (ignored by 2-D and 2.5-D ones, so one plan serves
             every layout): the mesh dimension splitting the features of the module's INPUT,
-            ``"output"`` (the model's residual stream, the default) or ``"weight"`` (the
-            output of a ``Linear3D`` that read the residual stream: attention's output
-            projection and the MLP's down projection read it).
+            ``"output"`` (the model's residual stream) or ``"weight"`` (the output of a
+            ``Linear3D`` that read the residual stream: attention's output projection and
+            the MLP's down projection read it). Consecutive ``Linear3D`` layers alternate
+            the two. Required for an ``nn.Linear`` on a 3-D mesh (both layouts have the same
+            local shape, so a wrong guess would compute wrong numbers; ``apply_mesh`` raises
+            ValueError without it); norms and embeddings default to ``"output"``. At run
+            time each layer raises when its input is recorded in the other layout
+            (:mod:`tpx.nn.multidim`).
         gather_output: the module's output is gathered to the full tensor (``R``) by a
             forward hook: the LM head of a model whose caller expects full logits.
         chunks: pipeline depth of ``Linear3D`` (``None``: the default).
     """
+
+    replaces = True
 
     def __init__(self, *, hidden_mesh_dim: Optional[str] = None, gather_output: bool = False,
                  chunks: Optional[int] = None) -> None:
@@ -102,6 +117,15 @@ class MeshParallel(MeshStyle):
         suffix = _SUFFIX[info.layout]
         three_d = info.layout == "3d"
         hkw = {"hidden_mesh_dim": self.hidden_mesh_dim or "output"} if three_d else {}
+        if three_d and isinstance(module, nn.Linear) and self.hidden_mesh_dim is None:
+            raise ValueError(
+                "tpx.MeshParallel: on a 3-D mesh an nn.Linear needs "
+                "MeshParallel(hidden_mesh_dim=...), the mesh dim splitting its input's "
+                "features: 'output' for a Linear reading the residual stream (attention's QKV, "
+                "the MLP's up projection, the LM head), 'weight' for one reading the output of "
+                "such a Linear (attention's output projection, the MLP's down projection). "
+                "Consecutive Linear3D layers alternate; both layouts have the same local shape, "
+                "so there is no safe default.")
         if isinstance(module, nn.Linear):
             kw = dict(hkw, src_rank=src_rank)
             if three_d and self.chunks is not None:
@@ -187,7 +211,7 @@ class MeshAttention(MeshStyle):
         self.num_kv_heads = int(num_kv_heads) if num_kv_heads is not None else self.num_heads
         self.update = update
 
-    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+    def validate_mesh(self, module: nn.Module, mesh) -> None:
         info = mesh_info(mesh, "MeshAttention")
         q = info.q
         for what, n in (("attention heads", self.num_heads),
@@ -200,6 +224,10 @@ class MeshAttention(MeshStyle):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"tpx.MeshAttention: {self.num_heads} query heads and "
                              f"{self.num_kv_heads} KV heads: not a GQA layout")
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        self.validate_mesh(module, mesh)
+        q = mesh_info(mesh, "MeshAttention").q
         if self.update is not None:
             self.update(module, self.num_heads // q, self.num_kv_heads // q)
         return module

@@ -267,13 +267,13 @@ def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
     for n in norms:
         plan[pre + n] = MeshParallel()
     for n in into:
-        plan[pre + n] = MeshParallel()
+        plan[pre + n] = MeshParallel(hidden_mesh_dim="output")
     for n in out_of:
         plan[pre + n] = MeshParallel(hidden_mesh_dim="weight")
     if final_norm is not None:
         plan[final_norm] = MeshParallel()
     if head is not None:
-        plan[head] = MeshParallel(gather_output=not loss_parallel)
+        plan[head] = MeshParallel(hidden_mesh_dim="output", gather_output=not loss_parallel)
     elif loss_parallel:
         raise ValueError("tpx.plans.auto: loss_parallel=True needs a model with an LM head")
     return plan
