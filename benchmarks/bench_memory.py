@@ -455,6 +455,9 @@ def run_world(rank: int, world: int, args, init_method: str) -> None:
                                         for x in everyone]))
         if rank == 0:
             Path(args.partial).write_text(json.dumps(dict(environment=env, rows=rows)))
+        # Every rank's last collective is complete before any process begins to exit (a rank
+        # exiting while gloo's thread still releases a finished collective can abort).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -39,11 +39,8 @@ def test_backend_choice(gemm_env):
     gemm_env("aten")
     assert tpx.ops.cpu_gemm_backend() == "aten"
     gemm_env(None)
-    torch.backends.mkldnn.enabled = False
-    try:
+    with torch.backends.mkldnn.flags(enabled=False):
         assert tpx.ops.cpu_gemm_backend() == "aten"
-    finally:
-        torch.backends.mkldnn.enabled = True
     gemm_env("blas")
     with pytest.raises(ValueError, match="TPX_CPU_GEMM must be 'auto', 'aten' or 'onednn'"):
         tpx.ops.cpu_gemm_backend()

@@ -27,8 +27,17 @@ import tpx
 import tpx.checkpoint
 from harness import run_ranks
 
-# PyTorch's test models (needs torch's test dependency expecttest, installed by `make test`).
-from torch.testing._internal.distributed._tensor import common_dtensor as cd
+# PyTorch's test models (needs torch's test dependency expecttest, installed by `make test`),
+# imported in the ranks only: importing torch.testing._internal in the pytest process would
+# lock torch.backends' global flags for the other test files.
+cd = None
+
+
+def _load_torch_test_models():
+    global cd
+    from torch.testing._internal.distributed._tensor import common_dtensor
+
+    cd = common_dtensor
 
 
 @contextlib.contextmanager
@@ -196,6 +205,7 @@ def _weight_tying(rank, world):
 
 
 def _mlp_cases(rank, world):
+    _load_torch_test_models()
     _run_cases([("mlp_training seq_parallel", lambda: _mlp_training(rank, world, True)),
                 ("mlp_training", lambda: _mlp_training(rank, world, False)),
                 ("mlp_inference", lambda: _mlp_inference(rank, world)),
@@ -294,6 +304,7 @@ def _transformer_training(rank, world, seq_parallel, dtype):
 
 
 def _transformer_cases(rank, world):
+    _load_torch_test_models()
     _run_cases([(f"transformer_training seq_parallel={sp} {dt}",
                  lambda sp=sp, dt=dt: _transformer_training(rank, world, sp, dt))
                 for sp in (True, False) for dt in (torch.float64, torch.float32)])
@@ -352,6 +363,7 @@ def _transformer_req_grad(rank, world, thaw, seq_parallel, dtype):
 
 
 def _req_grad_cases(rank, world):
+    _load_torch_test_models()
     _run_cases([(f"req_grad {i}", lambda c=c: _transformer_req_grad(rank, world, *c))
                 for i, c in enumerate(REQ_GRAD_CASES)])
 
@@ -362,6 +374,7 @@ def test_transformer_req_grad(world):
 
 
 def _checkpoint_activations(rank, world):
+    _load_torch_test_models()
     for sp in (False, True):
         case = f"transformer checkpoint_activations seq_parallel={sp} at TP {world}"
         model_args, model, model_tp = _setup_transformer(world, sp, torch.float64,
