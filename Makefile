@@ -126,5 +126,55 @@ $(CUDA_BUILD)/.checked: $(CUDA_BUILD)/.installed $(CUDA_TESTS) tests/harness.py 
 	env -u PYTHONPATH nice -n 10 $(CUDA_PY) .ci/cuda_build_check.py $(CUDA_TESTS) $(PYTEST_ARGS)
 	touch $@
 
+# `make test-torch TORCH_SPEC=torch==X.Y.Z`: the whole test suite on another release of torch.
+# That release gets its own venv (.venv-torch-X.Y.Z, installed once; torch's default wheel from
+# the package index, a CUDA build of several GB) and tpx is built against it as a CPU-only
+# wheel in its own build directory (build/torch-X.Y.Z), then installed into that venv: the
+# editable build of python/tpx and build/ of the main build are never touched. The tests run
+# from the repository root on the installed wheel (the source tree's python/ is not on
+# sys.path; the first line printed says where tpx came from). DIST_EXTRA_CONFIG puts setuptools'
+# egg-info there too, out of python/.
+# PIP_CONFIG_FILE=/dev/null: pip reads no configuration file for this target, so a constraints
+# file of the machine's pip configuration does not hold back the newest torch.
+# TT_TRANSFORMERS: the transformers release installed with that torch. Below torch 2.6 the
+# models of transformers 5.19 and later do not import (torch.accelerator), so torch 2.5.x gets
+# 5.18.0, the newest that runs there.
+TT_VERSION := $(patsubst torch==%,%,$(filter torch==%,$(TORCH_SPEC)))
+TT_VENV := .venv-torch-$(TT_VERSION)
+TT_PY := $(TT_VENV)/bin/python
+TT_DEPS := $(TT_VENV)/.deps-installed-1
+TT_BUILD := build/torch-$(TT_VERSION)
+TT_TRANSFORMERS ?= $(if $(filter 2.5.%,$(TT_VERSION)),transformers==5.18.0,transformers==5.23.0)
+TT_BUILD_JOBS ?= 2
+TT_PIP := PIP_CONFIG_FILE=/dev/null nice -n 10 $(TT_PY) -m pip
+
+.PHONY: test-torch
+test-torch: $(TT_BUILD)/.installed
+	env -u PYTHONPATH $(TT_PY) -c 'import os, sys, torch, tpx; \
+	  where = os.path.realpath(tpx.__file__); \
+	  print("test-torch: torch", torch.__version__, "| tpx", tpx.build_info()["version"], "from", where); \
+	  sys.exit("test-torch: tpx was imported from the source tree, not from the installed wheel" \
+	           if where.startswith(os.path.realpath("python") + os.sep) else \
+	           "test-torch: torch " + torch.__version__ + " is not $(TT_VERSION)" \
+	           if torch.__version__.split("+")[0] != "$(TT_VERSION)" else 0)'
+	env -u PYTHONPATH nice -n 10 $(TT_PY) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
+
+$(TT_DEPS):
+	@test -n "$(TT_VERSION)" || { echo "make test-torch: TORCH_SPEC must be torch==X.Y.Z (got '$(TORCH_SPEC)')"; exit 2; }
+	python3 -m venv $(TT_VENV)
+	$(TT_PIP) install --quiet "torch==$(TT_VERSION)" setuptools wheel pybind11 ninja pytest \
+	    numpy tqdm matplotlib safetensors "$(TT_TRANSFORMERS)" expecttest
+	touch $@
+
+$(TT_BUILD)/.installed: $(TT_DEPS) $(EXT_INPUTS) $(PY_SRCS)
+	@mkdir -p $(TT_BUILD)/dist $(TT_BUILD)/setuptools
+	rm -f $(TT_BUILD)/dist/*.whl
+	printf '[egg_info]\negg_base = $(TT_BUILD)/setuptools\n' > $(TT_BUILD)/setuptools.cfg
+	DIST_EXTRA_CONFIG=$(TT_BUILD)/setuptools.cfg \
+	  TPX_CUDA=0 TPX_BUILD_DIR=$(TT_BUILD)/setuptools MAX_JOBS=$(TT_BUILD_JOBS) \
+	  $(TT_PIP) wheel --no-build-isolation --no-deps -w $(TT_BUILD)/dist .
+	$(TT_PIP) install --quiet --no-deps --force-reinstall $(TT_BUILD)/dist/tpx-*.whl
+	touch $@
+
 clean:
 	rm -rf build python/tpx/*.so python/*.egg-info
