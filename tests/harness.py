@@ -34,6 +34,11 @@ def _worker(fn, rank, world_size, init_file, results, args, backend):
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, traceback.format_exc()))
     finally:
+        # The result reaches the parent before the group is destroyed: torch < 2.8 destroys a
+        # gloo group holding the GIL, which can deadlock with a gloo thread that frees the
+        # last tensors of an asynchronous op (the parent kills such a rank once all reported).
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

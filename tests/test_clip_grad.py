@@ -21,6 +21,7 @@ from torch import nn
 import tpx
 import tpx.checkpoint
 from harness import run_ranks
+from torch_compat import fully_shard, needs_fsdp2_on_cpu, get_total_norm
 
 V = 13  # uneven over 2 and 3 ranks
 SEQ = 6
@@ -120,7 +121,7 @@ def _check_tp(rank, world):
         _loss(model, ids, labels).backward()
         _check_grads(model, ref, what)
 
-        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        expected = get_total_norm([p.grad for p in ref.parameters()], norm_type)
         params = list(model.parameters())
         with tpx.comm_stats() as stats:
             total = tpx.get_total_norm([p.grad for p in params], norm_type, parameters=params)
@@ -128,7 +129,7 @@ def _check_tp(rank, world):
         _close(total, expected, f"get_total_norm ({what})")
         # What torch's function sees on a rank: its own shards only, less than the full norm
         # (under the inf-norm, the rank holding the largest entry happens to get it right).
-        local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        local = get_total_norm([p.grad for p in params], norm_type)
         if norm_type != math.inf:
             assert local < expected * (1 - 1e-3), (what, float(local), float(expected))
 
@@ -172,7 +173,7 @@ def _check_gqa(rank, world):
     _loss(model, ids, labels).backward()
     _check_grads(model, ref, f"GQA TP {world}")
     for norm_type in (2.0, math.inf):
-        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        expected = get_total_norm([p.grad for p in ref.parameters()], norm_type)
         params = list(model.parameters())
         total = tpx.get_total_norm([p.grad for p in params], norm_type, parameters=params)
         _close(total, expected, f"GQA norm_type={norm_type} TP {world}")
@@ -206,7 +207,7 @@ def _check_accumulation(rank, world, micro):
             part = slice(2 * i, 2 * i + 2)
             (_loss(model, ids[part], labels[part]) / micro).backward()
         _check_grads(model, ref, what)
-        max_norm = 0.5 * float(torch.nn.utils.get_total_norm(
+        max_norm = 0.5 * float(get_total_norm(
             [p.grad for p in ref.parameters()]))
         ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         total = tpx.clip_grad_norm_(model.parameters(), max_norm)
@@ -247,7 +248,7 @@ def _check_nonfinite(rank, world):
         for p, g in zip(model.parameters(), saved):  # raised on every rank, nothing scaled
             torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True, msg=what)
         # Without the error: the same non-finite norm on every rank, as torch's on one device.
-        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        expected = get_total_norm([p.grad for p in ref.parameters()], norm_type)
         total = tpx.clip_grad_norm_(model.parameters(), 1.0, norm_type)
         assert not math.isfinite(float(expected)), what
         assert (total.isnan() and expected.isnan()) or total == expected, (
@@ -301,7 +302,7 @@ def _check_column_embedding(rank, world):
     (ref(ids) * g).sum().backward()
     (model(ids) * g).sum().backward()
     for norm_type, foreach in ((2.0, None), (3.0, False), (math.inf, True)):
-        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        expected = get_total_norm([p.grad for p in ref.parameters()], norm_type)
         total = tpx.get_total_norm([p.grad for p in model.parameters()], norm_type,
                                    foreach=foreach, parameters=list(model.parameters()))
         _close(total, expected, f"column embedding norm_type={norm_type} foreach={foreach}")
@@ -333,7 +334,7 @@ def test_plain_tensors_match_torch():
         y.grad = x.grad.clone()
     for norm_type in (2.0, 1.0, 3.5, math.inf):
         _close(tpx.get_total_norm([t.grad for t in a], norm_type),
-               torch.nn.utils.get_total_norm([t.grad for t in a], norm_type), str(norm_type))
+               get_total_norm([t.grad for t in a], norm_type), str(norm_type))
     total = tpx.clip_grad_norm_(iter(a), 0.7)
     expected = torch.nn.utils.clip_grad_norm_(b, 0.7)
     _close(total, expected, "total")
@@ -364,7 +365,7 @@ def _check_2d(rank, world):
     (ref(ids) * g).sum().backward()
     (model(ids) * g).sum().backward()
     for norm_type in (2.0, math.inf, 1.5):
-        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        expected = get_total_norm([p.grad for p in ref.parameters()], norm_type)
         params = list(model.parameters())
         with tpx.comm_stats() as stats:
             total = tpx.get_total_norm([p.grad for p in params], norm_type, parameters=params)
@@ -387,7 +388,6 @@ def test_2d_mesh():
 
 def _check_fsdp(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from tiny_llama import Decoder
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -411,7 +411,7 @@ def _check_fsdp(rank, world):
     mine = slice(2 * dp_rank, 2 * dp_rank + 2)
     _loss(ref, ids, labels).backward()
     _loss(model, ids[mine], labels[mine]).backward()
-    expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    expected = get_total_norm([p.grad for p in ref.parameters()])
     max_norm = 0.5 * float(expected)
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     with tpx.comm_stats() as stats:
@@ -430,6 +430,7 @@ def _check_fsdp(rank, world):
                atol=1e-5)
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp2_dp_by_tpx_tp():
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_check_fsdp, 4)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import tpx
 import tpx.checkpoint
 from harness import run_ranks
+from torch_compat import fully_shard, needs_fsdp2_on_cpu
 from tiny_llama import Decoder
 
 V = 1003
@@ -15,7 +16,6 @@ V = 1003
 
 def _check_2d(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
@@ -54,6 +54,7 @@ def _check_2d(rank, world):
         torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-5)
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp2_dp_by_tpx_tp():
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_check_2d, 4)

@@ -3,8 +3,11 @@
 and leaves everything as gloo starts it with TPX_GLOO_LOOP_POLICY=keep. The results of the
 ops are unchanged: checked against the unsharded product at world sizes 2 and 3."""
 
+import functools
 import os
+import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -15,6 +18,29 @@ from harness import run_ranks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="thread scheduling policies are set on Linux only")
+
+_PROBE = """
+import os, tempfile, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+names = {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+print("gloo_tcp_loop" in names)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _skip_if_gloo_threads_unnamed() -> Optional[str]:
+    """The reason to skip on a torch (< 2.13) whose gloo leaves its event-loop threads
+    unnamed (torch 2.5 does): tpx finds them by name, so there is nothing to switch there. On
+    newer torch a missing name stays a failure."""
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        return None
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    if out.endswith("False"):
+        return (f"torch {torch.__version__}: its gloo does not name its event-loop threads "
+                "'gloo_tcp_loop', so tpx cannot find them and leaves their policy as it is")
+    return None
 
 
 def gloo_loop_threads() -> dict:
@@ -72,18 +98,25 @@ def _check_policies(rank, world, policy):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("policy", [None, "batch", "keep"])
 def test_gloo_loop_threads_policy(world, policy):
+    reason = _skip_if_gloo_threads_unnamed()
+    if reason:
+        pytest.skip(reason)
     run_ranks(_check_policies, world, policy)
 
 
-def _check_bad_policy(rank, world):
+def _check_bad_policy(rank, world, named):
     os.environ["TPX_GLOO_LOOP_POLICY"] = "fast"
     with pytest.raises(ValueError, match="TPX_GLOO_LOOP_POLICY must be 'batch'.*'keep'.*'fast'"):
         _sum_matches(rank, world, dist.group.WORLD, seed=3)
-    assert set(gloo_loop_threads().values()) == {os.SCHED_OTHER}
+    if named:
+        assert set(gloo_loop_threads().values()) == {os.SCHED_OTHER}
     os.environ["TPX_GLOO_LOOP_POLICY"] = "keep"
     _sum_matches(rank, world, dist.group.WORLD, seed=4)  # the group still works
-    assert set(gloo_loop_threads().values()) == {os.SCHED_OTHER}
+    if named:
+        assert set(gloo_loop_threads().values()) == {os.SCHED_OTHER}
 
 
 def test_bad_gloo_loop_policy_is_a_value_error():
-    run_ranks(_check_bad_policy, 2)
+    # Without named loop threads (see _skip_if_gloo_threads_unnamed) only the error and the
+    # results are checked.
+    run_ranks(_check_bad_policy, 2, _skip_if_gloo_threads_unnamed() is None)

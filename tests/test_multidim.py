@@ -12,6 +12,7 @@ The expected blocks are cut from the full tensors here, by hand, from the placem
 layers document (not with tpx.split_input, which is tested against them)."""
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -902,16 +903,19 @@ def _check_checkpoint(rank, world, layout, tmp):
     _same_state(tpx.checkpoint.full_state_dict(back), fresh, f"DCP {layout} -> {layout}")
 
     # On one device: plain torch.distributed.checkpoint into the unsharded Decoder (rank 0
-    # alone, without the process group, at 3-D; every rank at 2-D).
+    # alone, without the process group, at 3-D; every rank at 2-D). torch < 2.6 has no
+    # no_dist= on dcp.load: there every rank loads.
+    alone = layout == "3d" and "no_dist" in inspect.signature(dcp.load).parameters
+
     def one_device():
         single = _ckpt_decoder(q, 8)
         state = single.state_dict()
-        dcp.load(state, checkpoint_id=ckpt, no_dist=layout == "3d")
+        dcp.load(state, checkpoint_id=ckpt, **({"no_dist": True} if alone else {}))
         single.load_state_dict(state)
         with torch.no_grad():
             close(single(ids), logits, f"{layout} checkpoint on one device")
 
-    if layout == "3d":
+    if alone:
         if rank == 0:
             one_device()
         dist.barrier()

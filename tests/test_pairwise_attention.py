@@ -30,6 +30,7 @@ import torch.nn as nn
 import tpx
 import tpx.checkpoint
 from harness import from_rank, run_ranks
+from torch_compat import get_total_norm
 from tpx.parallel import compat
 
 
@@ -332,7 +333,7 @@ def _check_containers(rank, world, heads, kinds, ckpt_dir):
                 # The parameters carry their layouts: the full model's gradient norm.
                 norm = tpx.get_total_norm([p.grad for p in model.parameters()],
                                           parameters=list(model.parameters()))
-                ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+                ref_norm = get_total_norm([p.grad for p in ref.parameters()])
                 close(norm, ref_norm, f"{case} gradient norm", 1e-4, 1e-5)
             opt.step()
             ref_opt.step()

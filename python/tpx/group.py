@@ -114,7 +114,9 @@ def check_same_on_ranks(pg: dist.ProcessGroup, what: str, config: dict, *,
 
     check_distinct_devices(pg)
     gathered: list[Any] = [None] * pg.size()
-    dist.all_gather_object(gathered, (config, extra), group=pg)
+    # Outside inference mode: torch < 2.6's all_gather_object updates its buffers in place.
+    with torch.inference_mode(False):
+        dist.all_gather_object(gathered, (config, extra), group=pg)
     for rank, (other, _) in enumerate(gathered):
         if other != config:
             diff = {k: (config.get(k), other.get(k)) for k in set(config) | set(other)
@@ -346,7 +348,7 @@ def _scatter_rows(pg: dist.ProcessGroup, src_rank: int, out: torch.Tensor,
                     view = send[r][:m].view(out.dtype).view([b - a] + shapes[r][1:])
                     fill(r, a, b, view)
         recv = recv_all[:n]
-        dist.scatter(recv, send, group=pg, group_src=src_rank)
+        dist.scatter(recv, send, src=dist.get_global_rank(pg, src_rank), group=pg)
         (a, b), m = step[rank], nbytes[rank]
         if m:
             out[a:b].copy_(recv[:m].view(out.dtype).view([b - a] + shapes[rank][1:]))
@@ -381,7 +383,7 @@ def broadcast_(pg: dist.ProcessGroup, src_rank: int, tensors: Sequence[torch.Ten
                 view.copy_(t)
             views.append(view)
             offset += _aligned(n)
-        dist.broadcast(buf, group=pg, group_src=src_rank)
+        dist.broadcast(buf, src=dist.get_global_rank(pg, src_rank), group=pg)
         if not is_src:
             for t, view in zip(bucket, views):
                 t.copy_(view)
@@ -404,7 +406,7 @@ def broadcast_(pg: dist.ProcessGroup, src_rank: int, tensors: Sequence[torch.Ten
         flat = t if t.is_contiguous() else t.contiguous()
         data = flat.view(-1).view(torch.uint8)
         if dev == t.device:
-            dist.broadcast(data, group=pg, group_src=src_rank)
+            dist.broadcast(data, src=dist.get_global_rank(pg, src_rank), group=pg)
         else:
             stage = torch.empty(min(chunk_bytes, data.numel()), dtype=torch.uint8, device=dev)
             for i in range(0, data.numel(), stage.numel()):
@@ -412,7 +414,7 @@ def broadcast_(pg: dist.ProcessGroup, src_rank: int, tensors: Sequence[torch.Ten
                 piece = stage[:part.numel()]
                 if is_src:
                     piece.copy_(part)
-                dist.broadcast(piece, group=pg, group_src=src_rank)
+                dist.broadcast(piece, src=dist.get_global_rank(pg, src_rank), group=pg)
                 if not is_src:
                     part.copy_(piece)
         if flat is not t and not is_src:

@@ -57,7 +57,22 @@ def local_input(x, placement: Placement, pg: dist.ProcessGroup, who: str):
         placement = Shard(placement.dim % x.dim())
     if tuple(x.placements) != (placement,):
         x = x.redistribute(mesh, [placement])
-    return x.to_local()
+    return _ContiguousGrad.apply(x.to_local())
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. The gradient a tpx layer
+    computes for its input can be a strided view (e.g. the blocks of a sequence all-gather);
+    ``DTensor.to_local``'s backward gives the gradient ``DTensor`` that local tensor's strides,
+    and ops of torch < 2.6's DTensor then call ``view`` on it (a RuntimeError)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 _MESHES: Dict[Tuple[str, str], object] = {}

@@ -388,7 +388,12 @@ class SequenceParallel(ParallelStyle):
 
         def pre(mod, args):
             # DTensor inputs (any placement) become this rank's block of the sequence.
-            first = next((a for a in args if isinstance(a, DTensor)), None)
+            # A loop, not next(generator, None): dynamo of torch 2.5 cannot trace the latter.
+            first = None
+            for a in args:
+                if isinstance(a, DTensor):
+                    first = a
+                    break
             state["shape"] = tuple(first.shape) if first is not None else None
             return tuple(redistribute(a, seq, seq, pg) for a in args)
 

@@ -1,0 +1,43 @@
+"""The torch references of the tests on every supported torch (>= 2.5): functions that newer
+releases have and older ones spell differently or lack.
+
+- ``get_total_norm(tensors, norm_type=2.0)``: ``torch.nn.utils.get_total_norm`` (torch >= 2.6);
+  before it, the same norm: the ``norm_type``-norm of the per-tensor norms.
+- ``fully_shard``: FSDP2's entry point, ``torch.distributed.fsdp.fully_shard`` (torch >= 2.6),
+  ``torch.distributed._composable.fsdp.fully_shard`` before.
+- ``needs_fsdp2_on_cpu``: a skip marker for tests that run FSDP2 on CPU tensors; torch 2.5's
+  FSDP2 raises "FSDP requires CUDA for streams" there (a limit of that torch, not of tpx).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+__all__ = ["get_total_norm", "fully_shard", "needs_fsdp2_on_cpu"]
+
+
+def _total_norm(tensors, norm_type: float = 2.0) -> torch.Tensor:
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = [t for t in tensors if t is not None]
+    if not tensors:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(t, float(norm_type)) for t in tensors]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), float(norm_type))
+
+
+get_total_norm = getattr(torch.nn.utils, "get_total_norm", _total_norm)
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+
+_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+needs_fsdp2_on_cpu = pytest.mark.skipif(
+    _TORCH < (2, 6),
+    reason=f"torch {torch.__version__}: FSDP2 (fully_shard) requires CUDA streams before "
+           "torch 2.6, and these ranks run on the CPU")
