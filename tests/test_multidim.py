@@ -915,8 +915,8 @@ def _check_checkpoint(rank, world, layout, tmp):
         with torch.no_grad():
             close(single(ids), logits, f"{layout} checkpoint on one device")
 
-    if alone:
-        if rank == 0:
+    if layout == "3d":
+        if rank == 0 or not alone:
             one_device()
         dist.barrier()
         return
