@@ -134,3 +134,61 @@ def from_rank(module, src=0):
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t, src)
     return module
+
+
+# ------------------------------------------------------------------ checks used in the ranks
+
+def assert_like_unsharded(model, ref, what, *, grad=False, rtol=1e-5, atol=1e-6, local=None):
+    """Every parameter of the sharded ``model`` (its gradient with ``grad=True``) equals this
+    rank's part of the same-named parameter of the unsharded ``ref``: the block the parameter's
+    layout gives it (``tpx.checkpoint``'s description of a sharded parameter) or the whole
+    tensor. ``local`` maps the compared tensor of ``model`` first (``DTensor.full_tensor``
+    under FSDP2). Both models have the same parameter names; a gradient missing on one side
+    must be missing on the other; at least one tensor is compared."""
+    import torch
+    import tpx.checkpoint
+
+    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
+    ref_params = dict(ref.named_parameters())
+    names = [k for k, _ in model.named_parameters()]
+    assert sorted(names) == sorted(ref_params), (what, names, sorted(ref_params))
+    compared = 0
+    for key, p in model.named_parameters():
+        expected, got = ref_params[key], p
+        if grad:
+            expected, got = expected.grad, p.grad
+            if expected is None or got is None:
+                assert expected is None and got is None, (
+                    f"{what}: gradient of {key}: unsharded "
+                    f"{'has one' if expected is not None else 'none'}, sharded "
+                    f"{'has one' if got is not None else 'none'}")
+                continue
+        if key in sharded:
+            expected = sharded[key].slice_of(expected)
+        if local is not None:
+            got = local(got)
+        torch.testing.assert_close(
+            got.detach(), expected.detach(), rtol=rtol, atol=atol,
+            msg=lambda m, key=key: f"{what}: {'gradient of ' if grad else ''}{key}: {m}")
+        compared += 1
+    assert compared, f"{what}: nothing compared"
+
+
+def comm_counts(stats) -> dict:
+    """``{kind: calls}`` of the collectives a ``tpx.comm_stats()`` recorded (kinds with none
+    left out)."""
+    return {k: stats.calls(kind=k) for k in ("all_reduce", "all_gather", "reduce_scatter")
+            if stats.calls(kind=k)}
+
+
+def run_cases(cases, *args):
+    """Runs every ``(name, fn)`` of ``cases`` as ``fn(*args)`` and raises one AssertionError
+    with the traceback of each that failed, so one run reports all of them."""
+    failures = []
+    for name, fn in cases:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - reported together below
+            failures.append(f"--- {name}\n{traceback.format_exc()}")
+    if failures:
+        raise AssertionError("\n".join(failures))

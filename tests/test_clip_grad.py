@@ -20,7 +20,7 @@ from torch import nn
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 from torch_compat import fully_shard, needs_fsdp2_on_cpu, get_total_norm
 
 V = 13  # uneven over 2 and 3 ranks
@@ -80,13 +80,7 @@ def _close(actual, expected, what, rtol=1e-5, atol=1e-6):
 
 def _check_grads(model, ref, what):
     """Every gradient of the sharded model equals its slice of the unsharded one's."""
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-    for key, p in model.named_parameters():
-        expected = ref_grads[key]
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
-        _close(p.grad, expected, f"grad {key} ({what})", rtol=1e-4, atol=1e-6)
+    assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=1e-6)
 
 
 def _check_state(model, ref, what):
@@ -420,14 +414,8 @@ def _check_fsdp(rank, world):
     _close(total, ref_total, "tpx + FSDP2 clip", rtol=1e-4)
     for m in (ref, model):
         torch.optim.SGD(m.parameters(), lr=0.5).step()
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    ref_params = dict(ref.named_parameters())
-    for key, p in model.named_parameters():
-        expected_p = ref_params[key].detach()
-        if key in sharded:
-            expected_p = sharded[key].slice_of(expected_p)
-        _close(p.full_tensor(), expected_p, f"{key} after clip + step (FSDP2)", rtol=1e-4,
-               atol=1e-5)
+    assert_like_unsharded(model, ref, "after clip + step (FSDP2)", rtol=1e-4, atol=1e-5,
+                          local=lambda p: p.full_tensor())
 
 
 @needs_fsdp2_on_cpu

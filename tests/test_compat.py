@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 from tpx.parallel import compat
 
 
@@ -115,13 +115,7 @@ def _compare(rank, world, ref, model, x_full, to_local_in, to_local_out, gen, wh
     (y * to_local_out(g_full)).sum().backward()
     (y_ref * g_full).sum().backward()
     close(x.grad, to_local_in(xr.grad), f"{what} grad input")
-    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    for key, p in model.named_parameters():
-        expected = ref_grads[key]
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
-        close(p.grad, expected, f"{what} grad {key}")
+    assert_like_unsharded(model, ref, what, grad=True)
 
 
 def _check_helpers_in_styles(rank, world):

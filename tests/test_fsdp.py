@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 from torch_compat import fully_shard, needs_fsdp2_on_cpu
 from tiny_llama import Decoder
 
@@ -41,15 +41,9 @@ def _check_2d(rank, world):
     for m in (ref, model):
         torch.optim.SGD(m.parameters(), lr=0.5).step()
 
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    ref_params = dict(ref.named_parameters())
-    for key, p in model.named_parameters():
-        local = p.full_tensor()  # the tp rank's block, gathered over dp
-        expected = ref_params[key].detach()
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
-        torch.testing.assert_close(local, expected, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"{key} after one step: {m}")
+    # full_tensor(): the tp rank's block, gathered over dp.
+    assert_like_unsharded(model, ref, "after one step", rtol=1e-4, atol=1e-5,
+                          local=lambda p: p.full_tensor())
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-5)
 

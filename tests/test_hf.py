@@ -9,7 +9,7 @@ import torch
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,16 +43,7 @@ def tiny(family: str, **overrides):
 
 
 def _grad_check(model, ref, what):
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    ref_grads = dict(ref.named_parameters())
-    names = [k for k, _ in model.named_parameters()]
-    assert set(names) == set(ref_grads), what
-    for key, p in model.named_parameters():
-        expected = ref_grads[key].grad
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
-        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=2e-5,
-                                   msg=lambda m: f"grad {key} ({what}): {m}")
+    assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=2e-5)
 
 
 def _check_family(rank, world, family, sp, lp):

@@ -14,7 +14,7 @@ from torch import nn
 
 import tpx
 import tpx.checkpoint
-from harness import from_rank, run_ranks
+from harness import assert_like_unsharded, from_rank, run_ranks
 from memtrack import PeakMemory
 
 
@@ -29,13 +29,7 @@ def _differs_across_ranks(t):
 
 
 def _grads_match(model, ref, what):
-    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    for key, p in model.named_parameters():
-        expected = ref_grads[key]
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
-        close(p.grad, expected, f"{what}: grad {key}")
+    assert_like_unsharded(model, ref, what, grad=True)
 
 
 def _check_layers(rank, world):

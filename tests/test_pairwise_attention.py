@@ -29,7 +29,7 @@ import torch.nn as nn
 
 import tpx
 import tpx.checkpoint
-from harness import from_rank, run_ranks
+from harness import assert_like_unsharded, from_rank, run_ranks
 from torch_compat import get_total_norm
 from tpx.parallel import compat
 
@@ -54,16 +54,9 @@ def adam(params):
 
 def check_grads(model, ref, what, rtol=1e-5, atol=1e-5):
     """Every parameter gradient of the sharded model equals its slice of the unsharded one."""
-    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    names = [k for k, _ in model.named_parameters()]
-    assert sorted(names) == sorted(ref_grads), (what, names)
     for key, p in model.named_parameters():
-        expected = ref_grads[key]
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
         assert p.grad is not None, f"{what}: {key} has no gradient"
-        close(p.grad, expected, f"{what} grad {key}", rtol, atol)
+    assert_like_unsharded(model, ref, what, grad=True, rtol=rtol, atol=atol)
 
 
 def check_state(model, ref, what, rtol=1e-5, atol=1e-5):

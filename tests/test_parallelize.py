@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 from tiny_llama import Decoder, tp_plan
 
 V = 1003
@@ -37,14 +37,7 @@ def _check_decoder(rank, world):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=case)
         loss.backward()
 
-        ref_grads = {k: p.grad for k, p in ref.named_parameters()}
-        sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-        for key, p in model.named_parameters():
-            expected = ref_grads[key]
-            if key in sharded:
-                expected = sharded[key].slice_of(expected)
-            torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"grad {key} {case}: {m}")
+        assert_like_unsharded(model, ref, case, grad=True, rtol=1e-4, atol=1e-5)
 
         # One SGD step on both, then the gathered state equals the unsharded state.
         for m in (ref, model):

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
+from harness import assert_like_unsharded, comm_counts, run_cases, run_ranks
 
 # PyTorch's test models (needs torch's test dependency expecttest, installed by `make test`),
 # imported in the ranks only: importing torch.testing._internal in the pytest process would
@@ -63,50 +63,9 @@ def _tol(dtype):
 
 def _check_module(ref: nn.Module, model: nn.Module, case: str, grad: bool = False, **tol):
     """Every parameter (or gradient) of the tpx model equals this rank's part of the unsharded
-    model's (``_check_module`` of PyTorch's test)."""
-    tol = tol or _tol(next(ref.parameters()).dtype)
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    ref_params = dict(ref.named_parameters())
-    seen = 0
-    for key, p in model.named_parameters():
-        expected = ref_params[key]
-        got = p
-        if grad:
-            expected, got = expected.grad, p.grad
-            if expected is None or got is None:
-                assert expected is None and got is None, (
-                    f"{case}: grad of {key}: one device {expected is not None}, tpx "
-                    f"{got is not None}")
-                continue
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
-        torch.testing.assert_close(got.detach(), expected.detach(), **tol,
-                                   msg=lambda m: f"{case}: {'grad' if grad else 'param'} {key}: {m}")
-        seen += 1
-    assert seen > 0, f"{case}: nothing compared"
-
-
-def _counts(stats) -> dict:
-    out = {}
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        n = stats.calls(kind=kind)
-        if n:
-            out[kind] = n
-    return out
-
-
-def _run_cases(cases, *args):
-    """Runs every case, collecting failures, so one run reports all of them."""
-    failures = []
-    for name, fn in cases:
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - reported below
-            import traceback
-
-            failures.append(f"--- {name}\n{traceback.format_exc()}")
-    if failures:
-        raise AssertionError("\n".join(failures))
+    model's (``_check_module`` of PyTorch's test), at the model dtype's tolerance."""
+    assert_like_unsharded(model, ref, case, grad=grad,
+                          **(tol or _tol(next(ref.parameters()).dtype)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,7 +98,7 @@ def _mlp_training(rank, world, is_seq_parallel):
     # reduce_scatter: 1 (net2's output)}; else {all_reduce: 1} (the input needs no gradient).
     expected = ({"all_gather": 2, "reduce_scatter": 1} if is_seq_parallel
                 else {"all_reduce": 1})
-    assert _counts(stats) == expected, (case, _counts(stats))
+    assert comm_counts(stats) == expected, (case, comm_counts(stats))
     if is_seq_parallel:
         for p in model.parameters():  # every rank saw its own rows: sum as PyTorch's test does
             torch.distributed.all_reduce(p.grad)
@@ -206,7 +165,7 @@ def _weight_tying(rank, world):
 
 def _mlp_cases(rank, world):
     _load_torch_test_models()
-    _run_cases([("mlp_training seq_parallel", lambda: _mlp_training(rank, world, True)),
+    run_cases([("mlp_training seq_parallel", lambda: _mlp_training(rank, world, True)),
                 ("mlp_training", lambda: _mlp_training(rank, world, False)),
                 ("mlp_inference", lambda: _mlp_inference(rank, world)),
                 ("weight_tying", lambda: _weight_tying(rank, world))])
@@ -234,10 +193,10 @@ def _transformer_step_check(model, model_tp, optim, optim_tp, inp, case, tol):
     with tpx.comm_stats() as opt:
         optim_tp.step()
     _check_module(model, model_tp, case, **tol)
-    assert _counts(opt) == {}, (case, "optimizer step communicates", _counts(opt))
+    assert comm_counts(opt) == {}, (case, "optimizer step communicates", comm_counts(opt))
     optim.zero_grad()
     optim_tp.zero_grad()
-    return _counts(fwd), _counts(bwd)
+    return comm_counts(fwd), comm_counts(bwd)
 
 
 def _setup_transformer(world, seq_parallel, dtype, local_output_for_attn=True, **args):
@@ -305,7 +264,7 @@ def _transformer_training(rank, world, seq_parallel, dtype):
 
 def _transformer_cases(rank, world):
     _load_torch_test_models()
-    _run_cases([(f"transformer_training seq_parallel={sp} {dt}",
+    run_cases([(f"transformer_training seq_parallel={sp} {dt}",
                  lambda sp=sp, dt=dt: _transformer_training(rank, world, sp, dt))
                 for sp in (True, False) for dt in (torch.float64, torch.float32)])
 
@@ -364,7 +323,7 @@ def _transformer_req_grad(rank, world, thaw, seq_parallel, dtype):
 
 def _req_grad_cases(rank, world):
     _load_torch_test_models()
-    _run_cases([(f"req_grad {i}", lambda c=c: _transformer_req_grad(rank, world, *c))
+    run_cases([(f"req_grad {i}", lambda c=c: _transformer_req_grad(rank, world, *c))
                 for i, c in enumerate(REQ_GRAD_CASES)])
 
 

@@ -23,12 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import tpx
 import tpx.checkpoint
-from harness import run_ranks
-
-
-def _counts(stats) -> dict:
-    return {k: stats.calls(kind=k) for k in ("all_reduce", "all_gather", "reduce_scatter")
-            if stats.calls(kind=k)}
+from harness import assert_like_unsharded, comm_counts, run_cases, run_ranks
 
 
 def _local(size, rank, world):
@@ -37,30 +32,7 @@ def _local(size, rank, world):
 
 
 def _check_params(ref, model, case, grad=False, **tol):
-    tol = tol or dict(rtol=1e-5, atol=1e-6)
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
-    ref_params = dict(ref.named_parameters())
-    for key, p in model.named_parameters():
-        exp, got = ref_params[key], p
-        if grad:
-            exp, got = exp.grad, p.grad
-        if key in sharded:
-            exp = sharded[key].slice_of(exp)
-        torch.testing.assert_close(got.detach(), exp.detach(), **tol,
-                                   msg=lambda m: f"{case}: {key} {'grad' if grad else ''}: {m}")
-
-
-def _run_cases(cases):
-    failures = []
-    for name, fn in cases:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - reported together
-            import traceback
-
-            failures.append(f"--- {name}\n{traceback.format_exc()}")
-    if failures:
-        raise AssertionError("\n".join(failures))
+    assert_like_unsharded(model, ref, case, grad=grad, **(tol or dict(rtol=1e-5, atol=1e-6)))
 
 
 # ------------------------------------------------------------------ test_tp_style.py
@@ -74,10 +46,10 @@ def _colwise_style(rank, world, mesh):
     with tpx.comm_stats() as fwd:
         out = mod(x)
     assert out.shape == (8, e - s)
-    assert _counts(fwd) == {}
+    assert comm_counts(fwd) == {}
     with tpx.comm_stats() as bwd:
         out.sum().backward()
-    assert _counts(bwd) == {"all_reduce": 1}
+    assert comm_counts(bwd) == {"all_reduce": 1}
     ref_x = x.detach().clone().requires_grad_()
     ref = model(ref_x)
     torch.testing.assert_close(out, ref[:, s:e])
@@ -92,9 +64,9 @@ def _colwise_style(rank, world, mesh):
     with tpx.comm_stats() as st:
         out = mod(xl)
         assert out.shape == (8 * world, e - s)
-        assert _counts(st) == {"all_gather": 1}
+        assert comm_counts(st) == {"all_gather": 1}
         out.sum().backward()
-    assert _counts(st) == {"all_gather": 1, "reduce_scatter": 1}
+    assert comm_counts(st) == {"all_gather": 1, "reduce_scatter": 1}
     full = [torch.empty_like(xl) for _ in range(world)]
     dist.all_gather(full, xl.detach())
     full = torch.cat(full).requires_grad_()
@@ -114,7 +86,7 @@ def _colwise_embedding(rank, world, mesh):
         out = mod(ids)
         assert out.shape == (4, 2, e - s)
         out.sum().backward()
-    assert _counts(st) == {}
+    assert comm_counts(st) == {}
     ref = model(ids)
     ref.sum().backward()
     torch.testing.assert_close(out, ref[..., s:e])
@@ -139,9 +111,9 @@ def _rowwise_style(rank, world, mesh):
     with tpx.comm_stats() as st:
         out = mod(xl)
         assert out.shape == (12, 16)
-        assert _counts(st) == {"all_reduce": 1}
+        assert comm_counts(st) == {"all_reduce": 1}
         out.sum().backward()
-    assert _counts(st) == {"all_reduce": 1}
+    assert comm_counts(st) == {"all_reduce": 1}
     ref_x = x.clone().requires_grad_()
     ref = model(ref_x)
     torch.testing.assert_close(out, ref)
@@ -156,9 +128,9 @@ def _rowwise_style(rank, world, mesh):
     with tpx.comm_stats() as st:
         out = mod(xl)
         assert out.shape == (12 // world, 16)
-        assert _counts(st) == {"reduce_scatter": 1}
+        assert comm_counts(st) == {"reduce_scatter": 1}
         out.sum().backward()
-    assert _counts(st) == {"reduce_scatter": 1, "all_gather": 1}
+    assert comm_counts(st) == {"reduce_scatter": 1, "all_gather": 1}
     rows = 12 // world
     torch.testing.assert_close(out, model(x)[rank * rows:(rank + 1) * rows])
 
@@ -201,9 +173,9 @@ def _rowwise_embedding(rank, world, mesh):
     with tpx.comm_stats() as st:
         out = mod(ids)
         assert out.shape == (4, 2, 16)
-        assert _counts(st) == {"all_reduce": 1}
+        assert comm_counts(st) == {"all_reduce": 1}
         out.sum().backward()
-    assert _counts(st) == {"all_reduce": 1}
+    assert comm_counts(st) == {"all_reduce": 1}
     ref = model(ids)
     ref.sum().backward()
     torch.testing.assert_close(out, ref)
@@ -218,9 +190,9 @@ def _rowwise_embedding(rank, world, mesh):
                                                      output_layouts=Shard(1)))
     with tpx.comm_stats() as st:
         out = mod(ids)
-        assert _counts(st) == {"reduce_scatter": 1}
+        assert comm_counts(st) == {"reduce_scatter": 1}
         out.sum().backward()
-    assert _counts(st) == {"reduce_scatter": 1, "all_gather": 1}
+    assert comm_counts(st) == {"reduce_scatter": 1, "all_gather": 1}
     rows = 12 // world
     torch.testing.assert_close(out, model(ids)[:, rank * rows:(rank + 1) * rows])
 
@@ -295,7 +267,7 @@ def _prepare_module_kwargs_input(rank, world, mesh):
     y = torch.rand(1, 8) + rank
     with tpx.comm_stats() as st:
         out = m(x, y=y)
-    assert _counts(st) == {"all_gather": 1}
+    assert comm_counts(st) == {"all_gather": 1}
     assert isinstance(out, DTensor) and out.shape == (world, 8)
     full = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(full, y)
@@ -331,10 +303,10 @@ def _sequence_parallel_style(rank, world, mesh):
         with tpx.comm_stats() as st:
             sout = sp(sharded)
             assert isinstance(sout, DTensor) and sout.placements == (Shard(1),)
-            assert _counts(st) == {}
+            assert comm_counts(st) == {}
             sout.backward(torch.ones_like(sout))
         # tpx sums the parameter gradients in the backward (PyTorch leaves them Partial).
-        assert _counts(st) == ({"all_reduce": 2} if affine else {}), _counts(st)
+        assert comm_counts(st) == ({"all_reduce": 2} if affine else {}), comm_counts(st)
         torch.testing.assert_close(sout.full_tensor(), out)
         if affine:
             # The weight gradient sums batch * seq = 48 terms of size ~1 that nearly cancel:
@@ -546,7 +518,7 @@ def _style_cases(rank, world):
         _rowwise_embedding, _prepare_module_input, _prepare_module_input_multiple,
         _prepare_module_kwargs_input, _prepare_module_output, _sequence_parallel_style,
         _parallelize_api, _in_place, _placements, _dtensor_io)]
-    _run_cases(cases)
+    run_cases(cases)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

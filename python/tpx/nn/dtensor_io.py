@@ -13,7 +13,7 @@ layer and of a DTensor agree.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
