@@ -5,7 +5,7 @@ bookkeeping of the layers' parameters (initial weights from ``src_rank``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -152,6 +152,25 @@ class _MeshParams(KeepsParamSharding):
         _check_src_rank(who, src_rank, info)
         self.src_rank = src_rank
         return info
+
+    @classmethod
+    def _converted(cls, mesh, src_rank, args: dict, configure: Callable[[Any], None],
+                   params: Dict[str, Optional[Tensor]]):
+        """The layer made from an unsharded module (``from_linear``, ``from_layernorm``, ...):
+        ``args`` are compared across the mesh's ranks, ``configure(layer)`` sets up the layout
+        and the layer's attributes, and every parameter of ``params`` that is not None gets
+        this rank's block of rank ``src_rank``'s tensor (``None``: of this rank's own)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        who = cls.__name__
+        self._begin(mesh, who, args, src_rank)
+        configure(self)
+        present = [name for name, t in params.items() if t is not None]
+        first = params[present[0]] if present else None
+        self._alloc(present, None if first is None else first.device,
+                    None if first is None else first.dtype)
+        self._fill(who, self._layer_config(), lambda: params, drawn=False)
+        return self
 
     def _alloc(self, names: Sequence[str], device, dtype) -> None:
         """Registers an uninitialised local block for every parameter in ``names`` (the

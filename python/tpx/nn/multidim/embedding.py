@@ -76,18 +76,14 @@ class Embedding2D(_MeshParams, nn.Module):
             unsupported.append("scale_grad_by_freq")
         if unsupported:
             raise ValueError(f"tpx.{cls.__name__}.from_embedding: {unsupported} not supported")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        who = cls.__name__
-        self._begin(mesh, who, dict(num_embeddings=embedding.num_embeddings,
-                                    embedding_dim=embedding.embedding_dim,
-                                    padding_idx=embedding.padding_idx,
-                                    hidden_mesh_dim=hidden_mesh_dim,
-                                    dtype=str(embedding.weight.dtype)), src_rank)
-        self._configure(embedding, mesh, hidden_mesh_dim)
-        self._alloc(("weight",), embedding.weight.device, embedding.weight.dtype)
-        self._fill(who, self._layer_config(), lambda: {"weight": embedding.weight}, drawn=False)
-        return self
+        return cls._converted(
+            mesh, src_rank, dict(num_embeddings=embedding.num_embeddings,
+                                 embedding_dim=embedding.embedding_dim,
+                                 padding_idx=embedding.padding_idx,
+                                 hidden_mesh_dim=hidden_mesh_dim,
+                                 dtype=str(embedding.weight.dtype)),
+            lambda self: self._configure(embedding, mesh, hidden_mesh_dim),
+            {"weight": embedding.weight})
 
     def _configure(self, emb: nn.Embedding, mesh, hidden_mesh_dim) -> None:
         who = type(self).__name__

@@ -52,20 +52,13 @@ class _MultiDimLinear(_MeshParams, nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"tpx.{cls.__name__}.from_linear: expected an nn.Linear; got "
                             f"{type(linear).__name__}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        who = type(self).__name__
-        cls._check_kw(who, kw)
-        has_bias = linear.bias is not None
-        self._begin(mesh, who, dict(in_features=linear.in_features,
-                                    out_features=linear.out_features, bias=has_bias,
-                                    dtype=str(linear.weight.dtype), **kw), src_rank)
-        self._configure(linear.in_features, linear.out_features, mesh, **kw)
-        self._alloc(("weight", "bias") if has_bias else ("weight",), linear.weight.device,
-                    linear.weight.dtype)
-        self._fill(who, self._layer_config(),
-                   lambda: {"weight": linear.weight, "bias": linear.bias}, drawn=False)
-        return self
+        cls._check_kw(cls.__name__, kw)
+        return cls._converted(
+            mesh, src_rank, dict(in_features=linear.in_features,
+                                 out_features=linear.out_features, bias=linear.bias is not None,
+                                 dtype=str(linear.weight.dtype), **kw),
+            lambda self: self._configure(linear.in_features, linear.out_features, mesh, **kw),
+            {"weight": linear.weight, "bias": linear.bias})
 
     def _configure(self, in_features, out_features, mesh, **kw) -> None:
         raise NotImplementedError

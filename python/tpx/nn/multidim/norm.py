@@ -217,22 +217,19 @@ class LayerNorm2D(_MultiDimNorm):
         if not isinstance(layernorm, nn.LayerNorm):
             raise TypeError(f"tpx.{cls.__name__}.from_layernorm: expected an nn.LayerNorm; "
                             f"got {type(layernorm).__name__}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        who = cls.__name__
         ln = layernorm
-        self._begin(mesh, who, dict(normalized_shape=tuple(ln.normalized_shape), eps=ln.eps,
-                                    weight=ln.weight is not None, bias=ln.bias is not None,
-                                    hidden_mesh_dim=hidden_mesh_dim,
-                                    dtype=str(_param_dtype(ln))), src_rank)
-        self._configure(_normalized_size(who, ln.normalized_shape), mesh, hidden_mesh_dim)
-        self.eps = ln.eps
-        self.elementwise_affine = ln.elementwise_affine
-        names = [n for n in ("weight", "bias") if getattr(ln, n) is not None]
-        self._alloc(names, *_param_device_dtype(ln))
-        self._fill(who, self._layer_config(), lambda: {"weight": ln.weight, "bias": ln.bias},
-                   drawn=False)
-        return self
+
+        def configure(self):
+            self._configure(_normalized_size(cls.__name__, ln.normalized_shape), mesh,
+                            hidden_mesh_dim)
+            self.eps = ln.eps
+            self.elementwise_affine = ln.elementwise_affine
+
+        return cls._converted(
+            mesh, src_rank, dict(normalized_shape=tuple(ln.normalized_shape), eps=ln.eps,
+                                 weight=ln.weight is not None, bias=ln.bias is not None,
+                                 hidden_mesh_dim=hidden_mesh_dim, dtype=str(_param_dtype(ln))),
+            configure, {"weight": ln.weight, "bias": ln.bias})
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
@@ -254,14 +251,10 @@ def _shape_arg(normalized_shape):
         return repr(normalized_shape)
 
 
-def _param_device_dtype(module: nn.Module):
-    for p in module.parameters():
-        return p.device, p.dtype
-    return None, None
-
-
 def _param_dtype(module: nn.Module):
-    return _param_device_dtype(module)[1]
+    for p in module.parameters():
+        return p.dtype
+    return None
 
 
 class LayerNorm2p5D(LayerNorm2D):
@@ -331,22 +324,16 @@ class RMSNorm2D(_MultiDimNorm):
             raise TypeError(f"tpx.{cls.__name__}.from_rmsnorm: expected nn.RMSNorm or a module "
                             f"with a 1-D `weight` and a float `variance_epsilon` (Hugging Face) "
                             f"or `eps`; got {type(module).__name__}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        who = cls.__name__
-        self._begin(mesh, who, dict(normalized_shape=features, eps=eps,
-                                    weight=weight is not None, hidden_mesh_dim=hidden_mesh_dim,
-                                    dtype=str(None if weight is None else weight.dtype)),
-                    src_rank)
-        self._configure(features, mesh, hidden_mesh_dim)
-        self.eps = eps
-        self.elementwise_affine = weight is not None
-        if weight is None:
-            self._alloc((), None, None)
-        else:
-            self._alloc(("weight",), weight.device, weight.dtype)
-        self._fill(who, self._layer_config(), lambda: {"weight": weight}, drawn=False)
-        return self
+        def configure(self):
+            self._configure(features, mesh, hidden_mesh_dim)
+            self.eps = eps
+            self.elementwise_affine = weight is not None
+
+        return cls._converted(
+            mesh, src_rank, dict(normalized_shape=features, eps=eps, weight=weight is not None,
+                                 hidden_mesh_dim=hidden_mesh_dim,
+                                 dtype=str(None if weight is None else weight.dtype)),
+            configure, {"weight": weight})
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
