@@ -192,3 +192,25 @@ def run_cases(cases, *args):
             failures.append(f"--- {name}\n{traceback.format_exc()}")
     if failures:
         raise AssertionError("\n".join(failures))
+
+
+def run_command(cmd, *, timeout: float, **kwargs):
+    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` in a session of its
+    own: on a timeout every process of that session is killed (torchrun's ranks too, which
+    a plain ``subprocess.run`` would leave running), then ``subprocess.TimeoutExpired`` is
+    raised with the output so far."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

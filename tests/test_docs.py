@@ -23,6 +23,8 @@ from typing import List, NamedTuple, Optional
 
 import pytest
 
+from harness import run_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = re.compile(r"<!--\s*(run(?::\s*nproc=(\d+))?|fragment)\s*-->")
 TIMEOUT = 600
@@ -95,8 +97,7 @@ def test_runnable_block(block, tmp_path):
     else:
         cmd = [sys.executable, str(script)]
     try:
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT)
+        proc = run_command(cmd, cwd=tmp_path, env=env, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.id}: did not finish within {TIMEOUT} s\n{e.stdout}\n{e.stderr}")
     assert proc.returncode == 0, (f"{block.id} failed (exit {proc.returncode}):\n"

@@ -4,12 +4,12 @@ mismatch (a wrong reference) must make it exit non-zero and name the failing che
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
 import tpx
+from harness import run_command
 
 TIMEOUT = float(os.environ.get("TPX_TEST_TIMEOUT", "240"))
 
@@ -24,9 +24,7 @@ def _run(args, tmp_path, env=None):
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    return proc
+    return run_command([sys.executable, *args], cwd=tmp_path, env=full_env, timeout=TIMEOUT)
 
 
 def _check_report(proc, path, world):
