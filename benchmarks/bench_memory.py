@@ -455,9 +455,11 @@ def run_world(rank: int, world: int, args, init_method: str) -> None:
                                         for x in everyone]))
         if rank == 0:
             Path(args.partial).write_text(json.dumps(dict(environment=env, rows=rows)))
-        # Every rank's last collective is complete before any process begins to exit (a rank
-        # exiting while gloo's thread still releases a finished collective can abort).
+        # Every rank's last collective is complete before any process begins to exit, and
+        # gloo's worker thread gets the GIL to free that collective's tensors (a rank exiting
+        # while it still waits for the GIL aborts: docs/training.md, "Ending a run").
         dist.barrier()
+        time.sleep(0.2)
     finally:
         dist.destroy_process_group()
 

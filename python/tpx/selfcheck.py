@@ -40,7 +40,6 @@ from torch import nn
 import tpx
 
 NO_GPU = "no GPU found: CUDA kernels not checked"
-_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 # (rtol, atol) of the comparisons with the unsharded computation.
 _TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (1.6e-2, 1e-2),
@@ -764,11 +763,11 @@ def main(argv=None) -> int:
     try:
         code = _run(args, backend, device, note, t0)
         dist.barrier()  # every rank past its last collective before the group goes
-        if _TORCH < (2, 8):
-            # torch < 2.8 destroys a gloo group holding the GIL, while a gloo worker thread may
-            # still be freeing the last collectives' tensors, which needs the GIL: a deadlock.
-            # Sleeping releases the GIL so that thread finishes first.
-            time.sleep(0.2)
+        # A gloo worker thread may still be freeing the last collectives' tensors, which needs
+        # the GIL: torch < 2.8 destroys the group holding the GIL (a deadlock), and a process
+        # that exits first aborts ("terminate called without an active exception"). Sleeping
+        # releases the GIL so that thread finishes first.
+        time.sleep(0.2)
         return code
     finally:
         if created and dist.is_initialized():
