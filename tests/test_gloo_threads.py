@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import tpx
 from harness import run_ranks
+from torch_compat import TORCH_VERSION
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="thread scheduling policies are set on Linux only")
@@ -33,7 +34,7 @@ def _skip_if_gloo_threads_unnamed() -> Optional[str]:
     """The reason to skip on a torch (< 2.13) whose gloo leaves its event-loop threads
     unnamed (torch 2.5 does): tpx finds them by name, so there is nothing to switch there. On
     newer torch a missing name stays a failure."""
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+    if TORCH_VERSION >= (2, 13):
         return None
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                          timeout=120).stdout.strip()

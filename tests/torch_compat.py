@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["get_total_norm", "fully_shard", "needs_fsdp2_on_cpu"]
+__all__ = ["TORCH_VERSION", "get_total_norm", "fully_shard", "needs_fsdp2_on_cpu"]
 
 
 def _total_norm(tensors, norm_type: float = 2.0) -> torch.Tensor:
@@ -38,10 +38,11 @@ try:
 except ImportError:  # torch < 2.6
     from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
-_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+# (major, minor) of the installed torch.
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 needs_fsdp2_on_cpu = pytest.mark.skipif(
-    _TORCH < (2, 13),
+    TORCH_VERSION < (2, 13),
     reason=f"torch {torch.__version__}: FSDP2 (fully_shard) on CPU/gloo before torch 2.13 "
            "either needs CUDA streams (2.5) or sums the data-parallel gradients instead of "
            "averaging them (2.7.1, pytorch/pytorch#162338), without tpx too")
