@@ -3,14 +3,15 @@
 On a two-rank gloo group tpx sums a buffer over the group with one exchange (each rank sends
 its buffer to the other with ``send``/``recv`` and adds the one it receives) instead of gloo's
 all-reduce, which runs a reduce-scatter step and an all-gather step on gloo's worker thread.
-``TPX_GLOO_ALLREDUCE=gloo`` switches tpx back to gloo's all-reduce; this benchmark flips that
-switch between samples, so both are timed in one run, round robin, through the same op
-(``tpx.ops.mesh_all_reduce``, an out-of-place sum over a group), beside a plain
-``torch.distributed.all_reduce`` of a copy of the buffer.
+``TPX_GLOO_ALLREDUCE=gloo`` switches tpx back to gloo's all-reduce for the groups tpx meets
+while it is set; this benchmark gives each variant a group of its own, so both are timed in
+one run, round robin, through the same op (``tpx.ops.mesh_all_reduce``, an out-of-place sum
+over a group), beside a plain ``torch.distributed.all_reduce`` of a copy of the buffer.
 
-tpx switches gloo's event-loop threads to ``SCHED_BATCH`` the first time it uses a gloo group
-(README, "Gloo's event-loop threads"); the variants marked ``SCHED_OTHER`` are timed with
-them put back as gloo starts them, in the same rounds.
+tpx switches the event-loop threads of its own gloo groups to ``SCHED_BATCH`` (docs/benchmarks.md,
+"Gloo's event-loop threads"); the benchmark sets every gloo thread of the process the same way
+for the variants timed with ``SCHED_BATCH``, and puts them all back as gloo starts them for the
+variants marked ``SCHED_OTHER``, in the same rounds.
 
 Each variant is first checked: the result equals the sum of every rank's input (computed
 locally from the ranks' seeds) and is the same on every rank. A timed sample is ``--block``
@@ -66,17 +67,24 @@ def run(rank: int, world: int, args, init_method: str) -> None:
     if len(cpus) >= world:
         os.sched_setaffinity(0, {cpus[rank]})
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    group = dist.group.WORLD.group_name
     env = environment(torch.device("cpu"), world, "gloo")
     if rank == 0:
         print_env(env)
 
     batch_threads = (os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch") == "batch"
+    # tpx decides how a group sums when it first meets it (the ranks agree on it), so each
+    # tpx variant gets a group of its own, met under its TPX_GLOO_ALLREDUCE.
+    groups = {}
+    for label, (algorithm, uses_tpx, _) in VARIANTS.items():
+        if uses_tpx:
+            os.environ["TPX_GLOO_ALLREDUCE"] = algorithm
+            groups[label] = dist.new_group(list(range(world))).group_name
+            tpx.ops.mesh_all_reduce(torch.zeros(1), groups[label])
+    os.environ.pop("TPX_GLOO_ALLREDUCE", None)
 
     def call(label: str, x: torch.Tensor) -> torch.Tensor:
-        os.environ["TPX_GLOO_ALLREDUCE"] = VARIANTS[label][0]
         if VARIANTS[label][1]:
-            return tpx.ops.mesh_all_reduce(x, group)
+            return tpx.ops.mesh_all_reduce(x, groups[label])
         y = x.clone()
         dist.all_reduce(y)
         return y
@@ -117,7 +125,6 @@ def run(rank: int, world: int, args, init_method: str) -> None:
                                     min_us=min(s), ratio_vs_gloo=statistics.median(ratios),
                                     samples_us=s))
     finally:
-        os.environ.pop("TPX_GLOO_ALLREDUCE", None)
         if batch_threads:
             set_gloo_loop_policy(os.SCHED_BATCH)
     if rank == 0:

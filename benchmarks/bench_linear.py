@@ -250,7 +250,8 @@ ATEN_GEMM = "tpx (ATen GEMMs)"     # the same tpx model with TPX_CPU_GEMM=aten
 FLOOR = "GEMMs alone"              # the step's GEMMs through ATen (torch.mm), no communication
 FLOOR_TPX = "GEMMs alone (tpx GEMM)"  # the same GEMMs through tpx's GEMM (tpx.ops.local_matmul)
 # --gloo-threads: both libraries timed with gloo's event-loop threads as gloo starts them
-# (SCHED_OTHER) instead of as tpx sets them (SCHED_BATCH, see README "Gloo's event-loop threads").
+# (SCHED_OTHER) instead of as tpx sets its own (SCHED_BATCH, see docs/benchmarks.md "Gloo's
+# event-loop threads"; the benchmark sets DTensor's the same way, for a like-for-like timing).
 TPX_OTHER, DTENSOR_OTHER = "tpx (gloo threads SCHED_OTHER)", "DTensor (gloo threads SCHED_OTHER)"
 # The environment each variant is timed under; variants not listed run with these unset.
 VARIANT_ENV = {GLOO_AR: {"TPX_GLOO_ALLREDUCE": "gloo"}, ATEN_GEMM: {"TPX_CPU_GEMM": "aten"}}
@@ -359,6 +360,7 @@ def bench_situations(name: str, args, device, world: int) -> list:
     mesh = init_device_mesh(device.type, (world,))
     gemm_split = device.type == "cpu" and tpx.ops.cpu_gemm_backend() != "aten"
     runs = {}
+    gloo_ar_group = None
     for situation in args.situations:
         x = x_data.clone().requires_grad_(situation != "no-xgrad")
         models = {
@@ -378,8 +380,19 @@ def bench_situations(name: str, args, device, world: int) -> list:
             # the GEMMs alone through tpx's, so the gain splits into its two sources.
             models[FLOOR_TPX] = gemm_floor_step(ref, situation, world, device, tpx_gemm=True)
             models[ATEN_GEMM] = models["tpx"]
-        if args.gloo_allreduce:  # the same tpx model, timed with gloo's all-reduce
-            models[GLOO_AR] = models["tpx"]
+        if args.gloo_allreduce:
+            # The same tpx model on a group of its own: tpx decides how a group sums when it
+            # first meets it (agreed by the ranks), so this group meets it under
+            # TPX_GLOO_ALLREDUCE=gloo.
+            if gloo_ar_group is None:
+                gloo_ar_group = dist.new_group(list(range(world)))
+            models[GLOO_AR] = MLP(
+                tpx.ColumnParallelLinear.from_linear(ref.fc1, group=gloo_ar_group),
+                tpx.RowParallelLinear.from_linear(ref.fc2, group=gloo_ar_group))
+            _configure(models[GLOO_AR], situation)
+            _set_variant_env(GLOO_AR, device)
+            _check_situation(GLOO_AR, situation, models[GLOO_AR], x, g, expect, rows, device)
+            _set_variant_env("tpx", device)
         if args.gloo_threads:  # both models, timed with gloo's threads as gloo starts them
             models[TPX_OTHER], models[DTENSOR_OTHER] = models["tpx"], models["DTensor"]
         runs[situation] = (models, x)

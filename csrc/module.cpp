@@ -7,6 +7,7 @@
 
 #include "common/comm_stats.h"
 #include "common/memory_stats.h"
+#include "common/process_group.h"
 #include "overlap/collective_matmul.h"
 
 namespace {
@@ -72,4 +73,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_cpu_memory_peak", &tpx::reset_cpu_memory_peak, "Peak := current.");
   m.def("count_collective", &count_collective,
         "Records a collective issued from Python (group_name, kind, bytes).");
+  m.def("register_owned_group", &tpx::register_owned_group, pybind11::arg("user_name"),
+        pybind11::arg("owned_name"), pybind11::arg("pair_exchange"),
+        "Makes `owned_name` the group tpx's ops run on for the user's group `user_name`.");
+  m.def("owned_group_name", &tpx::owned_group_name, pybind11::arg("user_name"),
+        "The name of tpx's own live group for `user_name`, or None.");
+  m.def("_wait_twice", &tpx::wait_twice, pybind11::arg("buf"), pybind11::arg("group_name"),
+        "Tests: one all-reduce, waited on twice; what each wait did.");
+  m.def("group_broken_reason", &tpx::group_broken_reason, pybind11::arg("name"),
+        "Why tpx marked the group `name` unusable, or None.");
 }

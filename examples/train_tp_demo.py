@@ -32,6 +32,7 @@ import copy
 import glob
 import json
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -76,7 +77,8 @@ def parse_args():
     p.add_argument("--ckpt-every", type=int, default=200,
                    help="save model and optimizer state every N steps to OUT/ckpt-STEP (0: never)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from a checkpoint directory OUT/ckpt-STEP (any TP degree)")
+                   help="continue from a checkpoint directory OUT/ckpt-STEP (any TP degree), "
+                        "or 'latest': the newest complete one in OUT")
     p.add_argument("--resume-check", type=int, default=3,
                    help="after training, reload the last mid-run checkpoint and replay this many "
                         "steps: the losses must equal the uninterrupted run's")
@@ -323,7 +325,20 @@ def save_checkpoint(args, model, opt, step, losses, rank) -> str:
     return path
 
 
+def latest_checkpoint(out: str) -> str:
+    """The newest checkpoint in `out` that a save finished (a run killed while saving leaves
+    an incomplete one behind, which tpx.checkpoint.save replaces later)."""
+    done = {int(m.group(1)): d for d in glob.glob(os.path.join(out, "ckpt-*"))
+            if (m := re.fullmatch(r"ckpt-(\d+)", os.path.basename(d)))
+            and tpx.checkpoint.is_complete(d) and os.path.exists(os.path.join(d, "progress.json"))}
+    if not done:
+        raise SystemExit(f"--resume latest: no complete checkpoint in {out} (OUT/ckpt-STEP)")
+    return done[max(done)]
+
+
 def resume(args, model, opt, rank):
+    if args.resume == "latest":
+        args.resume = latest_checkpoint(args.out)
     progress = os.path.join(args.resume, "progress.json")
     if not os.path.exists(progress):
         raise SystemExit(f"--resume {args.resume}: no progress.json there; pass a directory "

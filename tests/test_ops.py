@@ -304,26 +304,35 @@ def test_engine_issues_only_flat_gathers_and_scatters():
 def _check_two_rank_exchange(rank, world):
     """On a two-rank gloo group tpx's all-reduce is a send/recv exchange: the same bits as
     gloo's all-reduce and on both ranks, several exchanges in flight (chunks), groups of two
-    inside a larger world, and a clear error for a bad TPX_GLOO_ALLREDUCE."""
+    inside a larger world, and a clear error for a bad TPX_GLOO_ALLREDUCE. The choice is made
+    once per group, when tpx first meets it, so each algorithm gets groups of its own."""
     import os
 
     gen = torch.Generator().manual_seed(7)
     a_full = torch.randn(11, 2 * world + 1, generator=gen)   # 11 rows: uneven chunks
     b_full = torch.randn(2 * world + 1, 9, generator=gen)
-    pairs = [dist.new_group([0, 1])] if world == 2 else [dist.new_group([0, 2]),
-                                                         dist.new_group([1, 3])]
-    pg = pairs[0] if rank in (0, 2) else pairs[-1]
+
+    def pair():
+        pairs = [dist.new_group([0, 1])] if world == 2 else [dist.new_group([0, 2]),
+                                                             dist.new_group([1, 3])]
+        return pairs[0] if rank in (0, 2) else pairs[-1]
+
+    groups = {}
+    for algo in ("exchange", "gloo"):
+        os.environ["TPX_GLOO_ALLREDUCE"] = algo
+        groups[algo] = pair()
+        tpx.ops.mesh_all_reduce(torch.ones(1), groups[algo].group_name)  # tpx meets it here
+    os.environ.pop("TPX_GLOO_ALLREDUCE")
+    pg = groups["exchange"]
     lo, hi = tpx.shard_range(b_full.shape[0], pg)
     a, b = a_full[:, lo:hi].contiguous(), b_full[lo:hi]
     want = a_full @ b_full
     for chunks in (1, 2, 4):
         got = {}
-        for algo in ("exchange", "gloo"):
-            os.environ["TPX_GLOO_ALLREDUCE"] = algo
+        for algo, group in groups.items():
             with tpx.comm_stats() as stats:
-                got[algo] = tpx.ops.matmul_all_reduce(a, b, pg, chunks)
-            assert stats.calls(pg, "all_reduce") == min(chunks, 11), stats.calls(pg, "all_reduce")
-        os.environ.pop("TPX_GLOO_ALLREDUCE")
+                got[algo] = tpx.ops.matmul_all_reduce(a, b, group, chunks)
+            assert stats.calls(group, "all_reduce") == min(chunks, 11), stats
         close(got["exchange"], want, f"chunks={chunks}")
         assert torch.equal(got["exchange"], got["gloo"]), f"chunks={chunks}: not gloo's bits"
         theirs = [torch.empty_like(got["exchange"]) for _ in range(2)]
@@ -331,17 +340,15 @@ def _check_two_rank_exchange(rank, world):
         assert torch.equal(theirs[0], theirs[1]), f"chunks={chunks}: ranks differ"
     x = torch.full((3,), float(rank))
     for algo, op in (("exchange", "c10d::send"), ("gloo", "c10d::allreduce_")):
-        os.environ["TPX_GLOO_ALLREDUCE"] = algo
         with torch.profiler.profile() as prof:
-            tpx.ops.mesh_all_reduce(x, pg.group_name)
+            tpx.ops.mesh_all_reduce(x, groups[algo].group_name)
         names = {e.name for e in prof.events()}
         assert op in names, f"{algo}: {op} was not issued ({sorted(names)})"
-    os.environ.pop("TPX_GLOO_ALLREDUCE")
     total = tpx.ops.mesh_all_reduce(x, pg.group_name)
     assert torch.equal(total, torch.full((3,), float(sum(dist.get_process_group_ranks(pg))))), total
     os.environ["TPX_GLOO_ALLREDUCE"] = "ring"
     try:
-        tpx.ops.mesh_all_reduce(x, pg.group_name)
+        tpx.ops.mesh_all_reduce(x, pair().group_name)
     except ValueError as e:
         assert "TPX_GLOO_ALLREDUCE" in str(e) and "'gloo'" in str(e), e
     else:

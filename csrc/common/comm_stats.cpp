@@ -15,7 +15,18 @@ std::map<std::pair<std::string, std::string>, CommCounter>& counters() {
   return c;
 }
 
+// tpx's own groups, counted under the name of the user's group they stand for.
+std::map<std::string, std::string>& aliases() {
+  static std::map<std::string, std::string> a;
+  return a;
+}
+
 }  // namespace
+
+void set_stats_alias(const std::string& owned_name, const std::string& user_name) {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  aliases()[owned_name] = user_name;
+}
 
 const char* collective_name(Collective kind) {
   switch (kind) {
@@ -30,7 +41,9 @@ const char* collective_name(Collective kind) {
 
 void count_collective(const std::string& group_name, Collective kind, int64_t bytes) {
   std::lock_guard<std::mutex> lock(counters_mutex());
-  CommCounter& c = counters()[{group_name, collective_name(kind)}];
+  auto alias = aliases().find(group_name);
+  const std::string& name = alias == aliases().end() ? group_name : alias->second;
+  CommCounter& c = counters()[{name, collective_name(kind)}];
   c.calls += 1;
   c.bytes += bytes;
 }

@@ -23,6 +23,10 @@ const char* collective_name(Collective kind);
 void count_collective(const c10d::ProcessGroup& pg, Collective kind, int64_t bytes);
 void count_collective(const std::string& group_name, Collective kind, int64_t bytes);
 
+// Collectives on tpx's own group `owned_name` are counted under `user_name`, the group the
+// user passed (see resolve_group in process_group.h).
+void set_stats_alias(const std::string& owned_name, const std::string& user_name);
+
 struct CommCounter {
   int64_t calls = 0;
   int64_t bytes = 0;

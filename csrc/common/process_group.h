@@ -4,24 +4,60 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace tpx {
 
-// The c10d::ProcessGroup registered under `name` (ProcessGroup.group_name in Python), or an
-// error that says how to obtain a valid one.
+// The process group tpx runs its collectives on for the group registered under `name`
+// (ProcessGroup.group_name in Python): tpx's own copy of it when one was registered
+// (register_owned_group), else the group itself. Raises an error that says how to obtain a
+// valid group, or that the group was marked broken by an earlier failure.
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name);
 
-// Collectives in flight, and the buffers they read or write.
+// Makes `owned_name` (a group tpx created with the ranks of `user_name`) the group tpx's ops
+// use for `user_name`; `pair_exchange` is what its ranks agreed for two-rank sums.
+void register_owned_group(const std::string& user_name, const std::string& owned_name,
+                          bool pair_exchange);
+
+// The name of tpx's own group for `user_name`, if it has a live one.
+std::optional<std::string> owned_group_name(const std::string& user_name);
+
+// After a failure that leaves the ranks of a group out of step (a send or receive that could
+// not be completed), every later tpx op on the group raises `why` instead of pairing the
+// wrong messages.
+void mark_group_broken(const std::string& name, const std::string& why);
+std::optional<std::string> group_broken_reason(const std::string& name);
+
+// Collectives in flight, and the buffers they read or write. They are never abandoned: wait()
+// completes every one even when one fails (and rethrows the first failure), and the destructor
+// completes them when an exception unwinds past a Pending that was not waited on, so that the
+// ranks stay in step on the group. A collective that cannot be completed marks `group` broken.
 struct Pending {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> keep_alive;
-  void wait() {
-    for (auto& w : works) w->wait();
-    works.clear();
-    keep_alive.clear();
+  std::string group;  // for mark_group_broken; set by whoever posts the works
+  Pending() = default;
+  Pending(Pending&&) = default;
+  Pending& operator=(Pending&& other) noexcept {
+    drain();
+    works = std::move(other.works);
+    keep_alive = std::move(other.keep_alive);
+    group = std::move(other.group);
+    other.works.clear();
+    other.keep_alive.clear();
+    return *this;
   }
+  Pending(const Pending&) = delete;
+  Pending& operator=(const Pending&) = delete;
+  ~Pending() { drain(); }
+  void wait();
+
+ private:
+  // Completes what is in flight without throwing; returns the first failure.
+  std::exception_ptr drain() noexcept;
 };
 
 // The bytes of `t`'s elements: numel * element size.
@@ -45,5 +81,9 @@ WorkPtr all_reduce(c10d::ProcessGroup& pg, const at::Tensor& buf);
 WorkPtr reduce_to(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 // In-place copy of `root`'s buffer (root = rank within pg).
 WorkPtr broadcast(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
+
+// Tests: all-reduces `buf` over the group and waits twice on the same Work, returning what
+// each wait did ("ok", "false" or "raised: <message>").
+std::vector<std::string> wait_twice(const at::Tensor& buf, const std::string& group_name);
 
 }  // namespace tpx

@@ -126,7 +126,10 @@ void gather_pipeline(ProcessGroup& pg, const at::Tensor& a2, const at::Tensor& s
     on_piece(int64_t{0}, staged);
     return;
   }
-  std::vector<WorkPtr> works;
+  // Completed even when a product throws, so the ranks stay in step (see Pending).
+  Pending pending;
+  pending.group = pg.getGroupName();
+  auto& works = pending.works;
   works.reserve(layout.spans.size());
   for (size_t j = 0; j < layout.spans.size(); ++j) {
     const int64_t rows = layout.rows(j);
@@ -168,6 +171,7 @@ Pending scatter_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t exten
   const int64_t block = extent * inner, features = out2.size(1);
   at::Tensor staging = at::empty({world * block, features}, out2.options());
   Pending pending;
+  pending.group = pg.getGroupName();
   pending.keep_alive.push_back(staging);
   if (chunks == 1) {
     produce(staging, int64_t{0});
@@ -193,6 +197,7 @@ template <class Produce>
 Pending allreduce_pipeline(ProcessGroup& pg, const at::Tensor& out2, int64_t chunks,
                            Produce&& produce) {
   Pending pending;
+  pending.group = pg.getGroupName();
   for (const auto& sp : split_even(out2.size(0), chunks)) {
     at::Tensor dst = out2.narrow(0, sp.lo, sp.len);
     produce(dst, sp.lo);

@@ -64,9 +64,14 @@ using c10d::ProcessGroup;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using OptTensor = std::optional<at::Tensor>;
 
+// Waits for every work, even after one failed (then rethrows the first failure): the ranks
+// stay in step. A two-rank exchange dropped unwaited by an exception completes itself (see
+// common/process_group.cpp); gloo's other collectives run to the end on its worker thread.
 void wait_all(std::vector<WorkPtr>& works) {
-  for (auto& w : works) w->wait();
+  Pending pending;
+  pending.works = std::move(works);
   works.clear();
+  pending.wait();
 }
 
 int64_t lead_rows(const at::Tensor& t) {

@@ -11,7 +11,8 @@
 //
 // The shard is processed in row blocks whose fp32 working copy stays in cache, with ATen's
 // vectorised kernels (runtime-dispatched SIMD), so any device and dtype works; the
-// arithmetic is fp32 whatever the logits' dtype. In CUDA builds, fp32 / fp16 / bf16 logits
+// arithmetic is fp32 for fp32 / fp16 / bf16 logits and fp64 for fp64 logits (as
+// F.cross_entropy keeps float64). In CUDA builds, fp32 / fp16 / bf16 logits
 // on a GPU take dedicated kernels instead (csrc/cuda): one online-softmax pass per row for
 // the statistics and one fused pass for the gradient; the collective and the combine step
 // below are the same for both paths.
@@ -65,6 +66,28 @@ std::pair<at::Tensor, at::Tensor> local_targets(const at::Tensor& target, int64_
 
 }  // namespace
 
+at::ScalarType ce_accumulate_type(at::ScalarType logits) {
+  return logits == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_targets(const char* op, const at::Tensor& target, int64_t vocab_size,
+                   int64_t ignore_index) {
+  if (target.numel() == 0) return;
+  at::Tensor bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index);
+  if (target.is_cpu()) {
+    if (!bad.any().item<bool>()) return;
+    const int64_t first = bad.nonzero().select(1, 0)[0].item<int64_t>();
+    TORCH_CHECK_VALUE(false, "tpx.", op, ": target ", target[first].item<int64_t>(), " (row ",
+                      first, ") is out of bounds for a vocabulary of ", vocab_size,
+                      " (valid targets lie in [0, ", vocab_size, "), or equal ignore_index = ",
+                      ignore_index, ")");
+  }
+  // On a GPU the check runs on the device without a host synchronisation, as
+  // F.cross_entropy's device-side assertion does.
+  at::_assert_async(bad.any().logical_not(),
+                    "tpx: a cross-entropy target is out of bounds for the vocabulary");
+}
+
 std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
     const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start, int64_t vocab_size,
     const std::string& group_name, int64_t ignore_index, double label_smoothing,
@@ -72,10 +95,13 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
   (void)inplace_backward;  // used by the backward
   check_args("vocab_parallel_cross_entropy", logits, target, vocab_start, vocab_size,
              label_smoothing);
+  // The target is replicated: every rank raises here, before the collective.
+  check_targets("vocab_parallel_cross_entropy", target, vocab_size, ignore_index);
   auto pg = resolve_group(group_name);
   const int64_t world = pg->getSize();
   const int64_t rows = logits.size(0), width = logits.size(1);
-  const auto f32 = logits.options().dtype(at::kFloat);
+  const auto acc = ce_accumulate_type(logits.scalar_type());
+  const auto f32 = logits.options().dtype(acc);
 
   // Per-row statistics of this shard: [max, sum exp(x - max), target logit, sum x].
   at::Tensor stats = at::zeros({rows, 4}, f32);
@@ -94,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
     const int64_t step = block_rows(width);
     for (int64_t r0 = 0; r0 < rows; r0 += step) {
       const int64_t n = std::min(step, rows - r0);
-      at::Tensor x = logits.narrow(0, r0, n).to(at::kFloat);
+      at::Tensor x = logits.narrow(0, r0, n).to(acc);
       at::Tensor st = stats.narrow(0, r0, n);
       at::Tensor m = x.amax(1, /*keepdim=*/true);
       st.select(1, 0).copy_(m.squeeze(1));
@@ -106,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
       if (label_smoothing > 0) st.select(1, 3).copy_(x.sum(1));
     }
     auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);
-    at::Tensor xt = logits.gather(1, idx.unsqueeze(1)).squeeze(1).to(at::kFloat);
+    at::Tensor xt = logits.gather(1, idx.unsqueeze(1)).squeeze(1).to(acc);
     stats.select(1, 2).copy_(at::where(held, xt, at::zeros_like(xt)));  // not xt * held: -inf * 0 is NaN
   }
 
@@ -154,15 +180,16 @@ void backward_into(const at::Tensor& out, const at::Tensor& grad_loss, const at:
   }
 #endif
   auto [idx, held] = local_targets(target, vocab_start, width, ignore_index);
-  at::Tensor g = grad_loss.to(at::kFloat).masked_fill(target == ignore_index, 0);
-  at::Tensor lse32 = lse.to(at::kFloat);
-  const bool direct = out.scalar_type() == at::kFloat && out.is_contiguous();
+  const auto acc = ce_accumulate_type(logits.scalar_type());
+  at::Tensor g = grad_loss.to(acc).masked_fill(target == ignore_index, 0);
+  at::Tensor lse32 = lse.to(acc);
+  const bool direct = out.scalar_type() == acc && out.is_contiguous();
   const bool in_place = out.is_same(logits);
   const int64_t step = block_rows(width);
   for (int64_t r0 = 0; r0 < rows; r0 += step) {
     const int64_t n = std::min(step, rows - r0);
     at::Tensor dst = out.narrow(0, r0, n);
-    at::Tensor x = direct ? dst : logits.narrow(0, r0, n).to(at::kFloat);
+    at::Tensor x = direct ? dst : logits.narrow(0, r0, n).to(acc);
     if (direct && !in_place) x.copy_(logits.narrow(0, r0, n));
     backward_block(x, dst, lse32.narrow(0, r0, n), g.narrow(0, r0, n), idx.narrow(0, r0, n),
                    held.narrow(0, r0, n), label_smoothing, vocab_size);

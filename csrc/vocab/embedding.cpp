@@ -68,6 +68,11 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
   if (weight.is_cuda() && cuda::vocab_kernels_support(weight.scalar_type()))
     partial = cuda::embedding_gather(weight, idm, vocab_start);
 #endif
+  if (!partial.defined() && weight.size(0) == 0) {
+    // A rank whose shard of the vocabulary is empty (fewer rows than ranks) holds no id: its
+    // part of the sum is zero, and it still takes part in the collective below.
+    partial = at::zeros({idm.numel(), dim}, weight.options());
+  }
   if (!partial.defined()) {
     auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, weight.size(0));
     partial = weight.index_select(0, idx);

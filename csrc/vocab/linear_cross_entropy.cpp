@@ -25,10 +25,27 @@ void check_args(const char* op, const at::Tensor& hidden, const at::Tensor& weig
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "tpx.", op,
                       ": bias must be [V_local] = [", weight.size(0), "]; got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->scalar_type() == weight.scalar_type(), "tpx.", op, ": bias (",
+                      bias->scalar_type(), ") must have the dtype of weight (",
+                      weight.scalar_type(), ")");
+    TORCH_CHECK_VALUE(bias->device() == weight.device(), "tpx.", op, ": bias is on ",
+                      bias->device(), " but weight is on ", weight.device());
   }
   TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == hidden.size(0), "tpx.", op,
                     ": target must be [N] = [", hidden.size(0), "]; got ", target.sizes());
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong, "tpx.", op,
+                    ": target must be int64; got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.device() == hidden.device(), "tpx.", op, ": target is on ",
+                    target.device(), " but hidden is on ", hidden.device());
   TORCH_CHECK_VALUE(chunk_size >= 1, "tpx.", op, ": chunk_size must be >= 1; got ", chunk_size);
+}
+
+// The backward's per-row inputs, checked before the first chunk's collective is posted.
+void check_rows(const char* op, const char* name, const at::Tensor& t, int64_t rows) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == rows, "tpx.", op, ": ", name,
+                    " must be [N] = [", rows, "], one entry per row of hidden; got ", t.sizes());
+  TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), "tpx.", op, ": ", name,
+                    " must be floating point; got ", t.scalar_type());
 }
 
 at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight,
@@ -44,8 +61,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy(
     const std::string& group_name, int64_t chunk_size, int64_t ignore_index,
     double label_smoothing) {
   check_args("linear_cross_entropy", hidden, weight, bias, target, chunk_size);
+  // The target is replicated: every rank raises here, before the first chunk's collective.
+  check_targets("linear_cross_entropy", target, vocab_size, ignore_index);
   const int64_t rows = hidden.size(0);
-  const auto f32 = hidden.options().dtype(at::kFloat);
+  const auto f32 = hidden.options().dtype(ce_accumulate_type(hidden.scalar_type()));
   at::Tensor loss = at::empty({rows}, f32), lse = at::empty({rows}, f32);
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_size) {
     const int64_t n = std::min(chunk_size, rows - r0);
@@ -68,6 +87,8 @@ linear_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& hid
                               int64_t ignore_index, double label_smoothing, bool need_hidden,
                               bool need_weight, bool need_bias) {
   check_args("linear_cross_entropy_backward", hidden, weight, bias, target, chunk_size);
+  check_rows("linear_cross_entropy_backward", "grad_loss", grad_loss, hidden.size(0));
+  check_rows("linear_cross_entropy_backward", "lse", lse, hidden.size(0));
   auto pg = resolve_group(group_name);
   const int64_t rows = hidden.size(0);
   std::optional<at::Tensor> grad_hidden, grad_weight, grad_bias;
@@ -76,6 +97,7 @@ linear_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& hid
   if (need_bias && bias.has_value()) grad_bias = at::zeros_like(*bias);
   if (!need_hidden && !need_weight && !grad_bias.has_value()) return {grad_hidden, grad_weight, grad_bias};
   Pending pending;
+  pending.group = pg->getGroupName();
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_size) {
     const int64_t n = std::min(chunk_size, rows - r0);
     at::Tensor h = hidden.narrow(0, r0, n);

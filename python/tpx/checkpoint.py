@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import glob
 import json
 import os
+import shutil
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -35,6 +36,7 @@ from .autograd import gather_dim
 from .nn.multidim import BlockSpec, _block_specs
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "save", "load",
+           "is_complete",
            "sharded_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
            "full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
@@ -395,7 +397,14 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``): each state tensor
     of a parameter's shape (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``)
     with the parameter's global shape and placement, keyed by the parameter's name in the
-    original model; scalar state (``step``) once. Collective over the default group."""
+    original model; scalar state (``step``) once. Collective over the default group.
+
+    The directory appears whole or not at all: the ranks write into ``<checkpoint_id>.partial``
+    and rank 0 renames it to ``checkpoint_id`` once every rank's blocks and the metadata are on
+    disk (a checkpoint saved over an existing one replaces it at that moment). A run killed
+    while saving leaves at most the ``.partial`` directory, which :func:`load` refuses and the
+    next save replaces; :func:`is_complete` tells the two apart. The directory must be on a
+    file system every rank sees (as ``torch.distributed.checkpoint``'s file writer assumes)."""
     import torch.distributed.checkpoint as dcp
 
     state = sharded_state_dict(model)
@@ -405,7 +414,34 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
                              "the optimizer state is saved under; rename that submodule or "
                              "save the optimizer separately with get_optimizer_state_dict")
         state[_OPTIM] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=os.fspath(checkpoint_id))
+    final = os.path.normpath(os.fspath(checkpoint_id))
+    staging = final + _PARTIAL
+    rank = dist.get_rank()
+    if rank == 0 and os.path.exists(staging):
+        shutil.rmtree(staging)  # what a killed save left
+    dist.barrier()
+    dcp.save(state, checkpoint_id=staging)
+    dist.barrier()  # every rank's files and the metadata are written
+    if rank == 0:
+        replaced = final + ".replaced"
+        if os.path.exists(final):
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+        os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    dist.barrier()
+
+
+_PARTIAL = ".partial"
+
+
+def is_complete(checkpoint_id: Union[str, os.PathLike]) -> bool:
+    """Whether ``checkpoint_id`` is a checkpoint :func:`save` finished (a directory with its
+    metadata, not the ``.partial`` directory of a save that was interrupted). No
+    communication."""
+    path = os.path.normpath(os.fspath(checkpoint_id))
+    return (not path.endswith(_PARTIAL) and os.path.isdir(path)
+            and os.path.isfile(os.path.join(path, ".metadata")))
 
 
 def _read_metadata(where: str, checkpoint_id: Union[str, os.PathLike]):
@@ -414,6 +450,10 @@ def _read_metadata(where: str, checkpoint_id: Union[str, os.PathLike]):
     path = os.fspath(checkpoint_id)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tpx.checkpoint.{where}: no checkpoint directory at {path!r}")
+    if not is_complete(path):
+        raise FileNotFoundError(f"tpx.checkpoint.{where}: {path!r} is not a complete checkpoint "
+                                "(the save that wrote it was interrupted, or it is not a "
+                                "checkpoint directory); load an earlier one")
     return dcp.FileSystemReader(path).read_metadata()
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the operator library)
 from . import amp as _amp  # the operators' torch.autocast kernels (and the eager casts)
+from .comm_groups import own as _own, own_by_name as _own_by_name
 from .group import GroupLike, check_same_on_ranks, resolve_group
 
 __all__ = [
@@ -85,7 +86,8 @@ def all_gather_matmul(
         product, both with ``a.shape[gather_dim] * world_size`` entries along ``gather_dim``.
     """
     # b (and bias) may hold a different number of columns on each rank; a may not differ.
-    name = _group_name("all_gather_matmul", group, a, gather_dim=gather_dim, k=b.shape[0])
+    name = _group_name("all_gather_matmul", group, a, gather_dim=gather_dim, k=b.shape[0],
+                       chunks=chunks)
     staged, out = _call("all_gather_matmul", a, b, gather_dim, name, chunks, bias)
     if not return_gathered:
         return None, out
@@ -99,7 +101,10 @@ def _rank_major(staged: Tensor, a: Tensor, gather_dim: int, world: int,
     ...); with one chunk that already is rank order."""
     gd = gather_dim % a.dim()
     extent = a.shape[gd]
-    depth = 1 if world == 1 else _C.pipeline_depth(chunks, extent, a.numel() * a.element_size())
+    # The op chose its depth from the bytes of the tensor it gathered: under autocast that is
+    # the cast copy of `a` (the dtype of `staged`), not `a` itself.
+    depth = 1 if world == 1 else _C.pipeline_depth(chunks, extent,
+                                                   a.numel() * staged.element_size())
     if depth == 1:
         return staged
     base, extra = divmod(extent, depth)
@@ -141,7 +146,8 @@ def matmul_reduce_scatter(
         bias: optional replicated ``[n]``, added once to the reduced result.
     """
     name = _group_name("matmul_reduce_scatter", group, bias, scatter_dim=scatter_dim,
-                       out_shape=(*a.shape[:-1], b.shape[1]))
+                       out_shape=(*a.shape[:-1], b.shape[1]), a_dtype=str(a.dtype),
+                       chunks=chunks)
     return _call("matmul_reduce_scatter", a, b, scatter_dim, name, chunks, bias)
 
 
@@ -165,7 +171,8 @@ def matmul_all_reduce(
         bias: optional replicated ``[n]``, added once to the reduced result.
     """
     # The contraction width (b.shape[0]) may differ by rank; the output shape may not.
-    name = _group_name("matmul_all_reduce", group, bias, out_shape=(*a.shape[:-1], b.shape[1]))
+    name = _group_name("matmul_all_reduce", group, bias, out_shape=(*a.shape[:-1], b.shape[1]),
+                       a_dtype=str(a.dtype), chunks=chunks)
     return _call("matmul_all_reduce", a, b, name, chunks, bias)
 
 
@@ -183,7 +190,7 @@ def replicated_matmul(
 
     Placement: ``a R, b S(1) -> out S(-1)``; ``grad_a`` is R (summed over ranks).
     """
-    name = _group_name("replicated_matmul", group, a)
+    name = _group_name("replicated_matmul", group, a, chunks=chunks)
     return _call("replicated_matmul", a, b, name, chunks, bias)
 
 
@@ -257,7 +264,7 @@ def vocab_parallel_embedding(
     for none) receives no gradient. Ids must lie in the vocabulary (not checked here).
     """
     name = _group_name("vocab_parallel_embedding", group, ids, scatter_dim=scatter_dim,
-                       dim=weight.shape[-1])
+                       dim=weight.shape[-1], weight_dtype=str(weight.dtype))
     return _call("vocab_parallel_embedding", weight, ids, vocab_start, name, scatter_dim,
                  padding_idx)
 
@@ -314,14 +321,39 @@ def _call(op: str, *args):
 
 
 def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
-    """Resolves ``group``; with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
-    collective, that every rank calls ``op`` with the same shapes and dtypes, so that a
-    mismatch raises the same error on every rank instead of hanging one of them."""
+    """Resolves ``group`` and makes sure tpx has its own copy of it where it needs one
+    (:mod:`tpx.comm_groups`); with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
+    collective, that every rank calls ``op`` with the same shapes, dtypes and arguments that
+    shape its collectives, so that a mismatch raises the same error on every rank instead of
+    hanging one of them."""
     pg = resolve_group(group)
+    _own(pg)
     if debug_checks_enabled() and pg.size() > 1 and not torch.compiler.is_compiling():
-        meta = [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]
-        check_same_on_ranks(pg, f"tpx.ops.{op}", dict(op=op, tensors=meta, **same))
+        _check_same(pg, op, tensors, same)
     return pg.group_name
+
+
+def _check_same(pg, op: str, tensors, same: dict) -> None:
+    meta = [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]
+    check_same_on_ranks(pg, f"tpx.ops.{op}", dict(op=op, tensors=meta, **same))
+
+
+def _mesh_groups(op: str, names, tensors, **same) -> None:
+    """The multi-dimensional ops' groups (given by name): tpx's own copies, and with
+    ``TPX_DEBUG_CHECKS=1`` the arguments compared over each group."""
+    if torch.compiler.is_compiling():
+        return
+    for name in names:
+        if name is not None:
+            _own_by_name(name)
+    if debug_checks_enabled():
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for name in names:
+            if name is not None:
+                pg = _resolve_process_group(name)
+                if pg.size() > 1:
+                    _check_same(pg, op, tensors, same)
 
 
 def debug_checks_enabled() -> bool:
@@ -415,8 +447,13 @@ def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, need_a,
 def _vocab_parallel_cross_entropy_fake(logits, target, vocab_start, vocab_size, group_name,
                                        ignore_index, label_smoothing, inplace_backward):
     rows = logits.shape[0]
-    return (logits.new_empty((rows,), dtype=torch.float32),
-            logits.new_empty((rows,), dtype=torch.float32))
+    acc = _loss_dtype(logits.dtype)
+    return logits.new_empty((rows,), dtype=acc), logits.new_empty((rows,), dtype=acc)
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The loss ops compute (and return) float64 for float64 inputs, float32 otherwise.
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.register_fake("tpx::vocab_parallel_cross_entropy_backward")
@@ -492,6 +529,7 @@ def linear_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], row_group: str,
     ``depth_group`` (2.5-D): the weight is replicated over it, so the backward sums the weight
     and bias gradients over it; the forward does not use it.
     """
+    _mesh_groups("linear_2d", (row_group, col_group, depth_group), (x, weight, bias))
     return _call("linear_2d", x, weight, bias, row_group, col_group, depth_group)
 
 
@@ -509,16 +547,20 @@ def linear_3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], input_group: st
     returns ``x_gathered [B/q, ..., k/q]`` and ``weight_gathered [n/q, k/q]`` (kept for the
     backward).
     """
+    _mesh_groups("linear_3d", (input_group, batch_group, hidden_group), (x, weight, bias),
+                 chunks=chunks)
     return _call("linear_3d", x, weight, bias, input_group, batch_group, hidden_group, chunks)
 
 
 def mesh_all_reduce(x: Tensor, group: str) -> Tensor:
     """Out-of-place sum of ``x`` over the group named ``group``: ``P -> R``."""
+    _mesh_groups("mesh_all_reduce", (group,), (x,))
     return _call("mesh_all_reduce", x, group)
 
 
 def mesh_all_gather(x: Tensor, group: str) -> Tensor:
     """Every rank's ``x`` stacked in rank order: ``[world, *x.shape]``."""
+    _mesh_groups("mesh_all_gather", (group,), (x,))
     return torch.ops.tpx.mesh_all_gather(x, group)
 
 
