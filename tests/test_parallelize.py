@@ -80,3 +80,38 @@ def _check_bad_plans(rank, world):
 @pytest.mark.parametrize("world", [2])
 def test_bad_plans(world):
     run_ranks(_check_bad_plans, world)
+
+
+def _check_sharded_attention_head_counts(rank, world):
+    """ShardedAttention without `update` sets the head-count attributes it knows to the local
+    counts, and raises, naming the module, when the module has none of them (it used to leave
+    such a module silently computing with its global head count)."""
+    from torch import nn
+
+    from tpx.parallel import ShardedAttention
+
+    class Known(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.num_key_value_heads, self.num_key_value_groups = 8, 2, 4
+
+    class Unknown(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads_here = 8
+
+    known = tpx.parallelize_module(Known(), None, ShardedAttention(8, 2))
+    local_kv = 2 // world if 2 % world == 0 else 1
+    assert (known.num_heads, known.num_key_value_heads, known.num_key_value_groups) == \
+        (8 // world, local_kv, 8 // world // local_kv), vars(known)
+    with pytest.raises(ValueError, match="Unknown has none of the head-count attributes.*"
+                                         "update="):
+        tpx.parallelize_module(Unknown(), None, ShardedAttention(8))
+    shaped = tpx.parallelize_module(Unknown(), None,
+                                    ShardedAttention(8, update=ShardedAttention.shapes_only))
+    assert shaped.heads_here == 8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_attention_head_counts(world):
+    run_ranks(_check_sharded_attention_head_counts, world)

@@ -173,7 +173,9 @@ def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
     pre = f"{layers}.*." if layers else "layers.*."
     base = _prefix(layers, "layers")
     plan: Plan = {
-        pre + "attention": ShardedAttention(heads, out_proj="dense"),
+        # GPT-NeoX's attention reads its head count from the projections' shapes.
+        pre + "attention": ShardedAttention(heads, out_proj="dense",
+                                            update=ShardedAttention.shapes_only),
         base + "embed_in": RowwiseParallel(input_layouts=Replicate()),
         # query_key_value's rows are [q k v] per head: whole heads are contiguous blocks.
         pre + "attention.query_key_value": ColwiseParallel(head_size=3 * head_size),

@@ -515,13 +515,29 @@ class ShardedAttention(ParallelStyle):
             replicated (the k/v projections use ``ColwiseParallel(replicate_heads=True)``)
             and each rank holds the one KV head its query heads read.
         update: ``update(module, local_heads, local_kv_heads)`` sets the module's own
-            head-count attributes (``num_key_value_groups``, ``split_size``, ...).
+            head-count attributes (``num_key_value_groups``, ``split_size``, ...). Without
+            it, the integer attributes the module has among :attr:`HEAD_ATTRIBUTES` are set
+            to the local counts, and a module with none of them raises ``ValueError`` (it
+            would go on computing with its global head count). A module that reads its head
+            count from the tensors' shapes takes ``update=ShardedAttention.shapes_only``.
         out_proj: name of the output projection inside the module. When ``tpx.random`` is
             seeded and the module is training, the module's forward runs on the
             tensor-parallel stream from its start up to the call of ``out_proj`` (attention
             dropout differs across ranks: each holds other heads), and on the replicated
             stream after it (dropout after the output projection is the same on every rank).
     """
+
+    #: head-count attributes set without ``update``: query heads, KV heads, and the number of
+    #: query heads per KV head.
+    HEAD_ATTRIBUTES = {"num_heads": "q", "n_heads": "q", "n_head": "q",
+                       "num_attention_heads": "q", "num_key_value_heads": "kv",
+                       "num_kv_heads": "kv", "n_kv_heads": "kv",
+                       "num_key_value_groups": "groups", "n_rep": "groups"}
+
+    @staticmethod
+    def shapes_only(module: nn.Module, heads: int, kv_heads: int) -> None:
+        """``update`` for an attention module that holds no head count (it derives it from
+        the projections' output shapes)."""
 
     def __init__(self, num_heads: int, num_kv_heads: Optional[int] = None, *,
                  update=None, out_proj: Optional[str] = None) -> None:
@@ -552,9 +568,27 @@ class ShardedAttention(ParallelStyle):
         heads, kv_heads = self.local_heads(pg.size())
         if self.update is not None:
             self.update(module, heads, kv_heads)
+        else:
+            self._set_head_attributes(module, heads, kv_heads)
         if self.out_proj is not None and pg.size() > 1:
             self._fork_until_out_proj(module)
         return module
+
+    def _set_head_attributes(self, module: nn.Module, heads: int, kv_heads: int) -> None:
+        local = {"q": heads, "kv": kv_heads, "groups": heads // kv_heads}
+        found = [a for a in self.HEAD_ATTRIBUTES
+                 if isinstance(getattr(module, a, None), int)
+                 and not isinstance(getattr(module, a), bool)]
+        if not found:
+            raise ValueError(
+                f"tpx.ShardedAttention: {type(module).__name__} has none of the head-count "
+                f"attributes tpx knows ({', '.join(self.HEAD_ATTRIBUTES)}), so it would keep "
+                f"computing with {self.num_heads} heads where each rank holds {heads}. Pass "
+                "update=fn(module, local_heads, local_kv_heads) that sets its own attributes, "
+                "or update=ShardedAttention.shapes_only if it reads the head count from the "
+                "tensors' shapes.")
+        for a in found:
+            setattr(module, a, local[self.HEAD_ATTRIBUTES[a]])
 
     def _fork_until_out_proj(self, module: nn.Module) -> None:
         from .. import random as tpx_random
