@@ -247,14 +247,14 @@ def _transformer_training(rank, world, seq_parallel, dtype):
         n = model_args.n_layers
         if seq_parallel:
             assert fwd == {"all_gather": 2 * n + 2, "reduce_scatter": 2 * n + 2}, (case, fwd)
-            # backward: per block wq, wk and wv all-reduce their input gradient (3; PyTorch
-            # reduce-scatters their sum once instead), w1 reduce-scatters its input gradient,
+            # backward: per block the partial input gradients of wq, wk and wv are summed and
+            # reduce-scattered once (1, as PyTorch), w1 reduce-scatters its input gradient,
             # wo's and w2's output gradients are all-gathered (2), the two SequenceParallel norms
             # sum their weight and bias gradients (4 all-reduces; PyTorch leaves them partial and
             # reduces them in the optimizer step); the final norm's 2; the head's input gradient
             # is reduce-scattered; the embeddings' output gradients are all-gathered (2).
-            assert bwd == {"all_gather": 2 * n + 2, "reduce_scatter": n + 1,
-                           "all_reduce": 7 * n + 2}, (case, bwd)
+            assert bwd == {"all_gather": 2 * n + 2, "reduce_scatter": 2 * n + 1,
+                           "all_reduce": 4 * n + 2}, (case, bwd)
         else:
             assert fwd == {"all_reduce": 2 * n + 2, "all_gather": 1}, (case, fwd)
             assert bwd == {"all_reduce": 4 * n + 1}, (case, bwd)
@@ -317,7 +317,7 @@ def _transformer_req_grad(rank, world, thaw, seq_parallel, dtype):
             assert bwd == {"all_reduce": 2, "reduce_scatter": 1}, (case, bwd)
     else:
         n = model_args.n_layers
-        assert bwd == ({"all_gather": 2 * n + 2, "reduce_scatter": n + 1, "all_reduce": 7 * n + 2}
+        assert bwd == ({"all_gather": 2 * n + 2, "reduce_scatter": 2 * n + 1, "all_reduce": 4 * n + 2}
                        if seq_parallel else {"all_reduce": 4 * n + 1}), (case, bwd)
 
 

@@ -269,6 +269,53 @@ def gather_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.Proce
     return _GatherDim.apply(x, dim % x.dim(), sizes, start, pg)
 
 
+class _PartialGradView(torch.autograd.Function):
+    """The gathered tensor again (no communication), for consumers whose input gradients are
+    partial sums over the group: the gradients of all of them are summed by autograd, then
+    reduce-scattered ONCE back to this rank's shard (S(dim) -> R forward's conjugate)."""
+
+    @staticmethod
+    def forward(ctx, x, box, dim, pg):
+        ctx.dim, ctx.pg, ctx.shape = dim, pg, x.shape
+        full = box[0]
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, pg = ctx.dim, ctx.pg
+        g = grad.movedim(dim, 0).contiguous()
+        out = g.new_empty((g.shape[0] // pg.size(), *g.shape[1:]))
+        count_collective(pg, "reduce_scatter", out)
+        dist.reduce_scatter_tensor(out, g, group=pg)
+        return out.movedim(0, dim), None, None, None
+
+
+def gather_dim_for_partial_grads(x: Tensor, dim: int, pg: dist.ProcessGroup) -> Tensor:
+    """``x S(dim) -> R`` as :func:`gather_dim` (equal shards), and on the result a second
+    handle to the same values, ``result._tpx_partial_grad_input``, for the consumers that
+    know how to use it: the column-parallel layers, whose input gradient is a partial sum over
+    the group. They feed it instead of the result, so that autograd sums all their partial
+    gradients and one reduce-scatter returns the sum to the shards, where each of them would
+    otherwise all-reduce its own. Consumers of the result itself (any other op) hand it a
+    replicated gradient, as before; both paths add up in ``x``'s gradient."""
+    world = pg.size()
+    full = gather_dim(x, dim, [x.shape[dim]] * world, dist.get_rank(pg) * x.shape[dim], pg)
+    if world > 1 and x.requires_grad and torch.is_grad_enabled() and \
+            not torch.compiler.is_compiling():
+        twin = _PartialGradView.apply(x, [full.detach()], dim % x.dim(), pg)
+        full._tpx_partial_grad_input = (twin, pg.group_name)
+    return full
+
+
+def partial_grad_input(x: Tensor, pg: dist.ProcessGroup):
+    """The handle :func:`gather_dim_for_partial_grads` left on ``x`` for consumers over ``pg``
+    whose input gradient is partial (or ``None``)."""
+    twin = getattr(x, "_tpx_partial_grad_input", None)
+    if twin is None or twin[1] != pg.group_name or torch.compiler.is_compiling():
+        return None
+    return twin[0]
+
+
 def split_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:
     """``x R -> S(dim)``: keeps this rank's ``sizes[rank]`` entries from ``start``."""
     if pg.size() == 1:

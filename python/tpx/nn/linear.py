@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
@@ -288,9 +289,15 @@ class ColumnParallelLinear(_ParallelLinear):
             if bias is not None:
                 bias = tpx_autograd.sum_grad_over_holders(bias, self.out_rows, self.group)
         w_t = weight.t()
+        twin = None if self.sequence_parallel else tpx_autograd.partial_grad_input(x, self.group)
         if self.sequence_parallel:
             _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
                                          bias=bias, return_gathered=False)
+        elif twin is not None:
+            # x was gathered from sequence shards by a plan style: the partial input gradient
+            # is left unreduced, summed with those of the other column layers reading x, and
+            # reduce-scattered once (tpx.autograd.gather_dim_for_partial_grads).
+            y = F.linear(twin, weight, bias)
         else:
             y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
         if self.gather_output:

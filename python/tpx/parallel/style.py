@@ -82,9 +82,10 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh
             y = tpx_autograd.split_dim(x, d, sizes, start, pg)
         elif isinstance(src, Shard) and isinstance(dst, Replicate):
             d = src.dim % x.dim()
-            # Shards of a plain tensor are equal-sized: the full size is local * world.
-            sizes = [x.shape[d]] * world
-            y = tpx_autograd.gather_dim(x, d, sizes, dist.get_rank(pg) * x.shape[d], pg)
+            # Shards of a plain tensor are equal-sized: the full size is local * world. The
+            # column-parallel layers that read the result send their (partial) input
+            # gradients back with one reduce-scatter of their sum.
+            y = tpx_autograd.gather_dim_for_partial_grads(x, d, pg)
         else:
             raise ValueError(f"tpx: cannot redistribute a tensor from {src} to {dst}")
     if local:
