@@ -151,3 +151,27 @@ def _check_bad(rank, world):
 
 def test_bad_hf_plans():
     run_ranks(_check_bad, 4)
+
+
+# ------------------------------------------------------------------ uneven sequences
+
+def _check_uneven_errors(rank, world):
+    from tiny_llama import Decoder
+
+    # A plain-tensor split that the way back could not undo: a clear error on every rank.
+    layer = torch.nn.Linear(8, 8)
+    tpx.parallelize_module(layer, None, tpx.PrepareModuleInput(
+        input_layouts=(tpx.Replicate(),), desired_input_layouts=(tpx.Shard(1),)))
+    with pytest.raises(ValueError, match=r"size 15\) does not divide by the group size 2.*pad"):
+        layer(torch.randn(2, 15, 8))
+    # The plain decoder's plan says the same.
+    torch.manual_seed(0)
+    model = Decoder(vocab=V, n_layers=1)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=True))
+    with pytest.raises(ValueError, match="pad the sequence"):
+        model(torch.randint(0, V, (2, 15)))
+
+
+def test_uneven_sequence_errors():
+    run_ranks(_check_uneven_errors, 2)
+
