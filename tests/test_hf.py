@@ -46,15 +46,15 @@ def _grad_check(model, ref, what):
     assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=2e-5)
 
 
-def _check_family(rank, world, family, sp, lp):
-    what = f"{family} TP={world} sp={sp} lp={lp}"
+def _check_family(rank, world, family, sp, lp, seq=16):
+    what = f"{family} TP={world} sp={sp} lp={lp} seq={seq}"
     torch.manual_seed(0)
     ref = tiny(family)
     model = copy.deepcopy(ref)
     tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp,
                                                        loss_parallel=lp))
     torch.manual_seed(1 + rank * 0)  # the same batch on every rank
-    ids = torch.randint(0, V, (2, 16))
+    ids = torch.randint(0, V, (2, seq))
     labels = ids.clone()
     labels[0, :3] = -100
     out_ref = ref(input_ids=ids, labels=labels)
@@ -153,7 +153,48 @@ def test_bad_hf_plans():
     run_ranks(_check_bad, 4)
 
 
-# ------------------------------------------------------------------ uneven sequences
+# ------------------------------------------------------------------ generation, uneven sequences
+
+def _check_generate(rank, world, family):
+    """Greedy ``generate()`` equals one device token for token with every 1-D plan: plain,
+    loss-parallel (vocab-sharded logits), sequence-parallel (prompts of 7 tokens and one-token
+    decoding steps, neither a multiple of the TP size), both; with and without a left-padded
+    attention mask."""
+    torch.manual_seed(0)
+    ref = tiny(family)
+    ref.generation_config.eos_token_id = None  # every row generates all its tokens
+    ref.generation_config.pad_token_id = 0
+    ids = torch.randint(3, V, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 is left-padded
+    expected = [ref.generate(ids, max_new_tokens=5, do_sample=False),
+                ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)]
+    for sp, lp in [(False, False), (False, True), (True, False), (True, True)]:
+        model = copy.deepcopy(ref)
+        tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp,
+                                                           loss_parallel=lp))
+        got = [model.generate(ids, max_new_tokens=5, do_sample=False),
+               model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)]
+        for g, e, m in zip(got, expected, ("no mask", "left-padded mask")):
+            assert torch.equal(g, e), (f"{family} TP={world} sp={sp} lp={lp} {m}, rank {rank}:"
+                                       f"\n{g.tolist()}\nexpected\n{e.tolist()}")
+        if lp:  # outside generate() the logits stay vocab-sharded for tpx.loss_parallel()
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            assert logits.shape[-1] == tpx.shard_range(V)[1] - tpx.shard_range(V)[0]
+
+
+@pytest.mark.parametrize("family,world", [("llama", 2), ("qwen2", 4)])
+def test_generate_like_one_device(family, world):
+    run_ranks(_check_generate, world, family)
+
+
+def test_sequence_parallel_uneven_sequence():
+    # 15 and 31 positions at TP 2 (padded to 16 / 32 inside the decoder layers): logits, loss,
+    # gradients, one step and the checkpoint equal the unsharded model.
+    run_ranks(_check_family, 2, "llama", True, True, 15)
+    run_ranks(_check_family, 2, "qwen2", True, False, 31)
+
 
 def _check_uneven_errors(rank, world):
     from tiny_llama import Decoder
@@ -174,4 +215,3 @@ def _check_uneven_errors(rank, world):
 
 def test_uneven_sequence_errors():
     run_ranks(_check_uneven_errors, 2)
-
