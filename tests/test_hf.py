@@ -215,3 +215,45 @@ def _check_uneven_errors(rank, world):
 
 def test_uneven_sequence_errors():
     run_ranks(_check_uneven_errors, 2)
+
+
+# ------------------------------------------------------------------ multi-dimensional layouts
+
+def _check_mesh_token_inputs(rank, world, layout):
+    """2-D / 2.5-D / 3-D plans take every per-token input Hugging Face passes in the batch
+    order of the layer that reads it: a left-padded attention mask, packed sequences (explicit
+    position_ids), both; and greedy generate() with a left-padded mask."""
+    mesh = tpx.init_mesh(layout, **({"depth": 2} if layout == "2.5d" else {}))
+    torch.manual_seed(0)
+    # Sizes divide by the 3-D q^2 = 4 (batch, vocabulary, MLP width).
+    ref = tiny("llama", vocab_size=1000, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=1)
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 1000, (4, 10), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in ((1, 3), (2, 1), (3, 6)):  # left padding, different in every row
+        mask[row, :pad] = 0
+    packed = torch.tensor([list(range(4)) + list(range(6)), list(range(10)),
+                           list(range(7)) + list(range(3)), list(range(5)) * 2])
+    what = f"HF Llama {layout} rank {rank}"
+    for kwargs, name in ((dict(attention_mask=mask), "left-padded mask"),
+                         (dict(position_ids=packed), "packed sequences"),
+                         (dict(attention_mask=mask, position_ids=packed), "mask and positions")):
+        with torch.no_grad():
+            expected = ref(input_ids=ids, **kwargs).logits
+            got = model(input_ids=ids, **kwargs).logits
+        keep = mask.bool() if "attention_mask" in kwargs else torch.ones_like(mask, dtype=bool)
+        torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{what} {name}: {m}")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, out_ref), f"{what} generate:\n{out.tolist()}\n{out_ref.tolist()}"
+
+
+@pytest.mark.parametrize("layout,world", [("2d", 4), ("2.5d", 8), ("3d", 8)])
+def test_mesh_plans_masks_and_positions(layout, world):
+    run_ranks(_check_mesh_token_inputs, world, layout)

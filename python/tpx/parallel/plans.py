@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 
-from .mesh_styles import MeshAttention, MeshInput, MeshParallel
+from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
 
@@ -468,7 +468,8 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
             final_norm=base + "norm",
             update=_set_attrs(num_heads=lambda h, k, m: h,
                               num_key_value_heads=lambda h, k, m: k),
-            loss_parallel=loss_parallel, input_kwargs=("input_ids", "attention_mask"))
+            loss_parallel=loss_parallel,
+            input_kwargs=("input_ids", "inputs_embeds") + ATTENTION_INPUTS)
     if model_type is not None:
         raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type={model_type!r} "
                          f"with layout={layout!r}; beyond 1-D: llama, mistral, qwen2 and the "
