@@ -222,7 +222,8 @@ def test_uneven_sequence_errors():
 def _check_mesh_token_inputs(rank, world, layout):
     """2-D / 2.5-D / 3-D plans take every per-token input Hugging Face passes in the batch
     order of the layer that reads it: a left-padded attention mask, packed sequences (explicit
-    position_ids), both; and greedy generate() with a left-padded mask."""
+    position_ids), both; and greedy generate() with a left-padded mask, with and without
+    loss_parallel=True."""
     mesh = tpx.init_mesh(layout, **({"depth": 2} if layout == "2.5d" else {}))
     torch.manual_seed(0)
     # Sizes divide by the 3-D q^2 = 4 (batch, vocabulary, MLP width).
@@ -249,9 +250,17 @@ def _check_mesh_token_inputs(rank, world, layout):
         keep = mask.bool() if "attention_mask" in kwargs else torch.ones_like(mask, dtype=bool)
         torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{what} {name}: {m}")
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, out_ref), f"{what} generate:\n{out.tolist()}\n{out_ref.tolist()}"
+    # With the logits kept in the layout's blocks for the loss: full logits in generate() only.
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout, loss_parallel=True))
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, out_ref), (f"{what} generate (loss_parallel):\n{out.tolist()}\n"
+                                       f"{out_ref.tolist()}")
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape[-1] < 1000  # still blocks outside generate()
 
 
 @pytest.mark.parametrize("layout,world", [("2d", 4), ("2.5d", 8), ("3d", 8)])

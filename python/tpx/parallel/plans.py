@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 
-from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
+from ..nn import multidim as md
+from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel, mesh_info
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
 
@@ -77,14 +78,50 @@ class _FullLogitsInGenerate(ParallelStyle):
         self.head = head
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        if "_tpx_generate_head" not in module.__dict__:
-            module.generate = types.MethodType(_generate_full_logits, module)
-            module.register_forward_hook(_gather_logits_when_generating)
-        module.__dict__["_tpx_generate_head"] = self.head
+        head_name = self.head
+
+        def gather(root, logits):
+            head = root.get_submodule(head_name)
+            return tpx_autograd.gather_last_dim(logits, head.out_sizes, head.out_start,
+                                                head.group)
+
+        _gather_logits_in_generate(module, gather)
         return module
 
     def __repr__(self) -> str:
         return f"_FullLogitsInGenerate(head={self.head!r})"
+
+
+class _MeshInputFullLogits(MeshInput):
+    """:class:`MeshInput`, and on a model whose LM head keeps the logits in the layout's blocks
+    (``loss_parallel=True``): the full logits while the model's ``generate()`` runs."""
+
+    def __init__(self, input_kwargs, head: str) -> None:
+        super().__init__(input_kwargs)
+        self.head = head
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        module = super().apply_mesh(module, mesh, src_rank)
+        info = mesh_info(mesh, "MeshInput")
+        head_name = self.head
+
+        def gather(root, logits):
+            kw = {}
+            if info.layout == "3d":
+                kw["hidden_mesh_dim"] = root.get_submodule(head_name).output_mesh_dim
+            return md.gather_output(logits, info, **kw)
+
+        _gather_logits_in_generate(module, gather)
+        return module
+
+
+def _gather_logits_in_generate(module: nn.Module, gather) -> None:
+    """Runs ``module.generate`` (Hugging Face's) with the logits each forward pass returns
+    replaced by ``gather(module, logits)``; other calls of the module are left alone."""
+    if "_tpx_gather_logits" not in module.__dict__:
+        module.generate = types.MethodType(_generate_full_logits, module)
+        module.register_forward_hook(_gather_logits_when_generating)
+    module.__dict__["_tpx_gather_logits"] = gather
 
 
 def _generate_full_logits(self, *args, **kwargs):
@@ -102,9 +139,7 @@ def _gather_logits_when_generating(module, args, output):
     logits = getattr(output, "logits", None)
     if not isinstance(logits, Tensor):
         return output
-    head = module.get_submodule(module.__dict__["_tpx_generate_head"])
-    output.logits = tpx_autograd.gather_last_dim(logits, head.out_sizes, head.out_start,
-                                                 head.group)
+    output.logits = module.__dict__["_tpx_gather_logits"](module, logits)
     return output
 
 
@@ -428,7 +463,10 @@ def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
     activation split by "weight"), attention told its local heads, the model's inputs split
     at its entry and the LM head's output gathered (kept sharded with ``loss_parallel``)."""
     pre = f"{layers}.*."
-    plan: Plan = {"": MeshInput(input_kwargs), embedding: MeshParallel(),
+    root = (_MeshInputFullLogits(input_kwargs, head)
+            if loss_parallel and head is not None
+            and callable(getattr(type(model), "generate", None)) else MeshInput(input_kwargs))
+    plan: Plan = {"": root, embedding: MeshParallel(),
                   pre + attention: MeshAttention(heads, kv_heads, update=update)}
     for n in norms:
         plan[pre + n] = MeshParallel()
