@@ -16,7 +16,10 @@ Families:
   ``output``), or gpt-fast's fused ``attention.wqkv``. Sequence parallelism supported.
 
 With ``loss_parallel=True`` the LM head's output stays sharded over the vocabulary
-(``Shard(-1)``): compute the loss inside ``with tpx.loss_parallel():``.
+(``Shard(-1)``): compute the loss inside ``with tpx.loss_parallel():``. A Hugging Face model's
+own ``generate()`` sees the full logits (gathered while it runs), so it generates what one
+device generates with every plan here, sequence-parallel ones at any length included (the
+Llama family pads the sequence to a multiple of the TP size inside its decoder layers).
 """
 
 from __future__ import annotations
