@@ -231,8 +231,8 @@ def _check_mesh_token_inputs(rank, world, layout):
     mesh = tpx.init_mesh(layout, **({"depth": 2} if layout == "2.5d" else {}))
     torch.manual_seed(0)
     # Sizes divide by the 3-D q^2 = 4 (batch, vocabulary, MLP width).
-    ref = tiny("llama", vocab_size=1000, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, num_hidden_layers=1)
+    ref = tiny("llama", vocab_size=1000, hidden_size=32, intermediate_size=64,
+               num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
     ref.generation_config.eos_token_id = None
     ref.generation_config.pad_token_id = 0
     model = copy.deepcopy(ref)

@@ -11,7 +11,7 @@ makes the LM head return the full logits, so ``model(ids)`` is called as before.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional
 
 from torch import Tensor, nn
 
