@@ -80,3 +80,54 @@ def _hf_load(rank, world, family, path):
 @pytest.mark.parametrize("family,world", [("llama", 4), ("gpt2", 2)])
 def test_load_hf_checkpoint(tmp_path, family, world):
     run_ranks(_hf_load, world, family, str(tmp_path / "hf"))
+
+
+def _neox_load(rank, world, path, partial):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = tiny("gpt_neox")
+    if rank == 0:
+        ref.save_pretrained(path)
+        # The same checkpoint without the final norm's weight.
+        full = os.path.join(path, "model.safetensors")
+        with safe_open(full, framework="pt") as f:
+            kept = {k: f.get_tensor(k) for k in f.keys() if "final_layer_norm.weight" not in k}
+        os.makedirs(partial)
+        save_file(kept, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        # transformers writes the head under its legacy name; the model's key is lm_head.weight
+        assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    ids = _batch()
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+    torch.manual_seed(5)
+    model = tiny("gpt_neox")
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    result = tpx.checkpoint.load_hf_checkpoint(model, path)
+    assert result == [] and result.missing_keys == [], result
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    torch.manual_seed(5)
+    model = tiny("gpt_neox")
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    before = model.gpt_neox.final_layer_norm.weight.clone()
+    head_before = model.lm_head.weight.clone()
+    with pytest.raises(ValueError, match=r"does not hold \['gpt_neox.final_layer_norm.weight'\]"
+                                         r".*nothing was loaded.*strict=False"):
+        tpx.checkpoint.load_hf_checkpoint(model, partial)
+    assert torch.equal(model.lm_head.weight, head_before)  # nothing was loaded
+    with pytest.warns(UserWarning, match=r"1 parameters or buffers .* keep their current "
+                                         r"values: \['gpt_neox.final_layer_norm.weight'\]"):
+        result = tpx.checkpoint.load_hf_checkpoint(model, partial, strict=False)
+    assert result.missing_keys == ["gpt_neox.final_layer_norm.weight"] and result == []
+    assert torch.equal(model.gpt_neox.final_layer_norm.weight, before)
+    assert not torch.equal(model.lm_head.weight, head_before)  # the head was read
+
+
+def test_load_hf_checkpoint_renamed_keys(tmp_path):
+    # GPT-NeoX's save_pretrained writes embed_out.weight: loaded by transformers' own mapping.
+    run_ranks(_neox_load, 2, str(tmp_path / "hf"), str(tmp_path / "partial"))

@@ -46,15 +46,15 @@ def _grad_check(model, ref, what):
     assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=2e-5)
 
 
-def _check_family(rank, world, family, sp, lp):
-    what = f"{family} TP={world} sp={sp} lp={lp}"
+def _check_family(rank, world, family, sp, lp, seq=16):
+    what = f"{family} TP={world} sp={sp} lp={lp} seq={seq}"
     torch.manual_seed(0)
     ref = tiny(family)
     model = copy.deepcopy(ref)
     tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp,
                                                        loss_parallel=lp))
     torch.manual_seed(1 + rank * 0)  # the same batch on every rank
-    ids = torch.randint(0, V, (2, 16))
+    ids = torch.randint(0, V, (2, seq))
     labels = ids.clone()
     labels[0, :3] = -100
     out_ref = ref(input_ids=ids, labels=labels)
@@ -151,3 +151,122 @@ def _check_bad(rank, world):
 
 def test_bad_hf_plans():
     run_ranks(_check_bad, 4)
+
+
+# ------------------------------------------------------------------ generation, uneven sequences
+
+def _check_generate(rank, world, family):
+    """Greedy ``generate()`` equals one device token for token with every 1-D plan: plain,
+    loss-parallel (vocab-sharded logits), and for the Llama family sequence-parallel (prompts
+    of 7 tokens and one-token decoding steps, neither a multiple of the TP size) and both; with
+    and without a left-padded attention mask."""
+    torch.manual_seed(0)
+    ref = tiny(family)
+    ref.generation_config.eos_token_id = None  # every row generates all its tokens
+    ref.generation_config.pad_token_id = 0
+    ids = torch.randint(3, V, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 is left-padded
+    expected = [ref.generate(ids, max_new_tokens=5, do_sample=False),
+                ref.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)]
+    cases = [(False, False), (False, True)]
+    if family in ("llama", "mistral", "qwen2"):  # the plans with sequence parallelism
+        cases += [(True, False), (True, True)]
+    for sp, lp in cases:
+        model = copy.deepcopy(ref)
+        tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp,
+                                                           loss_parallel=lp))
+        got = [model.generate(ids, max_new_tokens=5, do_sample=False),
+               model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)]
+        for g, e, m in zip(got, expected, ("no mask", "left-padded mask")):
+            assert torch.equal(g, e), (f"{family} TP={world} sp={sp} lp={lp} {m}, rank {rank}:"
+                                       f"\n{g.tolist()}\nexpected\n{e.tolist()}")
+        if lp:  # outside generate() the logits stay vocab-sharded for tpx.loss_parallel()
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            assert logits.shape[-1] == tpx.shard_range(V)[1] - tpx.shard_range(V)[0]
+
+
+@pytest.mark.parametrize("family,world", [("llama", 2), ("qwen2", 4), ("gpt2", 2),
+                                          ("gpt_neox", 2)])
+def test_generate_like_one_device(family, world):
+    run_ranks(_check_generate, world, family)
+
+
+def test_sequence_parallel_uneven_sequence():
+    # 15 and 31 positions at TP 2 (padded to 16 / 32 inside the decoder layers): logits, loss,
+    # gradients, one step and the checkpoint equal the unsharded model.
+    run_ranks(_check_family, 2, "llama", True, True, 15)
+    run_ranks(_check_family, 2, "qwen2", True, False, 31)
+
+
+def _check_uneven_errors(rank, world):
+    from tiny_llama import Decoder
+
+    # A plain-tensor split that the way back could not undo: a clear error on every rank.
+    layer = torch.nn.Linear(8, 8)
+    tpx.parallelize_module(layer, None, tpx.PrepareModuleInput(
+        input_layouts=(tpx.Replicate(),), desired_input_layouts=(tpx.Shard(1),)))
+    with pytest.raises(ValueError, match=r"size 15\) does not divide by the group size 2.*pad"):
+        layer(torch.randn(2, 15, 8))
+    # The plain decoder's plan says the same.
+    torch.manual_seed(0)
+    model = Decoder(vocab=V, n_layers=1)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=True))
+    with pytest.raises(ValueError, match="pad the sequence"):
+        model(torch.randint(0, V, (2, 15)))
+
+
+def test_uneven_sequence_errors():
+    run_ranks(_check_uneven_errors, 2)
+
+
+# ------------------------------------------------------------------ multi-dimensional layouts
+
+def _check_mesh_token_inputs(rank, world, layout):
+    """2-D / 2.5-D / 3-D plans take every per-token input Hugging Face passes in the batch
+    order of the layer that reads it: a left-padded attention mask, packed sequences (explicit
+    position_ids), both; and greedy generate() with a left-padded mask, with and without
+    loss_parallel=True."""
+    mesh = tpx.init_mesh(layout, **({"depth": 2} if layout == "2.5d" else {}))
+    torch.manual_seed(0)
+    # Sizes divide by the 3-D q^2 = 4 (batch, vocabulary, MLP width).
+    ref = tiny("llama", vocab_size=1000, hidden_size=32, intermediate_size=64,
+               num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 1000, (4, 10), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in ((1, 3), (2, 1), (3, 6)):  # left padding, different in every row
+        mask[row, :pad] = 0
+    packed = torch.tensor([list(range(4)) + list(range(6)), list(range(10)),
+                           list(range(7)) + list(range(3)), list(range(5)) * 2])
+    what = f"HF Llama {layout} rank {rank}"
+    for kwargs, name in ((dict(attention_mask=mask), "left-padded mask"),
+                         (dict(position_ids=packed), "packed sequences"),
+                         (dict(attention_mask=mask, position_ids=packed), "mask and positions")):
+        with torch.no_grad():
+            expected = ref(input_ids=ids, **kwargs).logits
+            got = model(input_ids=ids, **kwargs).logits
+        keep = mask.bool() if "attention_mask" in kwargs else torch.ones_like(mask, dtype=bool)
+        torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{what} {name}: {m}")
+    out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, out_ref), f"{what} generate:\n{out.tolist()}\n{out_ref.tolist()}"
+    # With the logits kept in the layout's blocks for the loss: full logits in generate() only.
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout, loss_parallel=True))
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, out_ref), (f"{what} generate (loss_parallel):\n{out.tolist()}\n"
+                                       f"{out_ref.tolist()}")
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape[-1] < 1000  # still blocks outside generate()
+
+
+@pytest.mark.parametrize("layout,world", [("2d", 4), ("2.5d", 8), ("3d", 8)])
+def test_mesh_plans_masks_and_positions(layout, world):
+    run_ranks(_check_mesh_token_inputs, world, layout)

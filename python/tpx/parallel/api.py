@@ -65,8 +65,9 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
 
     ``parallelize_plan`` is a style (applied to ``module`` itself) or a dict from module-name
     patterns (``fnmatch`` wildcards: ``"layers.*.attention.wq"``) to styles. Patterns are
-    matched against the names of ``module.named_modules()`` before anything is replaced. Under
-    ``strict=True`` a pattern that matches no module is a ``ValueError``.
+    matched against the names of ``module.named_modules()`` before anything is replaced; the
+    key ``""`` names ``module`` itself. Under ``strict=True`` a pattern that matches no module
+    is a ``ValueError``.
 
     ``src_rank`` (default 0, as PyTorch's ``src_data_rank``): the rank of the TP group whose
     module is used. Sharded parameters are cut from its full tensors (each rank receives its
@@ -221,7 +222,9 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"tpx.parallelize_module: plan[{pattern!r}] must be a ParallelStyle "
                             f"(ColwiseParallel(), ...); got {type(style).__name__}")
-        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        # The key "" names the model itself (as over a mesh).
+        matches = ([""] if pattern == "" else
+                   [n for n in names if fnmatch.fnmatchcase(n, pattern)])
         if not matches and strict:
             raise ValueError(f"tpx.parallelize_module: the plan pattern {pattern!r} matches no "
                              f"module (some module names: {names[:8]}); fix the pattern or pass "
@@ -229,7 +232,7 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
         work += [(n, style) for n in matches]
     replaced = []
     for name, style in work:
-        old = module.get_submodule(name)
+        old = module if name == "" else module.get_submodule(name)
         try:
             new = apply_style(style, old, pg, src_rank)
             if new is not old:

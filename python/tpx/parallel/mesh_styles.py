@@ -11,7 +11,7 @@ makes the LM head return the full logits, so ``model(ids)`` is called as before.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional
 
 from torch import Tensor, nn
 
@@ -158,33 +158,96 @@ class MeshParallel(MeshStyle):
                 f"gather_output={self.gather_output})")
 
 
+#: Hugging Face's per-token inputs that attention reads (the mask, and the positions its
+#: rotary embeddings come from): on a 3-D mesh they meet the q/k/v projections' outputs.
+ATTENTION_INPUTS = ("attention_mask", "position_ids")
+
+
 class MeshInput(MeshStyle):
-    """At a module's entry (the model itself), splits its inputs into the layout's blocks with
-    :func:`tpx.split_input`: token ids and masks (integer or bool tensors ``[B, ...]``) in
-    batch only, float activations ``[B, ..., H]`` in batch and hidden.
+    """At a module's entry (the model itself), splits its inputs into the layout's blocks: the
+    first positional input and the keyword inputs named by ``input_kwargs``.
+
+    * Token ids (an integer tensor ``[B, ...]``) in batch only, float activations
+      ``[B, ..., H]`` in batch and hidden, with :func:`tpx.split_input`.
+    * Inputs that attention reads (``attention_mask``, ``position_ids``: any dtype, any
+      number of dims after the batch) in batch only, in the batch order of the tensors
+      attention runs on. On a 2-D / 2.5-D mesh that is the order of the ids. On a 3-D mesh
+      the q/k/v projections (``Linear3D(hidden_mesh_dim="output")``) return their batch in
+      the other order (blocks over ``("input", "output")`` instead of ``("input",
+      "weight")``), so a mask split like the ids would pair a row with another row's padding.
+    * A keyword input whose batch is 1 while the ids' is larger (a mask or positions
+      broadcast over the batch) is left whole; inputs without a batch dimension, such as
+      Hugging Face's ``cache_position``, are not named here and stay whole.
 
     Args:
-        input_kwargs: keyword arguments split as well as the first positional one (e.g.
-            ``("input_ids", "attention_mask")`` of a Hugging Face model). ``labels`` are
-            left whole: the loss reads the full logits, or under ``tpx.loss_parallel(mesh)``
-            slices them itself.
+        input_kwargs: the keyword inputs to split, as names (those in ``ATTENTION_INPUTS``,
+            ``("attention_mask", "position_ids")``, in attention's batch order, the others
+            in the ids' order), or as a dict from name to the 3-D mesh dim splitting the
+            hidden features of the activations the input meets: ``"output"`` (the residual
+            stream: ids, ``inputs_embeds``) or ``"weight"`` (the q/k/v projections' outputs:
+            masks, positions). ``labels`` are left whole: the loss reads the full logits, or
+            under ``tpx.loss_parallel(mesh)`` slices them itself.
     """
 
-    def __init__(self, input_kwargs: Sequence[str] = ("input_ids", "attention_mask")) -> None:
-        self.input_kwargs: Tuple[str, ...] = tuple(input_kwargs)
+    def __init__(self, input_kwargs=("input_ids", "attention_mask", "position_ids")) -> None:
+        if isinstance(input_kwargs, str):
+            raise TypeError("tpx.MeshInput: `input_kwargs` must be a sequence of names or a "
+                            f"dict from name to 'output' / 'weight'; got the string "
+                            f"{input_kwargs!r}")
+        if not isinstance(input_kwargs, dict):
+            input_kwargs = {k: ("weight" if k in ATTENTION_INPUTS else "output")
+                            for k in input_kwargs}
+        for key, dim in input_kwargs.items():
+            if dim not in ("output", "weight"):
+                raise ValueError(f"tpx.MeshInput: input_kwargs[{key!r}] must be 'output' (read "
+                                 f"with the residual stream) or 'weight' (read with the q/k/v "
+                                 f"projections' outputs); got {dim!r}")
+        self.input_kwargs: Dict[str, str] = dict(input_kwargs)
 
     def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
         info = mesh_info(mesh, "MeshInput")
+        three_d = info.layout == "3d"
+        names = self.input_kwargs
 
-        def split(x):
-            return md.split_input(x, info) if isinstance(x, Tensor) else x
+        def split(x, hidden):
+            if not isinstance(x, Tensor):
+                return x
+            return md.split_input(x, info, hidden_mesh_dim=hidden if three_d else None)
+
+        def split_batch(key, x, hidden, batch):
+            """Batch-only split of an input attention reads, in that batch order."""
+            if not isinstance(x, Tensor) or x.dim() == 0:
+                return x
+            if batch is not None and x.shape[0] == 1 and batch > 1:
+                return x  # broadcast over the batch
+            if batch is not None and x.shape[0] != batch:
+                raise ValueError(f"tpx.MeshInput: `{key}` has {x.shape[0]} rows in dim 0 and "
+                                 f"the ids {batch}: pass it for the whole batch (or with one "
+                                 "row, broadcast)")
+            bdims, _ = md._splits(info, hidden if three_d else None)
+            index, count = md._block(info, bdims)
+            if x.shape[0] % count:
+                raise ValueError(f"tpx.MeshInput: `{key}`.shape[0] (batch) = {x.shape[0]} must "
+                                 f"divide by {count}, the number of batch blocks of the "
+                                 f"{info.layout!r} layout (split over mesh dims {bdims})")
+            rows = x.shape[0] // count
+            return x.narrow(0, index * rows, rows)
 
         def hook(mod, args, kwargs):
+            first = args[0] if args else None
+            if not isinstance(first, Tensor):
+                first = next((kwargs[k] for k in names if names[k] == "output"
+                              and isinstance(kwargs.get(k), Tensor)), None)
+            batch = first.shape[0] if isinstance(first, Tensor) and first.dim() else None
             if args:
-                args = (split(args[0]),) + tuple(args[1:])
-            for key in self.input_kwargs:
-                if key in kwargs:
-                    kwargs[key] = split(kwargs[key])
+                args = (split(args[0], "output"),) + tuple(args[1:])
+            for key, hidden in names.items():
+                if key not in kwargs:
+                    continue
+                if key in ATTENTION_INPUTS or (hidden == "weight"):
+                    kwargs[key] = split_batch(key, kwargs[key], hidden, batch)
+                else:
+                    kwargs[key] = split(kwargs[key], hidden)
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)

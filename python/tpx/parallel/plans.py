@@ -16,16 +16,25 @@ Families:
   ``output``), or gpt-fast's fused ``attention.wqkv``. Sequence parallelism supported.
 
 With ``loss_parallel=True`` the LM head's output stays sharded over the vocabulary
-(``Shard(-1)``): compute the loss inside ``with tpx.loss_parallel():``.
+(``Shard(-1)``): compute the loss inside ``with tpx.loss_parallel():``. A Hugging Face model's
+own ``generate()`` sees the full logits (gathered while it runs), so it generates what one
+device generates with every plan here, sequence-parallel ones at any length included (the
+Llama family pads the sequence to a multiple of the TP size inside its decoder layers).
 """
 
 from __future__ import annotations
 
+import types
 from typing import Dict, List, Optional
 
-from torch import nn
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from .mesh_styles import MeshAttention, MeshInput, MeshParallel
+from .. import autograd as tpx_autograd
+
+from ..nn import multidim as md
+from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel, mesh_info
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
 
@@ -49,6 +58,198 @@ def _prefix(name: Optional[str], suffix: str) -> str:
 def _head_output(loss_parallel: bool, seq) -> ColwiseParallel:
     return ColwiseParallel(input_layouts=seq,
                            output_layouts=Shard(-1) if loss_parallel else Replicate())
+
+
+def _with_generate(plan: Plan, model: nn.Module, head: Optional[str],
+                   loss_parallel: bool) -> Plan:
+    """Adds :class:`_FullLogitsInGenerate` on the model itself when its LM head keeps the
+    logits vocab-sharded and the model can ``generate()``."""
+    if loss_parallel and head is not None and callable(getattr(type(model), "generate", None)):
+        plan[""] = _FullLogitsInGenerate(head)
+    return plan
+
+
+class _FullLogitsInGenerate(ParallelStyle):
+    """On the model itself (plan key ``""``) when the plan's LM head keeps the logits sharded
+    over the vocabulary (``loss_parallel=True``): while the model's ``generate()`` runs, every
+    forward pass gathers the logits it returns over the vocabulary (the positions Hugging Face
+    keeps, one per decoding step), so each rank picks its next token from the full vocabulary
+    and every rank generates what one device generates. Outside ``generate()`` the logits stay
+    vocab-sharded, for the loss under ``tpx.loss_parallel()``."""
+
+    def __init__(self, head: str) -> None:
+        self.head = head
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        head_name = self.head
+
+        def gather(root, logits):
+            head = root.get_submodule(head_name)
+            return tpx_autograd.gather_last_dim(logits, head.out_sizes, head.out_start,
+                                                head.group)
+
+        _gather_logits_in_generate(module, gather)
+        return module
+
+    def __repr__(self) -> str:
+        return f"_FullLogitsInGenerate(head={self.head!r})"
+
+
+class _MeshInputFullLogits(MeshInput):
+    """:class:`MeshInput`, and on a model whose LM head keeps the logits in the layout's blocks
+    (``loss_parallel=True``): the full logits while the model's ``generate()`` runs."""
+
+    def __init__(self, input_kwargs, head: str) -> None:
+        super().__init__(input_kwargs)
+        self.head = head
+
+    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+        module = super().apply_mesh(module, mesh, src_rank)
+        info = mesh_info(mesh, "MeshInput")
+        head_name = self.head
+
+        def gather(root, logits):
+            kw = {}
+            if info.layout == "3d":
+                kw["hidden_mesh_dim"] = root.get_submodule(head_name).output_mesh_dim
+            return md.gather_output(logits, info, **kw)
+
+        _gather_logits_in_generate(module, gather)
+        return module
+
+
+def _gather_logits_in_generate(module: nn.Module, gather) -> None:
+    """Runs ``module.generate`` (Hugging Face's) with the logits each forward pass returns
+    replaced by ``gather(module, logits)``; other calls of the module are left alone."""
+    if "_tpx_gather_logits" not in module.__dict__:
+        module.generate = types.MethodType(_generate_full_logits, module)
+        module.register_forward_hook(_gather_logits_when_generating)
+    module.__dict__["_tpx_gather_logits"] = gather
+
+
+def _generate_full_logits(self, *args, **kwargs):
+    """The model's own ``generate``, with the LM head's vocab shards gathered during it."""
+    self.__dict__["_tpx_generating"] = self.__dict__.get("_tpx_generating", 0) + 1
+    try:
+        return type(self).generate(self, *args, **kwargs)
+    finally:
+        self.__dict__["_tpx_generating"] -= 1
+
+
+def _gather_logits_when_generating(module, args, output):
+    if not module.__dict__.get("_tpx_generating"):
+        return output
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, Tensor):
+        return output
+    output.logits = module.__dict__["_tpx_gather_logits"](module, logits)
+    return output
+
+
+class _SeqLength:
+    """The sequence length of the forward pass under way, shared by the entries of a
+    sequence-parallel plan that pads the sequence to a multiple of the TP size."""
+
+    def __init__(self) -> None:
+        self.length = self.padded = 0
+
+
+def _hidden(args, kwargs):
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _replace_hidden(args, kwargs, x):
+    if args:
+        return (x,) + tuple(args[1:]), kwargs
+    kwargs["hidden_states"] = x
+    return args, kwargs
+
+
+class _SplitSequence(ParallelStyle):
+    """At the entry of the first decoder layer: ``hidden_states R -> S(1)``. A sequence whose
+    length does not divide by the TP size P is padded at its end to the next multiple of P
+    (rows of zeros that never reach a real position: attention reads the sequence trimmed
+    back, every other module works row by row), so every rank holds an equal block."""
+
+    def __init__(self, seq: _SeqLength) -> None:
+        self.seq = seq
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        seq, world, rank = self.seq, pg.size(), dist.get_rank(pg)
+
+        def hook(mod, args, kwargs):
+            x = _hidden(args, kwargs)
+            if not isinstance(x, Tensor):
+                return None
+            if x.dim() != 3:
+                raise ValueError(f"tpx.plans (sequence_parallel=True): the first decoder layer "
+                                 f"expects hidden states [batch, sequence, hidden]; got shape "
+                                 f"{tuple(x.shape)}")
+            n = x.shape[1]
+            per = -(-n // world)
+            seq.length, seq.padded = n, per * world
+            if seq.padded != n:
+                x = F.pad(x, (0, 0, 0, seq.padded - n))
+            x = tpx_autograd.split_dim(x, 1, [per] * world, rank * per, pg)
+            return _replace_hidden(args, kwargs, x)
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _gather_sequence(x: Tensor, seq: _SeqLength, pg: dist.ProcessGroup, trim: bool) -> Tensor:
+    world = pg.size()
+    per = x.shape[1]
+    if per * world != seq.padded:
+        raise ValueError(f"tpx.plans (sequence_parallel=True): a block of {per} positions on "
+                         f"each of {world} ranks, but the first decoder layer split "
+                         f"{seq.padded}; call the model as a whole, not a layer on its own")
+    x = tpx_autograd.gather_dim(x, 1, [per] * world, dist.get_rank(pg) * per, pg)
+    return x.narrow(1, 0, seq.length) if trim and seq.length != seq.padded else x
+
+
+class _GatherSequence(ParallelStyle):
+    """``hidden_states S(1) -> R`` at a module's input (``where="input"``; attention: trimmed to
+    the real sequence) or at its output (``where="output"``: the final norm, so the model
+    returns the full sequence and the LM head reads every position, e.g. only the last)."""
+
+    def __init__(self, seq: _SeqLength, where: str) -> None:
+        self.seq, self.where = seq, where
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        seq = self.seq
+        if self.where == "input":
+            def pre(mod, args, kwargs):
+                x = _hidden(args, kwargs)
+                if not isinstance(x, Tensor):
+                    return None
+                return _replace_hidden(args, kwargs, _gather_sequence(x, seq, pg, True))
+
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+        else:
+            module.register_forward_hook(
+                lambda mod, args, out: _gather_sequence(out, seq, pg, True))
+        return module
+
+
+class _PadSequence(ParallelStyle):
+    """Before a row-parallel projection that scatters its output along the sequence: pads its
+    input (the real positions) back to the length the first decoder layer split."""
+
+    def __init__(self, seq: _SeqLength) -> None:
+        self.seq = seq
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        seq = self.seq
+
+        def pre(mod, args):
+            x = args[0]
+            if isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] < seq.padded:
+                return (F.pad(x, (0, 0, 0, seq.padded - x.shape[1])),) + tuple(args[1:])
+            return None
+
+        module.register_forward_pre_hook(pre)
+        return module
 
 
 def _set_attrs(**names):
@@ -90,27 +291,29 @@ def llama(model: nn.Module, *, sequence_parallel: bool = False,
         pre + "mlp.up_proj": ColwiseParallel(),
         pre + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
     }
-    if _find(model, "lm_head") == "lm_head":
-        plan["lm_head"] = _head_output(loss_parallel, seq)
+    head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
+    if head is not None:
+        # Under sequence parallelism the final norm hands the full sequence on (below): the
+        # model keeps only some positions for the head (the last one when generating).
+        plan["lm_head"] = _head_output(loss_parallel, Replicate())
     elif loss_parallel:
         raise ValueError("tpx.plans.llama: loss_parallel=True needs a model with an `lm_head`")
     if sequence_parallel:
-        # Norms run on this rank's block of the sequence; each block gathers the sequence
-        # once, before its q/k/v (and gate/up) projections.
-        plan[pre + "self_attn"] = _Chain(
-            plan[pre + "self_attn"],
-            PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                               desired_input_kwarg_layouts={"hidden_states": Replicate()}))
+        # The decoder layers run on this rank's block of the sequence, padded at its end to a
+        # multiple of the TP size (any length works, one-token decoding steps too). Norms run on
+        # the block; each layer gathers the sequence once before attention (trimmed to the real
+        # positions, which the mask and the rotary embeddings describe) and once before its MLP;
+        # the final norm gathers it back.
+        n = _SeqLength()
+        plan[pre + "self_attn"] = _Chain(plan[pre + "self_attn"], _GatherSequence(n, "input"))
+        plan[pre + "self_attn.o_proj"] = _Chain(plan[pre + "self_attn.o_proj"], _PadSequence(n))
         plan[pre + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Replicate(),))
-        plan[pre.replace("*", "0").rstrip(".")] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-            input_kwarg_layouts={"hidden_states": Replicate()},
-            desired_input_kwarg_layouts={"hidden_states": Shard(1)})
+        plan[pre.replace("*", "0").rstrip(".")] = _SplitSequence(n)
         plan[pre + "input_layernorm"] = SequenceParallel()
         plan[pre + "post_attention_layernorm"] = SequenceParallel()
-        plan[base + "norm"] = SequenceParallel()
-    return plan
+        plan[base + "norm"] = _Chain(SequenceParallel(), _GatherSequence(n, "output"))
+    return _with_generate(plan, model, head, loss_parallel)
 
 
 class _Chain(ParallelStyle):
@@ -153,11 +356,12 @@ def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
         pre + "mlp.c_fc": ColwiseParallel(),
         pre + "mlp.c_proj": RowwiseParallel(),
     }
-    if _find(model, "lm_head") == "lm_head":
+    head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
+    if head is not None:
         plan["lm_head"] = _head_output(loss_parallel, Replicate())
     elif loss_parallel:
         raise ValueError("tpx.plans.gpt2: loss_parallel=True needs a model with an `lm_head`")
-    return plan
+    return _with_generate(plan, model, head, loss_parallel)
 
 
 def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
@@ -188,7 +392,7 @@ def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
         plan[head] = _head_output(loss_parallel, Replicate())
     elif loss_parallel:
         raise ValueError("tpx.plans.gpt_neox: loss_parallel=True needs a model with an LM head")
-    return plan
+    return _with_generate(plan, model, head, loss_parallel)
 
 
 def decoder(model: nn.Module, *, sequence_parallel: bool = False,
@@ -264,7 +468,10 @@ def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
     activation split by "weight"), attention told its local heads, the model's inputs split
     at its entry and the LM head's output gathered (kept sharded with ``loss_parallel``)."""
     pre = f"{layers}.*."
-    plan: Plan = {"": MeshInput(input_kwargs), embedding: MeshParallel(),
+    root = (_MeshInputFullLogits(input_kwargs, head)
+            if loss_parallel and head is not None
+            and callable(getattr(type(model), "generate", None)) else MeshInput(input_kwargs))
+    plan: Plan = {"": root, embedding: MeshParallel(),
                   pre + attention: MeshAttention(heads, kv_heads, update=update)}
     for n in norms:
         plan[pre + n] = MeshParallel()
@@ -304,7 +511,8 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
             final_norm=base + "norm",
             update=_set_attrs(num_heads=lambda h, k, m: h,
                               num_key_value_heads=lambda h, k, m: k),
-            loss_parallel=loss_parallel, input_kwargs=("input_ids", "attention_mask"))
+            loss_parallel=loss_parallel,
+            input_kwargs=("input_ids", "inputs_embeds") + ATTENTION_INPUTS)
     if model_type is not None:
         raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type={model_type!r} "
                          f"with layout={layout!r}; beyond 1-D: llama, mistral, qwen2 and the "

@@ -77,6 +77,15 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh
         world = pg.size()
         if isinstance(src, Replicate) and isinstance(dst, Shard):
             d = dst.dim % x.dim()
+            if x.shape[d] % world:
+                # The way back (S(d) -> R below) and every rank's peers take a plain tensor's
+                # shards as equal-sized: an uneven split would gather wrong sizes. The input is
+                # replicated, so every rank raises here, before any collective.
+                raise ValueError(
+                    f"tpx: Replicate() -> Shard({dst.dim}) of a tensor of shape "
+                    f"{tuple(x.shape)}: dim {d} (size {x.shape[d]}) does not divide by the "
+                    f"group size {world}, and the shards of a plain tensor are equal-sized; pad "
+                    f"dim {d} (the sequence) to a multiple of {world}")
             sizes = shard_sizes(x.shape[d], world)
             start, _ = _range(x.shape[d], dist.get_rank(pg), world)
             y = tpx_autograd.split_dim(x, d, sizes, start, pg)
