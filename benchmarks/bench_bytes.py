@@ -60,9 +60,18 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self, world: int):
         super().__init__()
+        self.supports_higher_order_operators = True
         self.world, self.calls, self.unknown = world, [], set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run first and turn the op into local ops and collectives, which then
+            # come through here (as torch's CommDebugMode does).
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         ns = func.namespace
         name = func._schema.name.split("::")[-1]
@@ -171,13 +180,13 @@ def run(rank: int, world: int, args, init_method: str) -> None:
         for lib, by_kind in per_lib.items():
             rows.append(dict(model="common_dtensor.Transformer", tp=world,
                              sequence_parallel=sp, library=lib,
+                             wire_bytes=dict(sorted(by_kind.items())),
                              wire_mib={k: round(v / MIB, 3) for k, v in sorted(by_kind.items())},
                              total_mib=round(sum(by_kind.values()) / MIB, 3)))
     if rank == 0:
-        args.results.extend(rows)
-        path = os.path.join(HERE, "results", f"bench_bytes_tp{world}.json")
+        path = os.path.join(args.out, f"bench_bytes_tp{world}.json")
         write_json(path, dict(benchmark="bench_bytes: wire bytes per rank, one training step",
-                              config={k: v for k, v in vars(args).items() if k != "results"},
+                              config={k: v for k, v in vars(args).items() if k != "out"},
                               results=rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -192,14 +201,14 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the JSON")
     args = p.parse_args(argv)
     table = []
     for world in args.tp:
-        args.results = []
         spawn_ranks(run, world, args, "bench_bytes")
         import json
 
-        with open(os.path.join(HERE, "results", f"bench_bytes_tp{world}.json")) as f:
+        with open(os.path.join(args.out, f"bench_bytes_tp{world}.json")) as f:
             table.extend(json.load(f)["results"])
     rows = []
     for r in table:
@@ -210,6 +219,7 @@ def main(argv=None) -> None:
                      f"{r['total_mib']:.2f}"])
     print(format_table(["model", "tp", "sp", "library", "all-gather MiB", "reduce-scatter MiB",
                         "all-reduce MiB", "total MiB"], rows, text_columns=4))
+    return table
 
 
 if __name__ == "__main__":
