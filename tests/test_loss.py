@@ -328,3 +328,57 @@ def _check_loss_parallel_context(rank, world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_loss_parallel_context_matches_torch(world):
     run_ranks(_check_loss_parallel_context, world)
+
+
+def _check_dtensor_logits(rank, world):
+    """torchtitan's loss path: the LM head is ColwiseParallel(output_layouts=Shard(-1),
+    use_local_output=False), so the logits are a DTensor, and the loss is
+    F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum",
+    ignore_index=-100) inside loss_parallel(). It raised "got mixed torch.Tensor and
+    DTensor" before; now it equals the unsharded loss and gradients, for every reduction, also
+    through tpx.vocab_parallel_cross_entropy directly and for Replicate() logits."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(V, 24), nn.Linear(24, V, bias=False))
+    mesh = init_device_mesh("cpu", (world,))
+    model = tpx.parallelize_module(copy.deepcopy(ref), mesh, {
+        "1": tpx.ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    ids = torch.randint(0, V, (2, 7), generator=gen)
+    labels = torch.randint(0, V, (2, 7), generator=gen)
+    labels[0, :3] = -100
+    for reduction in ("sum", "mean", "none"):
+        for path in ("loss_parallel", "functional", "replicated"):
+            model.zero_grad()
+            ref.zero_grad()
+            pred = model(ids)
+            assert isinstance(pred, DTensor) and pred.placements == (Shard(2),), pred
+            if path == "replicated":
+                pred = pred.redistribute(mesh, [Replicate()])
+            logits, flat = pred.flatten(0, 1).float(), labels.flatten(0, 1)
+            if path == "loss_parallel":
+                with tpx.loss_parallel():
+                    loss = F.cross_entropy(logits, flat, reduction=reduction, ignore_index=-100)
+            else:
+                loss = tpx.vocab_parallel_cross_entropy(logits, flat, reduction=reduction)
+            want = F.cross_entropy(ref(ids).flatten(0, 1), flat, reduction=reduction)
+            case = f"{path} reduction={reduction}"
+            assert isinstance(loss, DTensor) and loss.placements == (Replicate(),), case
+            torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-5, atol=1e-5, msg=case)
+            (loss.sum() if reduction == "none" else loss).backward()
+            (want.sum() if reduction == "none" else want).backward()
+            lo, hi = tpx.shard_range(V)
+            torch.testing.assert_close(model[1].weight.grad, ref[1].weight.grad[lo:hi],
+                                       rtol=1e-5, atol=1e-5, msg=case)
+            torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5,
+                                       atol=1e-5, msg=case)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_logits(world):
+    run_ranks(_check_dtensor_logits, world)

@@ -12,6 +12,7 @@ from .. import ops
 from ..amp import loss_dtype
 from ..checks import check_values
 from ..group import GroupLike, resolve_group, vocab_layout
+from .dtensor_io import DTensor, Replicate, Shard
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 
@@ -95,6 +96,9 @@ def vocab_parallel_cross_entropy(
             the ranks' widths are all-gathered (one integer each) on every call.
     """
     fn = "vocab_parallel_cross_entropy"
+    if isinstance(logits, DTensor) or isinstance(target, DTensor):
+        return _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing,
+                                      reduction, inplace_backward, vocab_size)
     target1 = _check_loss_args(fn, logits, target, reduction, label_smoothing)
     pg = resolve_group(group)
     width = logits.shape[-1]
@@ -108,6 +112,50 @@ def vocab_parallel_cross_entropy(
         bool(inplace_backward))
     return _reduce(loss_rows, target1, ignore_index, reduction, target.shape,
                    loss_dtype(logits))
+
+
+def _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing, reduction,
+                           inplace_backward, vocab_size) -> Tensor:
+    """:func:`vocab_parallel_cross_entropy` of DTensor logits on a 1-D mesh (the output of a
+    ``ColwiseParallel(use_local_output=False)`` head, after the ops a training loop puts in
+    between: ``flatten``, ``float()``, ``view``): redistributed to ``Shard(-1)`` if they are
+    not (one collective), made local, and the loss handed back as a ``Replicate()`` DTensor
+    on the same mesh, as PyTorch's ``loss_parallel`` does. A DTensor target is made
+    replicated."""
+    fn = "vocab_parallel_cross_entropy"
+    if not isinstance(logits, DTensor):
+        target = target.full_tensor()
+        return vocab_parallel_cross_entropy(
+            logits, target, group=group, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction,
+            inplace_backward=inplace_backward, vocab_size=vocab_size)
+    mesh = logits.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"tpx.{fn}: the logits are a DTensor on a {mesh.ndim}-D mesh; pass the "
+                         "logits of the 1-D TP mesh (e.g. the output of a head sharded over "
+                         "mesh['tp']), or a tpx.init_mesh mesh to tpx.loss_parallel")
+    pg = mesh.get_group()
+    if group is not None:
+        given = resolve_group(group)
+        if given.group_name != pg.group_name and tuple(
+                torch.distributed.get_process_group_ranks(given)) != tuple(
+                mesh.mesh.flatten().tolist()):
+            raise ValueError(f"tpx.{fn}: the logits are a DTensor over the ranks "
+                             f"{mesh.mesh.flatten().tolist()}, not over the group passed")
+    full = logits.shape[-1]
+    if vocab_size is not None and vocab_size != full:
+        raise ValueError(f"tpx.{fn}: vocab_size={vocab_size} but the DTensor logits have "
+                         f"{full} classes")
+    want = Shard(logits.dim() - 1)
+    if tuple(logits.placements) != (want,):
+        logits = logits.redistribute(mesh, [want])
+    if isinstance(target, DTensor):
+        target = target.full_tensor()
+    loss = vocab_parallel_cross_entropy(
+        logits.to_local(), target, group=pg, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction,
+        inplace_backward=inplace_backward, vocab_size=full)
+    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 
 def default_chunk_size(vocab_size: int, world_size: int) -> int:

@@ -24,6 +24,7 @@ from torch import Tensor
 from .. import ops
 from ..group import GroupLike, resolve_group
 from ..mesh import mesh_layout
+from ..nn.dtensor_io import DTensor
 from ..nn.functional import vocab_parallel_cross_entropy
 
 __all__ = ["loss_parallel"]
@@ -147,6 +148,12 @@ def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
         return _mesh_cross_entropy(_active[-1], input, target, ignore_index, label_smoothing,
                                    reduction)
     spec = _active[-1]
+    if isinstance(input, DTensor):
+        # The DTensor knows its mesh and its full vocabulary (the output of a
+        # ColwiseParallel(use_local_output=False) head, as in torchtitan's plans).
+        return vocab_parallel_cross_entropy(input, target, ignore_index=ignore_index,
+                                            label_smoothing=label_smoothing,
+                                            reduction=reduction)
     return vocab_parallel_cross_entropy(input, target, group=spec.group,
                                         ignore_index=ignore_index,
                                         label_smoothing=label_smoothing, reduction=reduction,
