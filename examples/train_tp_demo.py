@@ -240,6 +240,9 @@ def main():
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
         bar.update()
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+            # The replica guard: every parameter the plan leaves whole (norms, ...) must be
+            # the same on every rank; one small all-gather of checksums.
+            tpx.check_replicas(model, grads=False, strict=True)
             saved.append(save_checkpoint(args, model, opt, step + 1, losses, rank))
     bar.close()
     elapsed = time.perf_counter() - t0

@@ -115,3 +115,70 @@ def _check_sharded_attention_head_counts(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_attention_head_counts(world):
     run_ranks(_check_sharded_attention_head_counts, world)
+
+
+class _HeadNormAttention(torch.nn.Module):
+    """q projection -> a per-head RMSNorm (one weight of head_dim, as Qwen3's q_norm) -> output
+    projection: under TP each rank's norm sees only its own heads."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.q_norm = torch.nn.RMSNorm(dim // heads)
+        self.o_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.bias = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        q = self.q_norm(q.view(*q.shape[:-1], -1, self.head_dim)).flatten(-2)
+        return self.o_proj(q) + self.bias
+
+
+def _check_replicas_and_grad_sum(rank, world):
+    """A replicated per-head norm after a column-parallel projection gets partial gradients:
+    plain (the mistake) its replicas drift and tpx.check_replicas names it, and
+    TPX_CHECK_REPLICAS=1 raises at the end of the backward; with ReplicatedWithGradAllReduce
+    its gradient is summed and the model trains equal to one device, check_replicas clean."""
+    import os
+
+    from tpx.parallel import ColwiseParallel, ReplicatedWithGradAllReduce, RowwiseParallel
+
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    ref = _HeadNormAttention()
+    with torch.no_grad():
+        ref.q_norm.weight.copy_(1 + 0.1 * torch.randn(ref.head_dim, generator=gen))
+    x = torch.randn(2, 5, 32, generator=gen)
+    base = {"q_proj": ColwiseParallel(head_size=8), "o_proj": RowwiseParallel()}
+    for fixed in (False, True):
+        plan = dict(base, **({"q_norm": ReplicatedWithGradAllReduce()} if fixed else {}))
+        model = tpx.parallelize_module(copy.deepcopy(ref), None, plan)
+        model(x).square().sum().backward()
+        found = tpx.check_replicas(model)
+        if fixed:
+            assert found == [], [str(f) for f in found]
+            ref.zero_grad()
+            ref(x).square().sum().backward()
+            torch.testing.assert_close(model.q_norm.weight.grad, ref.q_norm.weight.grad,
+                                       rtol=1e-5, atol=1e-5)
+        else:
+            names = {(f.name, f.what) for f in found}
+            assert names == {("q_norm.weight", "grad")}, [str(f) for f in found]
+            with torch.no_grad():  # one SGD step: the values drift too
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            assert ("q_norm.weight", "value") in {(f.name, f.what)
+                                                  for f in tpx.check_replicas(model)}
+    os.environ["TPX_CHECK_REPLICAS"] = "1"
+    try:
+        model = tpx.parallelize_module(copy.deepcopy(ref), None, base)
+        with pytest.raises(RuntimeError, match="(?s)q_norm.weight.*ReplicatedWithGradAllReduce"):
+            model(x).square().sum().backward()
+    finally:
+        os.environ.pop("TPX_CHECK_REPLICAS")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_and_grad_sum(world):
+    run_ranks(_check_replicas_and_grad_sum, world)

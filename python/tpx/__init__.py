@@ -10,8 +10,9 @@ from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
 from .parallel import (MeshAttention, MeshInput, MeshParallel)
 from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                       Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention,
-                       loss_parallel, parallelize_module, plans)
+                       Replicate, ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel,
+                       Shard, ShardedAttention, loss_parallel, parallelize_module, plans)
+from .replicas import ReplicaMismatch, check_replicas
 from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
@@ -36,6 +37,9 @@ __all__ = [
     "SequenceParallel",
     "Shard",
     "ShardedAttention",
+    "ReplicatedWithGradAllReduce",
+    "check_replicas",
+    "ReplicaMismatch",
     "checkpoint",
     "comm_stats",
     "CommStats",

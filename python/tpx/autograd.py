@@ -333,6 +333,13 @@ def split_last_dim(x: Tensor, sizes: List[int], start: int, pg: dist.ProcessGrou
     return split_dim(x, -1, sizes, start, pg)
 
 
+def sum_over_group(t: Tensor, pg: dist.ProcessGroup) -> Tensor:
+    """``t`` summed over the ranks of ``pg`` (out of place, no autograd): ``P -> R``."""
+    if pg.size() == 1:
+        return t
+    return ops.mesh_all_reduce(t.contiguous(), pg.group_name)
+
+
 class _AllReduceGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the group (a replicated tensor whose
     consumers each saw only part of the data, e.g. under sequence parallelism)."""

@@ -10,9 +10,10 @@ from .loss_parallel import loss_parallel
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                    Replicate, RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
+                    ReplicatedWithGradAllReduce, Replicate, RowwiseParallel, SequenceParallel,
+                    Shard, ShardedAttention)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
-           "ShardedAttention", "loss_parallel", "plans", "compat", "PairwiseParallel",
+           "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "compat", "PairwiseParallel",
            "mesh_styles", "MeshParallel", "MeshAttention", "MeshInput"]

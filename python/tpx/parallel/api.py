@@ -118,6 +118,10 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     _keep_parameter_objects(module, before, keep)
     if src_rank is not None and pg.size() > 1:
         broadcast_(pg, src_rank, _unsharded_tensors(module))
+    from ..replicas import watch_enabled, watch_replicas
+
+    if watch_enabled() and pg.size() > 1:  # TPX_CHECK_REPLICAS=1: after every backward
+        watch_replicas(module, pg)
     return module
 
 

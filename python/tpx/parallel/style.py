@@ -22,7 +22,7 @@ from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
-           "apply_style"]
+           "ReplicatedWithGradAllReduce", "apply_style"]
 
 
 def _check_placement(style: str, name: str, value, allowed: tuple) -> None:
@@ -510,6 +510,37 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module whose parameters stay whole on every rank but see only this rank's part of the
+    computation: a per-head norm after a column-parallel projection (Qwen3's ``q_norm`` /
+    ``k_norm``), a norm over this rank's heads. Their gradients are partial sums; this style
+    sums them over the group as they are computed (one all-reduce per parameter and backward),
+    so the replicas stay equal and equal to one device. Hugging Face's plans call it
+    ``replicated_with_grad_allreduce``.
+
+    Placement: parameters R (gradient P, summed to R); inputs and outputs as they are.
+
+    Without it such a model runs, gives the right loss, and drifts: the ranks' copies of the
+    parameter differ after the first optimizer step. ``tpx.check_replicas(model)`` finds that.
+    """
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"tpx.ReplicatedWithGradAllReduce: {type(module).__name__} has no "
+                             "trainable parameter to sum the gradient of")
+        if pg.size() > 1:
+            for p in params:
+                if getattr(p, "_tpx_grad_sum_group", None) == pg.group_name:
+                    continue  # shared with a module styled already: summed once
+                p._tpx_grad_sum_group = pg.group_name
+                p.register_hook(lambda g, pg=pg: tpx_autograd.sum_over_group(g, pg))
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicatedWithGradAllReduce()"
 
 
 class ShardedAttention(ParallelStyle):
