@@ -38,7 +38,7 @@ from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParalle
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
 
-__all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder"]
+__all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder", "check", "PlanReport"]
 
 Plan = Dict[str, ParallelStyle]
 
@@ -577,3 +577,6 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
         return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
                                         loss_parallel=loss_parallel)
     return decoder(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+from .check import PlanReport, check  # noqa: E402  (tpx.plans.check: a plan against the unsharded model)

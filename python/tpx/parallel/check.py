@@ -1,0 +1,234 @@
+"""``tpx.plans.check``: apply a plan and hold the sharded model against the unsharded one.
+
+A tensor-parallel plan can be wrong in ways nothing reports: a fused projection split as if
+it were one (``[q | k | v]`` cut in three equal pieces of the wrong features), heads cut in
+half, a replicated parameter that sees only this rank's heads. The model runs and trains on
+a loss that looks normal, as another model. :func:`check` finds these by running the same
+inputs through an unsharded copy and the sharded model, once, and comparing:
+
+- every module's output, in execution order, with the unsharded module's (each rank compares
+  its own part: a column-parallel layer's output with its columns of the unsharded output, a
+  sequence- or feature-split output with its slice; no tensor is gathered), and names the first
+  that differs;
+- every parameter's gradient with the unsharded gradient (this rank's shard of it);
+- every replicated parameter across the ranks (:func:`tpx.check_replicas`);
+- and, as a hint, the ``nn.Linear`` / ``nn.Embedding`` modules the plan left whole.
+
+Cost: one extra forward and backward of the unsharded model on every rank, and its memory
+(a full copy of the model), plus one small all-reduce of the results. Use it on a small
+config of the model (the same architecture, fewer layers or a narrower width) before a long
+run, not on the full model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["check", "PlanReport"]
+
+
+@dataclass
+class PlanReport:
+    """What :func:`check` found (the same on every rank). ``ok`` is True when the outputs,
+    the gradients and the replicas all agree with the unsharded model."""
+
+    first_divergent_module: Optional[Tuple[str, float]] = None  # (name, relative error)
+    last_matching_module: Optional[str] = None  # the module that ended just before it
+    module_errors: List[Tuple[str, float]] = field(default_factory=list)
+    grad_errors: List[Tuple[str, float]] = field(default_factory=list)  # over the tolerance
+    replica_errors: List[str] = field(default_factory=list)
+    left_whole: List[Tuple[str, int]] = field(default_factory=list)  # (module, parameters)
+    output_error: float = 0.0
+    tolerance: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.first_divergent_module is None and not self.grad_errors
+                and not self.replica_errors and self.output_error <= self.tolerance)
+
+    def __str__(self) -> str:
+        lines = [f"tpx.plans.check: {'OK' if self.ok else 'the sharded model DIFFERS from the unsharded one'}"
+                 f" (relative tolerance {self.tolerance:.0e})"]
+        lines.append(f"  model output: relative error {self.output_error:.2e}")
+        if self.first_divergent_module is not None:
+            name, err = self.first_divergent_module
+            after = (f"; the module that ended before it, {self.last_matching_module}, still "
+                     "matched" if self.last_matching_module else "")
+            lines.append(f"  first module whose output differs: {name or '(the model)'} "
+                         f"(relative error {err:.2e}{after})")
+        for name, err in self.grad_errors:
+            lines.append(f"  gradient differs: {name} (relative error {err:.2e})")
+        for r in self.replica_errors:
+            lines.append(f"  replicas differ across ranks: {r}")
+        if self.left_whole:
+            total = sum(n for _, n in self.left_whole)
+            names = ", ".join(n for n, _ in self.left_whole[:6])
+            more = f" and {len(self.left_whole) - 6} more" if len(self.left_whole) > 6 else ""
+            lines.append(f"  hint: left whole on every rank: {names}{more} "
+                         f"({total:,} parameters that could be sharded)")
+        return "\n".join(lines)
+
+
+def _first_tensor(out):
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, Tensor):
+                return o
+    if isinstance(out, dict):
+        for o in out.values():
+            if isinstance(o, Tensor):
+                return o
+    last = getattr(out, "last_hidden_state", None)
+    if isinstance(last, Tensor):
+        return last
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, Tensor) else None
+
+
+def _local(t: Tensor) -> Tensor:
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else t
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-12)
+    return float((a - b).abs().max()) / scale if a.numel() else 0.0
+
+
+def _part_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> Optional[Tensor]:
+    """This rank's part of the unsharded output ``full`` that ``local`` should equal, or None
+    when it cannot be told which part that is."""
+    if local.shape == full.shape:
+        return full
+    rows = getattr(module, "out_rows", None)
+    if rows is not None and local.dim() == full.dim() and local.shape[:-1] == full.shape[:-1]:
+        pieces = [full[..., s:e] for s, e in rows[dist.get_rank(pg)]]
+        part = torch.cat(pieces, -1)
+        return part if part.shape == local.shape else None
+    if local.dim() != full.dim():
+        return None
+    differ = [d for d in range(full.dim()) if local.shape[d] != full.shape[d]]
+    if len(differ) != 1:
+        return None
+    d = differ[0]
+    world, rank = pg.size(), dist.get_rank(pg)
+    per = -(-full.shape[d] // world)
+    start = min(rank * per, full.shape[d])
+    if min(per, full.shape[d] - start) != local.shape[d]:
+        return None
+    return full.narrow(d, start, local.shape[d])
+
+
+def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Callable] = None,
+          rtol: float = 1e-4, strict: bool = False, **example_kwargs) -> PlanReport:
+    """Applies ``plan`` to ``model`` (in place, as ``tpx.parallelize_module(model, group,
+    plan)``; the unsharded copy is taken first) and runs ``model(*example_inputs,
+    **example_kwargs)`` and a backward on both. Collective over ``group``; every rank gets the
+    same :class:`PlanReport` (``print(report)`` gives a short table). ``strict=True`` raises
+    ``RuntimeError`` with that table when the report is not ``ok``.
+
+    ``loss_fn(output)`` makes the scalar to differentiate (default: the mean of the squares of
+    the model's first output tensor, e.g. the logits), computed on both models; the output
+    must then be whole on every rank (a ``DTensor`` is gathered; a vocab-sharded output needs
+    a ``loss_fn`` written for it, e.g. inside ``tpx.loss_parallel()``). Inputs must be the same
+    on every rank. Works for 1-D plans (tpx's, PyTorch's names, Hugging Face plans through
+    ``tpx.plans.auto``); ``rtol`` is relative to each tensor's largest magnitude."""
+    from ..group import resolve_group
+    from ..replicas import check_replicas
+    from .api import parallelize_module
+
+    pg = resolve_group(group)
+    ref = copy.deepcopy(model)
+    parallelize_module(model, pg, plan)
+    names_ref = dict(ref.named_modules())
+    captured: Dict[str, Tensor] = {}
+    order: List[str] = []
+    hooks = []
+
+    def grab(name, store):
+        def hook(mod, args, out):
+            t = _first_tensor(out)
+            if t is not None and name not in store:
+                store[name] = t.detach()
+                if store is captured:
+                    order.append(name)
+        return hook
+
+    sharded_outs: Dict[str, Tensor] = {}
+    for name, mod in ref.named_modules():
+        hooks.append(mod.register_forward_hook(grab(name, captured)))
+    sharded_modules = dict(model.named_modules())
+    for name, mod in sharded_modules.items():
+        hooks.append(mod.register_forward_hook(grab(name, sharded_outs)))
+    loss_fn = loss_fn or (lambda out: _first_tensor(out).float().pow(2).mean())
+    try:
+        ref_out = ref(*example_inputs, **example_kwargs)
+        ref_loss = loss_fn(ref_out)
+        ref_loss.backward()
+        out = model(*example_inputs, **example_kwargs)
+        loss = loss_fn(out)
+        loss = _local(loss) if hasattr(loss, "full_tensor") else loss
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+
+    # Module outputs in the unsharded model's execution order; a module the plan replaced
+    # keeps its name.
+    errors = []
+    for name in order:
+        if name not in sharded_outs:
+            continue
+        local = _local(sharded_outs[name])
+        part = _part_of(captured[name], local, sharded_modules.get(name), pg)
+        errors.append(_rel(local, part) if part is not None else -1.0)
+
+    from ..checkpoint import _sharded_params
+
+    shards = {sh.key: sh for sh in _sharded_params(model)}
+    grad_names, grad_errs = [], []
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        rp = ref_params.get(name)
+        if rp is None or rp.grad is None or p.grad is None:
+            continue
+        want = shards[name].slice_of(rp.grad) if name in shards else rp.grad
+        grad_names.append(name)
+        grad_errs.append(_rel(_local(p.grad), want) if want.shape == _local(p.grad).shape
+                         else float("inf"))
+    out_err = _rel(_local(_first_tensor(out)), _first_tensor(ref_out))
+
+    # One all-reduce (max over ranks) of every number, so every rank reports the same.
+    numbers = torch.tensor([out_err, *errors, *grad_errs], dtype=torch.float64)
+    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=pg)
+    values = numbers.tolist()
+    report = PlanReport(output_error=values[0], tolerance=rtol)
+    module_errs = values[1:1 + len(errors)]
+    names = [n for n in order if n in sharded_outs]
+    report.module_errors = list(zip(names, module_errs))
+    previous = None
+    for name, err in report.module_errors:
+        if err > rtol:
+            report.first_divergent_module = (name, err)
+            report.last_matching_module = previous
+            break
+        if err >= 0:
+            previous = name
+    report.grad_errors = [(n, e) for n, e in zip(grad_names, values[1 + len(errors):])
+                          if e > rtol]
+    report.replica_errors = [str(m) for m in check_replicas(model, pg)]
+    for name, mod in sharded_modules.items():
+        if type(mod) in (nn.Linear, nn.Embedding) and name in names_ref:
+            report.left_whole.append((name, sum(p.numel() for p in mod.parameters())))
+    if strict and not report.ok:
+        raise RuntimeError(str(report))
+    return report

@@ -1,0 +1,98 @@
+"""tpx.plans.check against planted plan mistakes, at TP 2 and 4: it names the module whose
+output first differs from the unsharded model, the parameters whose gradients differ, the
+replicas that drift; a correct plan passes clean."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpx
+from harness import run_ranks
+from tpx.parallel import ColwiseParallel, ReplicatedWithGradAllReduce, RowwiseParallel
+
+
+class Attention(nn.Module):
+    """Fused q|k|v projection, a per-head q norm (one weight of head_dim), causal attention,
+    output projection."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.q_norm = nn.RMSNorm(dim // heads)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.wqkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q = self.q_norm(q)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.attn = Attention(dim)
+        self.up = nn.Linear(dim, 64)
+        self.down = nn.Linear(64, dim)
+        self.head = nn.Linear(dim, 16)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        x = x + self.down(F.gelu(self.up(x)))
+        return self.head(x)
+
+
+def _plan(fused_ok=True, norm_ok=True, mlp=True):
+    d = 32
+    plan = {"attn.wqkv": ColwiseParallel(segments=(d, d, d), head_size=8) if fused_ok
+            else ColwiseParallel(),
+            "attn.wo": RowwiseParallel()}
+    if norm_ok:
+        plan["attn.q_norm"] = ReplicatedWithGradAllReduce()
+    if mlp:
+        plan.update({"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return plan
+
+
+def _set_local_heads(model, world):
+    model.attn.heads //= world  # the module's own head count (what ShardedAttention does)
+
+
+def _check(rank, world):
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    base = Block()
+    with torch.no_grad():
+        base.attn.q_norm.weight.copy_(1 + 0.2 * torch.randn(8, generator=gen))
+    x = torch.randn(2, 6, 32, generator=gen)
+    import copy
+
+    # A correct plan: clean.
+    report = tpx.plans.check(copy.deepcopy(base), None, _plan(), x)
+    assert report.ok, str(report)
+    assert [n for n, _ in report.left_whole] == ["head"], report.left_whole
+    # The fused q|k|v split as one projection: every rank holds the wrong features. The
+    # projection's own output is right (each rank's columns); the first module to read them
+    # as q is the first that differs.
+    report = tpx.plans.check(copy.deepcopy(base), None, _plan(fused_ok=False), x)
+    assert not report.ok and report.first_divergent_module[0] == "attn.q_norm", str(report)
+    assert report.last_matching_module == "attn.wqkv", str(report)
+    # The per-head norm without its gradient sum: right outputs, wrong gradient, drifting
+    # replicas.
+    report = tpx.plans.check(copy.deepcopy(base), None, _plan(norm_ok=False), x)
+    assert report.first_divergent_module is None, str(report)
+    assert [n for n, _ in report.grad_errors] == ["attn.q_norm.weight"], str(report)
+    assert any("q_norm.weight (grad)" in r for r in report.replica_errors), str(report)
+    with pytest.raises(RuntimeError, match="q_norm"):
+        tpx.plans.check(copy.deepcopy(base), None, _plan(norm_ok=False), x, strict=True)
+    if rank == 0:
+        print(report)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_check(world):
+    run_ranks(_check, world)
