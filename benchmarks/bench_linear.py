@@ -45,15 +45,16 @@ the GEMMs of this rank's step and nothing else (the floor of any TP implementati
 them through ATen). When tpx's CPU GEMM is not ATen's (``tpx.ops.cpu_gemm_backend()``, oneDNN
 by default), each round also times the same tpx model with ATen's GEMMs
 (``TPX_CPU_GEMM=aten``) and the GEMMs alone through tpx's GEMM, so that the ratio splits into
-what the GEMM backend gives and what the TP engine gives. ``--gloo-allreduce`` adds tpx timed
-with gloo's all-reduce instead of its two-rank exchange (``TPX_GLOO_ALLREDUCE=gloo``), the
-same model, in the same rounds. ``--gloo-threads`` adds both libraries timed with gloo's
-event-loop threads as gloo starts them (``SCHED_OTHER``); tpx switches them to ``SCHED_BATCH``
-for the whole process the first time it uses a gloo group, so DTensor, timed in the same
-processes, runs with them switched too unless this variant says otherwise.
+what the GEMM backend gives and what the TP engine gives. ``--exchange`` adds tpx timed with
+its two-rank send/recv exchange instead of gloo's all-reduce (``TPX_GLOO_ALLREDUCE=exchange``,
+on a group of its own), the same weights, in the same rounds. ``--gloo-threads`` adds both
+libraries timed with gloo's event-loop threads as gloo starts them (``SCHED_OTHER``); tpx
+switches the threads of its own groups to ``SCHED_BATCH``, and the benchmark switches every
+gloo thread of the process the same way for the other variants, so that DTensor, timed in
+the same processes, runs with them switched too.
 
     python benchmarks/bench_linear.py --situations train,frozen,no-xgrad
-    python benchmarks/bench_linear.py --situations train,frozen,no-xgrad --shapes small --gloo-allreduce
+    python benchmarks/bench_linear.py --situations train,frozen,no-xgrad --shapes small --exchange
     python benchmarks/bench_linear.py --situations train,frozen,no-xgrad --gloo-threads
 
 With ``--device cuda`` and a single GPU the TP block is not run; instead one monolithic bf16 GEMM
@@ -245,7 +246,7 @@ def bench_shape(name: str, args, device, world: int) -> list:
 
 
 SITUATIONS = ("train", "frozen", "no-xgrad")
-GLOO_AR = "tpx (gloo all-reduce)"  # --gloo-allreduce: tpx with TPX_GLOO_ALLREDUCE=gloo
+EXCHANGE = "tpx (two-rank exchange)"  # --exchange: tpx with TPX_GLOO_ALLREDUCE=exchange
 ATEN_GEMM = "tpx (ATen GEMMs)"     # the same tpx model with TPX_CPU_GEMM=aten
 FLOOR = "GEMMs alone"              # the step's GEMMs through ATen (torch.mm), no communication
 FLOOR_TPX = "GEMMs alone (tpx GEMM)"  # the same GEMMs through tpx's GEMM (tpx.ops.local_matmul)
@@ -254,7 +255,7 @@ FLOOR_TPX = "GEMMs alone (tpx GEMM)"  # the same GEMMs through tpx's GEMM (tpx.o
 # event-loop threads"; the benchmark sets DTensor's the same way, for a like-for-like timing).
 TPX_OTHER, DTENSOR_OTHER = "tpx (gloo threads SCHED_OTHER)", "DTensor (gloo threads SCHED_OTHER)"
 # The environment each variant is timed under; variants not listed run with these unset.
-VARIANT_ENV = {GLOO_AR: {"TPX_GLOO_ALLREDUCE": "gloo"}, ATEN_GEMM: {"TPX_CPU_GEMM": "aten"}}
+VARIANT_ENV = {EXCHANGE: {"TPX_GLOO_ALLREDUCE": "exchange"}, ATEN_GEMM: {"TPX_CPU_GEMM": "aten"}}
 
 
 def _set_variant_env(label: str, device: torch.device) -> None:
@@ -360,7 +361,7 @@ def bench_situations(name: str, args, device, world: int) -> list:
     mesh = init_device_mesh(device.type, (world,))
     gemm_split = device.type == "cpu" and tpx.ops.cpu_gemm_backend() != "aten"
     runs = {}
-    gloo_ar_group = None
+    exchange_group = None
     for situation in args.situations:
         x = x_data.clone().requires_grad_(situation != "no-xgrad")
         models = {
@@ -380,18 +381,18 @@ def bench_situations(name: str, args, device, world: int) -> list:
             # the GEMMs alone through tpx's, so the gain splits into its two sources.
             models[FLOOR_TPX] = gemm_floor_step(ref, situation, world, device, tpx_gemm=True)
             models[ATEN_GEMM] = models["tpx"]
-        if args.gloo_allreduce:
+        if args.exchange:
             # The same tpx model on a group of its own: tpx decides how a group sums when it
             # first meets it (agreed by the ranks), so this group meets it under
-            # TPX_GLOO_ALLREDUCE=gloo.
-            if gloo_ar_group is None:
-                gloo_ar_group = dist.new_group(list(range(world)))
-            models[GLOO_AR] = MLP(
-                tpx.ColumnParallelLinear.from_linear(ref.fc1, group=gloo_ar_group),
-                tpx.RowParallelLinear.from_linear(ref.fc2, group=gloo_ar_group))
-            _configure(models[GLOO_AR], situation)
-            _set_variant_env(GLOO_AR, device)
-            _check_situation(GLOO_AR, situation, models[GLOO_AR], x, g, expect, rows, device)
+            # TPX_GLOO_ALLREDUCE=exchange.
+            if exchange_group is None:
+                exchange_group = dist.new_group(list(range(world)))
+            models[EXCHANGE] = MLP(
+                tpx.ColumnParallelLinear.from_linear(ref.fc1, group=exchange_group),
+                tpx.RowParallelLinear.from_linear(ref.fc2, group=exchange_group))
+            _configure(models[EXCHANGE], situation)
+            _set_variant_env(EXCHANGE, device)
+            _check_situation(EXCHANGE, situation, models[EXCHANGE], x, g, expect, rows, device)
             _set_variant_env("tpx", device)
         if args.gloo_threads:  # both models, timed with gloo's threads as gloo starts them
             models[TPX_OTHER], models[DTENSOR_OTHER] = models["tpx"], models["DTensor"]
@@ -474,11 +475,11 @@ def bench_situations(name: str, args, device, world: int) -> list:
                                     [a / b for a, b in zip(by["tpx"], by[DTENSOR_OTHER])]),
                                 tpx_other_threads_times_ms=by[TPX_OTHER],
                                 dtensor_other_threads_times_ms=by[DTENSOR_OTHER])),
-                            **({} if GLOO_AR not in by else dict(
-                                tpx_gloo_allreduce_median_ms=statistics.median(by[GLOO_AR]),
+                            **({} if EXCHANGE not in by else dict(
+                                tpx_exchange_median_ms=statistics.median(by[EXCHANGE]),
                                 exchange_over_gloo_allreduce=statistics.median(
-                                    [a / b for a, b in zip(by["tpx"], by[GLOO_AR])]),
-                                tpx_gloo_allreduce_times_ms=by[GLOO_AR])),
+                                    [a / b for a, b in zip(by[EXCHANGE], by["tpx"])]),
+                                tpx_exchange_times_ms=by[EXCHANGE])),
                             ratios=ratios))
     return results
 
@@ -508,10 +509,11 @@ def report_situations(results: list, env: dict, args, world: int) -> None:
               f"{r['tpx_over_tpx_gemm_floor']:.2f}"] for r in results if
              "tpx_aten_gemm_median_ms" in r], text_columns=2))
     if any("exchange_over_gloo_allreduce" in r for r in results):
-        print("\ntpx with its two-rank exchange / tpx with gloo's all-reduce (median over rounds)")
-        print(format_table(["shape", "situation", "tpx ms", "tpx gloo all-reduce ms", "ratio"],
+        print("\ntpx with its two-rank exchange / tpx with gloo's all-reduce (the default; median "
+              "over rounds)")
+        print(format_table(["shape", "situation", "tpx ms", "tpx exchange ms", "ratio"],
                            [[r["shape"], r["situation"], f"{r['tpx_median_ms']:.2f}",
-                             f"{r['tpx_gloo_allreduce_median_ms']:.2f}",
+                             f"{r['tpx_exchange_median_ms']:.2f}",
                              f"{r['exchange_over_gloo_allreduce']:.2f}"] for r in results],
                            text_columns=2))
     if any("ratio_other_threads" in r for r in results):
@@ -806,9 +808,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", default="",
                    help="comma-separated op-level overlap shapes instead of the MLP block: "
                         f"{','.join(OVERLAP_SHAPES)} (flux: GPUs; tiny: a CPU smoke test)")
-    p.add_argument("--gloo-allreduce", action="store_true",
-                   help="with --situations: also time tpx with gloo's all-reduce instead of "
-                        "its two-rank exchange (TPX_GLOO_ALLREDUCE=gloo), round robin")
+    p.add_argument("--exchange", action="store_true",
+                   help="with --situations: also time tpx with its two-rank send/recv exchange "
+                        "instead of gloo's all-reduce (TPX_GLOO_ALLREDUCE=exchange), round robin")
     p.add_argument("--gloo-threads", action="store_true",
                    help="with --situations on the CPU: also time tpx and DTensor with gloo's "
                         "event-loop threads as gloo starts them (SCHED_OTHER), round robin")

@@ -46,12 +46,14 @@ def _loop_thread_ticks():
     return total
 
 
-def _check_fault_mid_op_leaves_group_usable(rank, world, op):
+def _check_fault_mid_op_leaves_group_usable(rank, world, op, algorithm):
     """An error between posting a collective and waiting for it (an allocation or a GEMM of a
     later chunk failing) must not leave a posted two-rank exchange behind: the next op on the
     group must work, and gloo's loop thread must not spin. Before, the exchange was dropped
     with its receive still posted; the next exchange's message landed in a freed buffer and
-    every later collective on the group timed out."""
+    every later collective on the group timed out. Checked with both ways of summing over two
+    ranks (the exchange, and gloo's all-reduce)."""
+    os.environ["TPX_GLOO_ALLREDUCE"] = algorithm
     pg = _short_timeout()
     gen = torch.Generator().manual_seed(3)
     a_full, b_full = torch.randn(16, 2 * world, generator=gen), torch.randn(2 * world, 6, generator=gen)
@@ -87,15 +89,17 @@ def _check_fault_mid_op_leaves_group_usable(rank, world, op):
     close(out, a_full @ b_full, "the op after the fault")
 
 
+@pytest.mark.parametrize("algorithm", ["exchange", "gloo"])
 @pytest.mark.parametrize("op", ["matmul_all_reduce", "replicated_matmul_backward",
                                 "linear_cross_entropy_backward"])
-def test_fault_mid_op_leaves_group_usable(op):
-    run_ranks(_check_fault_mid_op_leaves_group_usable, 2, op, timeout=TIMEOUT)
+def test_fault_mid_op_leaves_group_usable(op, algorithm):
+    run_ranks(_check_fault_mid_op_leaves_group_usable, 2, op, algorithm, timeout=TIMEOUT)
 
 
 def _check_exchange_wait_twice(rank, world):
     """A Work whose wait() raised must raise again on a second wait(), not report success with
     an unsummed buffer."""
+    os.environ["TPX_GLOO_ALLREDUCE"] = "exchange"
     pg = _short_timeout()
     tpx.ops.matmul_all_reduce(torch.ones(2, 2), torch.ones(2, 2), pg, 1)  # tpx's own copy
     buf = torch.ones(4) if rank == 0 else torch.ones(2, dtype=torch.float64)  # same bytes
@@ -118,6 +122,7 @@ def _check_own_group(rank, world):
     of the process was switched)."""
     from tpx import comm_groups
 
+    os.environ["TPX_GLOO_ALLREDUCE"] = "exchange"  # the send/recv exchange, with its tags
     pg = dist.group.WORLD
     peer = 1 - rank
     inbox = torch.zeros(64)

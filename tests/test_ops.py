@@ -367,6 +367,9 @@ def _check_exchange_dtype_mismatch(rank, world):
     a ValueError naming both, for the one-message (small) and the two-message (large) exchange,
     on the whole group of two or on pairs inside four ranks, and the group still works
     afterwards."""
+    import os
+
+    os.environ["TPX_GLOO_ALLREDUCE"] = "exchange"
     pairs = [dist.group.WORLD] if world == 2 else [dist.new_group([0, 2]),
                                                     dist.new_group([1, 3])]
     pg = pairs[0] if rank in (0, 2) else pairs[-1]
@@ -398,8 +401,10 @@ def _check_exchange_size_mismatch(rank, world, rows):
     shorter message, and adding it would be a wrong answer: it raises the ValueError that
     names both sizes, or gloo's connection error when rank 0 died before its message was
     through. It must never return a sum."""
+    import os
     import resource
 
+    os.environ["TPX_GLOO_ALLREDUCE"] = "exchange"
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the expected abort leaves no core file
     a = torch.ones(rows + rank, 4)
     b = torch.ones(4, 3)

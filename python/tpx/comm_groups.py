@@ -7,8 +7,9 @@ the group's own ranks take part, once). From then on the C++ ops run every colle
 issue for the user's group on tpx's copy; ``tpx.comm_stats()`` still counts them under the
 user's group. So:
 
-* tpx's two-rank exchange (its send/recv all-reduce, see docs/design.md) and its message tags
-  never meet the user's own ``send``/``recv`` on that group;
+* tpx's two-rank exchange (its send/recv all-reduce, ``TPX_GLOO_ALLREDUCE=exchange``, see
+  docs/design.md) and its message tags never meet the user's own ``send``/``recv`` on that
+  group;
 * the scheduling policy tpx gives gloo's event-loop thread (``TPX_GLOO_LOOP_POLICY``) applies
   to the thread of tpx's copy only: the user's groups, DDP's, FSDP's keep gloo's default;
 * how a two-rank sum is done (``TPX_GLOO_ALLREDUCE``), the thread policy and the default
@@ -48,11 +49,12 @@ _POLICY_CHOICES = ("batch", "keep")
 def settings() -> Dict[str, object]:
     """This rank's settings that shape tpx's collectives, validated (the ranks of a group must
     agree on them): ``TPX_GLOO_ALLREDUCE``, ``TPX_GLOO_LOOP_POLICY``, ``TPX_DEFAULT_CHUNKS``."""
-    allreduce = os.environ.get("TPX_GLOO_ALLREDUCE") or "exchange"
+    allreduce = os.environ.get("TPX_GLOO_ALLREDUCE") or "gloo"
     if allreduce not in _ALLREDUCE_CHOICES:
         raise ValueError(
-            "TPX_GLOO_ALLREDUCE must be 'exchange' (the default: a two-rank all-reduce is one "
-            f"send/recv exchange) or 'gloo' (gloo's own all-reduce); got '{allreduce}'")
+            "TPX_GLOO_ALLREDUCE must be 'gloo' (the default: gloo's own all-reduce) or "
+            "'exchange' (a two-rank all-reduce as one send/recv exchange and a local add); "
+            f"got '{allreduce}'")
     policy = os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch"
     if policy not in _POLICY_CHOICES:
         raise ValueError(
