@@ -96,3 +96,50 @@ def _check(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_plan_check(world):
     run_ranks(_check, world)
+
+
+def _check_qwen3(rank, world):
+    """Hugging Face's Qwen3 with its TP plan written as tpx styles: plain q_norm / k_norm (the
+    per-head norms after the column-parallel q / k projections) are named by the check, their
+    gradients and replicas; with ReplicatedWithGradAllReduce the plan is clean."""
+    import copy
+
+    import transformers
+
+    from tpx.parallel import ShardedAttention
+
+    cfg = transformers.Qwen3Config(vocab_size=211, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(1))
+    pre = "model.layers.*."
+    plan = {pre + "self_attn": ShardedAttention(4, 2),
+            pre + "self_attn.q_proj": ColwiseParallel(head_size=16),
+            pre + "self_attn.k_proj": ColwiseParallel(head_size=16, replicate_heads=True),
+            pre + "self_attn.v_proj": ColwiseParallel(head_size=16, replicate_heads=True),
+            pre + "self_attn.o_proj": RowwiseParallel(),
+            pre + "mlp.gate_proj": ColwiseParallel(), pre + "mlp.up_proj": ColwiseParallel(),
+            pre + "mlp.down_proj": RowwiseParallel()}
+
+    def loss(out):
+        return out.logits.float().pow(2).mean()
+
+    report = tpx.plans.check(copy.deepcopy(model), None, plan, ids, loss_fn=loss)
+    norms = {f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in "qk"}
+    assert {n for n, _ in report.grad_errors} == norms, str(report)
+    assert len(report.replica_errors) == 4 and report.output_error < 1e-4, str(report)
+    fixed = dict(plan, **{pre + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
+                          pre + "self_attn.k_norm": ReplicatedWithGradAllReduce()})
+    report = tpx.plans.check(copy.deepcopy(model), None, fixed, ids, loss_fn=loss)
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_check_qwen3(world):
+    run_ranks(_check_qwen3, world)

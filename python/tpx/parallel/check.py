@@ -7,9 +7,9 @@ a loss that looks normal, as another model. :func:`check` finds these by running
 inputs through an unsharded copy and the sharded model, once, and comparing:
 
 - every module's output, in execution order, with the unsharded module's (each rank compares
-  its own part: a column-parallel layer's output with its columns of the unsharded output, a
-  sequence- or feature-split output with its slice; no tensor is gathered), and names the first
-  that differs;
+  its own part: a column-parallel layer's output with its columns of the unsharded output, an
+  output split along one dimension with the block of the unsharded output it matches best,
+  its own block first; no tensor is gathered), and names the first that differs;
 - every parameter's gradient with the unsharded gradient (this rank's shard of it);
 - every replicated parameter across the ranks (:func:`tpx.check_replicas`);
 - and, as a hint, the ``nn.Linear`` / ``nn.Embedding`` modules the plan left whole.
@@ -104,28 +104,32 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max()) / scale if a.numel() else 0.0
 
 
-def _part_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> Optional[Tensor]:
-    """This rank's part of the unsharded output ``full`` that ``local`` should equal, or None
-    when it cannot be told which part that is."""
+def _parts_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> List[Tensor]:
+    """The parts of the unsharded output ``full`` that ``local`` may be: this rank's columns
+    of a column-parallel layer; the whole output; or, for an output split along one
+    dimension, this rank's block first and then every other block of that size (a block held
+    by several ranks, as a replicated KV head, sits elsewhere than the rank's own). Empty when
+    no part has ``local``'s shape."""
     if local.shape == full.shape:
-        return full
+        return [full]
     rows = getattr(module, "out_rows", None)
     if rows is not None and local.dim() == full.dim() and local.shape[:-1] == full.shape[:-1]:
-        pieces = [full[..., s:e] for s, e in rows[dist.get_rank(pg)]]
-        part = torch.cat(pieces, -1)
-        return part if part.shape == local.shape else None
+        part = torch.cat([full[..., s:e] for s, e in rows[dist.get_rank(pg)]], -1)
+        return [part] if part.shape == local.shape else []
     if local.dim() != full.dim():
-        return None
+        return []
     differ = [d for d in range(full.dim()) if local.shape[d] != full.shape[d]]
     if len(differ) != 1:
-        return None
-    d = differ[0]
+        return []
+    d, width = differ[0], local.shape[differ[0]]
+    if width == 0 or width > full.shape[d]:
+        return []
     world, rank = pg.size(), dist.get_rank(pg)
     per = -(-full.shape[d] // world)
-    start = min(rank * per, full.shape[d])
-    if min(per, full.shape[d] - start) != local.shape[d]:
-        return None
-    return full.narrow(d, start, local.shape[d])
+    own = min(rank * per, full.shape[d])
+    starts = [own] if own + width <= full.shape[d] else []
+    starts += [o for o in range(0, full.shape[d] - width + 1, width) if o != own]
+    return [full.narrow(d, o, width) for o in starts]
 
 
 def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Callable] = None,
@@ -189,8 +193,8 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
         if name not in sharded_outs:
             continue
         local = _local(sharded_outs[name])
-        part = _part_of(captured[name], local, sharded_modules.get(name), pg)
-        errors.append(_rel(local, part) if part is not None else -1.0)
+        parts = _parts_of(captured[name], local, sharded_modules.get(name), pg)
+        errors.append(min(_rel(local, part) for part in parts) if parts else -1.0)
 
     from ..checkpoint import _sharded_params
 
