@@ -232,7 +232,9 @@ def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Ten
     pieces = [torch.empty_like(local) for _ in sizes]
     count_collective(pg, "all_gather", local)
     dist.all_gather(pieces, local, group=pg)
-    return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1).movedim(-1, dim)
+    # Concatenated along `dim` itself, so the result is contiguous (consumers that reshape it,
+    # as a linear layer does with 3-D inputs, need no copy of it).
+    return torch.cat([p[..., :s].movedim(-1, dim) for p, s in zip(pieces, sizes)], dim=dim)
 
 
 class _GatherDim(torch.autograd.Function):
