@@ -458,10 +458,10 @@ def run_world(rank: int, world: int, args, init_method: str) -> None:
         # Every rank's last collective is complete before any process begins to exit, and
         # gloo's worker thread gets the GIL to free that collective's tensors (a rank exiting
         # while it still waits for the GIL aborts: docs/training.md, "Ending a run").
-        dist.barrier()
-        time.sleep(0.2)
+        tpx.end_run()  # barrier, a pause for gloo's threads, the groups destroyed
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------

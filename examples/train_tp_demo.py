@@ -288,9 +288,7 @@ def main():
         print("samples:")
         for s in samples:
             print("  " + repr(s))
-    dist.barrier()  # every rank past its last collective before the group goes
-    time.sleep(0.2)  # gloo's thread frees that collective's tensors (docs/training.md)
-    dist.destroy_process_group()
+    tpx.end_run()  # every rank: barrier, a pause for gloo's threads, the groups destroyed
     limit = 3e-2 if args.amp else 1e-3   # bfloat16 GEMMs round differently in the two runs
     if rank == 0 and (worst > limit or losses[-1] >= losses[0]):
         raise SystemExit("the TP run does not match one process, or the loss did not fall")

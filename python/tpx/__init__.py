@@ -13,6 +13,7 @@ from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, Prepare
                        Replicate, ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel,
                        Shard, ShardedAttention, loss_parallel, parallelize_module, plans)
 from .replicas import ReplicaMismatch, check_replicas
+from .run import end_run
 from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
@@ -39,6 +40,7 @@ __all__ = [
     "ShardedAttention",
     "ReplicatedWithGradAllReduce",
     "check_replicas",
+    "end_run",
     "ReplicaMismatch",
     "checkpoint",
     "comm_stats",

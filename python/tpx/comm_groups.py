@@ -29,6 +29,7 @@ thread), made in a few milliseconds.
 from __future__ import annotations
 
 import os
+import weakref
 from datetime import timedelta
 from typing import Dict, Optional, Set, Tuple
 
@@ -39,8 +40,11 @@ from . import _C
 
 __all__ = ["own", "owned_group", "group_broken_reason", "settings"]
 
-# user group name -> (the user's group object, tpx's own group or None when not needed)
-_OWNED: Dict[str, Tuple[object, Optional[dist.ProcessGroup]]] = {}
+# user group name -> (a weak reference to the user's group, the name of tpx's own group or
+# None when it needs none). Weak, and names only: tpx keeps no group alive past
+# destroy_process_group (a group kept alive would be torn down at interpreter exit instead,
+# with its threads still running).
+_OWNED: Dict[str, Tuple[object, Optional[str]]] = {}
 
 _ALLREDUCE_CHOICES = ("exchange", "gloo")
 _POLICY_CHOICES = ("batch", "keep")
@@ -116,12 +120,12 @@ def own(pg: dist.ProcessGroup) -> None:
     dictionary lookup afterwards."""
     name = pg.group_name
     entry = _OWNED.get(name)
-    if entry is not None and entry[0] is pg:
+    if entry is not None and entry[0]() is pg:
         return
     if torch.compiler.is_compiling():
         return
     if pg.size() < 2 or not _is_pure_gloo(pg):
-        _OWNED[name] = (pg, None)
+        _OWNED[name] = (weakref.ref(pg), None)
         return
     mine = settings()
     before = _gloo_loop_threads()
@@ -144,7 +148,7 @@ def own(pg: dist.ProcessGroup) -> None:
         _batch(threads)
     _C.register_owned_group(name, owned.group_name,
                             mine["TPX_GLOO_ALLREDUCE"] == "exchange" and pg.size() == 2)
-    _OWNED[name] = (pg, owned)
+    _OWNED[name] = (weakref.ref(pg), owned.group_name)
 
 
 def own_by_name(name: str) -> None:
@@ -158,8 +162,15 @@ def own_by_name(name: str) -> None:
 
 def owned_group(group: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
     """tpx's own copy of ``group`` (``None`` when tpx uses ``group`` itself)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
     entry = _OWNED.get(group.group_name)
-    return entry[1] if entry is not None and entry[0] is group else None
+    if entry is None or entry[0]() is not group or entry[1] is None:
+        return None
+    try:
+        return _resolve_process_group(entry[1])
+    except Exception:  # destroyed
+        return None
 
 
 def group_broken_reason(group: dist.ProcessGroup) -> Optional[str]:

@@ -762,12 +762,8 @@ def main(argv=None) -> int:
     backend, device, created, note = _init_group(args.timeout)
     try:
         code = _run(args, backend, device, note, t0)
-        dist.barrier()  # every rank past its last collective before the group goes
-        # A gloo worker thread may still be freeing the last collectives' tensors, which needs
-        # the GIL: torch < 2.8 destroys the group holding the GIL (a deadlock), and a process
-        # that exits first aborts ("terminate called without an active exception"). Sleeping
-        # releases the GIL so that thread finishes first.
-        time.sleep(0.2)
+        if created:
+            tpx.end_run()  # barrier, a pause for gloo's threads, then the groups destroyed
         return code
     finally:
         if created and dist.is_initialized():
