@@ -346,9 +346,11 @@ def _check_two_rank_exchange(rank, world):
         assert op in names, f"{algo}: {op} was not issued ({sorted(names)})"
     total = tpx.ops.mesh_all_reduce(x, pg.group_name)
     assert torch.equal(total, torch.full((3,), float(sum(dist.get_process_group_ranks(pg))))), total
+    bad = pair()
+    dist.barrier()  # every rank has its connections of the new group before either one leaves
     os.environ["TPX_GLOO_ALLREDUCE"] = "ring"
     try:
-        tpx.ops.mesh_all_reduce(x, pair().group_name)
+        tpx.ops.mesh_all_reduce(x, bad.group_name)
     except ValueError as e:
         assert "TPX_GLOO_ALLREDUCE" in str(e) and "'gloo'" in str(e), e
     else:
