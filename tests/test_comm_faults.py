@@ -7,6 +7,7 @@ Each test states the defect it guards against; every rank has a short process-gr
 
 import datetime
 import os
+import sys
 import time
 
 import pytest
@@ -32,18 +33,11 @@ def _short_timeout(seconds=20):
 
 def _loop_thread_ticks():
     """CPU ticks (user + system) of this process's gloo event-loop threads."""
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "gloo_tcp_loop":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except OSError:
-            pass
-    return total
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    import faults
+
+    return faults._ticks(only_loop=True)
 
 
 def _check_fault_mid_op_leaves_group_usable(rank, world, op, algorithm):
