@@ -21,7 +21,7 @@ EXT_INPUTS := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/cuda/*.cu csrc/
 STAMP := build/.installed-$(subst /,_,$(PY))
 PYTEST_ARGS ?= -q --durations=15
 
-.PHONY: demo test test-emulated build cuda-check cuda-build bench clean
+.PHONY: demo test test-slow test-emulated build cuda-check cuda-build bench clean
 
 # `make demo` trains with 1-D TP on 2 processes; LAYOUT=2d (4 processes), 2.5d or 3d (8) shards
 # the same model over a mesh instead.
@@ -38,7 +38,11 @@ demo: $(STAMP)
 	    examples/train_tp_demo.py --layout $(LAYOUT) $(DEMO_ARGS)
 
 test: $(STAMP) cuda-check
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# The cases marked slow (more ranks or sizes of cases `make test` runs); CI runs both.
+test-slow: $(STAMP)
+	$(PY) -m pytest tests -m slow $(PYTEST_ARGS)
 
 build: $(STAMP)
 

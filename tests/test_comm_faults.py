@@ -335,7 +335,8 @@ def _check_debug_checks(rank, world, case):
 
 @pytest.mark.parametrize("case,world", [("chunks", 2), ("reduce_scatter_dtype", 2),
                                         ("all_reduce_dtype", 2), ("embedding_dtype", 2),
-                                        ("linear_2d", 4), ("linear_3d", 8)])
+                                        ("linear_2d", 4),
+                                        pytest.param("linear_3d", 8, marks=pytest.mark.slow)])
 def test_debug_checks(case, world):
     run_ranks(_check_debug_checks, world, case, timeout=TIMEOUT * 2)
 
@@ -368,7 +369,7 @@ def _check_float64_cross_entropy(rank, world):
     close(loss, F.cross_entropy(hidden @ weight.t(), t16, reduction="none"), "linear ce", 1e-12)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_float64_cross_entropy(world):
     run_ranks(_check_float64_cross_entropy, world, timeout=TIMEOUT)
 

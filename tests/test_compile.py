@@ -70,6 +70,7 @@ def _check_compile_decoder(rank, world):
                                        msg=lambda m: f"{name} sp={sp} lp={lp}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2])
 def test_compile_parallelized_decoder_fullgraph(world):
     run_ranks(_check_compile_decoder, world, timeout=600)

@@ -267,6 +267,7 @@ def _check_mesh_token_inputs(rank, world, layout):
         assert model(input_ids=ids).logits.shape[-1] < 1000  # still blocks outside generate()
 
 
-@pytest.mark.parametrize("layout,world", [("2d", 4), ("2.5d", 8), ("3d", 8)])
+@pytest.mark.parametrize("layout,world", [("2d", 4), pytest.param("2.5d", 8, marks=pytest.mark.slow),
+                                          ("3d", 8)])
 def test_mesh_plans_masks_and_positions(layout, world):
     run_ranks(_check_mesh_token_inputs, world, layout)

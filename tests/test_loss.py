@@ -282,7 +282,8 @@ def _check_default_chunks_uneven(rank, world, vocab, tokens):
     torch.testing.assert_close(w.grad, w_ref.grad[v0:v1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("world,vocab,tokens", [(8, 50257, 2700), (6, 32000, 3200)])
+@pytest.mark.parametrize("world,vocab,tokens", [(8, 50257, 2700),
+                                               pytest.param(6, 32000, 3200, marks=pytest.mark.slow)])
 def test_linear_cross_entropy_default_chunks_uneven_vocab(world, vocab, tokens):
     run_ranks(_check_default_chunks_uneven, world, vocab, tokens)
 
@@ -379,6 +380,6 @@ def _check_dtensor_logits(rank, world):
                                        atol=1e-5, msg=case)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_dtensor_logits(world):
     run_ranks(_check_dtensor_logits, world)

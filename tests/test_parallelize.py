@@ -112,7 +112,7 @@ def _check_sharded_attention_head_counts(rank, world):
     assert shaped.heads_here == 8
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_attention_head_counts(world):
     run_ranks(_check_sharded_attention_head_counts, world)
 
@@ -179,6 +179,6 @@ def _check_replicas_and_grad_sum(rank, world):
         os.environ.pop("TPX_CHECK_REPLICAS")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_replicas_and_grad_sum(world):
     run_ranks(_check_replicas_and_grad_sum, world)

@@ -93,7 +93,7 @@ def _check(rank, world):
         print(report)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_plan_check(world):
     run_ranks(_check, world)
 
@@ -140,6 +140,6 @@ def _check_qwen3(rank, world):
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_plan_check_qwen3(world):
     run_ranks(_check_qwen3, world)

@@ -151,13 +151,20 @@ namespace {
 
 // TPX_INJECT_FAULT=N (a test facility): the N-th collective this process posts after the
 // variable was set raises right after it was posted, and its Work is dropped unwaited, as
-// an allocation or a GEMM failing in the middle of an op would leave it. Read on every post.
+// an allocation or a GEMM failing in the middle of an op would leave it. Read on every post;
+// a post without the variable disarms it, so setting it again counts afresh.
 WorkPtr inject_fault(WorkPtr work) {
   static std::mutex mutex;
   static std::string armed;
   static int64_t posted = 0;
   const char* env = std::getenv("TPX_INJECT_FAULT");
-  if (env == nullptr || *env == '\0') return work;
+  if (env == nullptr || *env == '\0') {
+    if (!armed.empty()) {
+      std::lock_guard<std::mutex> lock(mutex);
+      armed.clear();
+    }
+    return work;
+  }
   std::lock_guard<std::mutex> lock(mutex);
   if (armed != env) {
     armed = env;
