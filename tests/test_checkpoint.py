@@ -50,7 +50,7 @@ def _load_at(rank, world, family, ckpt, full_path):
         torch.testing.assert_close(full[key], value, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_dcp_reshards_tp2_to_tp4_and_tp1(tmp_path, family):
     ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
     run_ranks(_save_at, 2, family, ckpt, full)

@@ -678,7 +678,8 @@ def _check_layout(rank, world, layout):
 # errors), the pre-norm MLP block with LayerNorm / nn.RMSNorm / a LlamaRMSNorm-shaped norm,
 # embedding -> vocab-parallel head -> loss, the tiny Llama decoder through tpx.plans.auto (with
 # and without loss parallelism), and at 2-D on 4 ranks Hugging Face Llama and the plan errors.
-@pytest.mark.parametrize("layout,world", [("2d", 4), ("2d", 9), ("2.5d", 8), ("3d", 8)])
+@pytest.mark.parametrize("layout,world", [("2d", 4), pytest.param("2d", 9, marks=pytest.mark.slow),
+                                          ("2.5d", 8), ("3d", 8)])
 def test_layout_matches_unsharded(layout, world):
     run_ranks(_check_layout, world, layout)
 
@@ -958,6 +959,6 @@ def _check_ckpt_and_init(rank, world, layout, tmp):
 # One group of processes per layout: initial weights from src_rank (and the argument checks),
 # then checkpoints (2-D: full/sliced state dicts, DCP 2-D -> 2-D / 1-D / one device, 1-D ->
 # 2-D, safetensors; 3-D: state dicts, DCP 3-D -> 3-D / one device).
-@pytest.mark.parametrize("layout,world", [("2d", 4), ("3d", 8)])
+@pytest.mark.parametrize("layout,world", [("2d", 4), pytest.param("3d", 8, marks=pytest.mark.slow)])
 def test_checkpoint_and_initial_weights(tmp_path, layout, world):
     run_ranks(_check_ckpt_and_init, world, layout, str(tmp_path))
