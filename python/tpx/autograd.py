@@ -34,7 +34,7 @@ from torch import Tensor
 from . import ops  # noqa: F401  (registers the operators and their fakes)
 from .comm import count_collective
 
-__all__ = ["all_reduce_grad", "gather_dim", "gather_last_dim", "split_dim", "split_last_dim"]
+__all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum", "gather_dim", "gather_last_dim", "split_dim", "split_last_dim"]
 
 
 def register(op: str, backward, setup_context) -> None:
@@ -361,6 +361,84 @@ def all_reduce_grad(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
     if pg.size() == 1:
         return x
     return _AllReduceGrad.apply(x, pg)
+
+
+class _AllReduceGrads(torch.autograd.Function):
+    """Identity forward on several tensors; backward sums all their gradients over the group
+    with ONE all-reduce (the gradients of a dtype flattened into one buffer)."""
+
+    @staticmethod
+    def forward(ctx, pg, *xs):
+        ctx.pg = pg
+        ctx.meta = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                 for g, (shape, dtype, device) in zip(grads, ctx.meta)]
+        out: List[Tensor] = list(grads)
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            flat = torch.cat([grads[i].reshape(-1) for i in idx])
+            flat = torch.ops.tpx.mesh_all_reduce(flat, ctx.pg.group_name)
+            offset = 0
+            for i in idx:
+                n = grads[i].numel()
+                out[i] = flat[offset:offset + n].view(grads[i].shape)
+                offset += n
+        return (None, *out)
+
+
+def all_reduce_grads(xs: List[Tensor], pg: dist.ProcessGroup) -> Tuple[Tensor, ...]:
+    """Identity on each tensor of ``xs``; backward sums their gradients over ``pg`` in one
+    all-reduce per dtype (the inputs of a block whose every consumer computes a partial sum,
+    as the sharded experts of a mixture of experts): ``R -> R`` forward, ``P -> R`` backward."""
+    if pg.size() == 1 or not torch.is_grad_enabled() or \
+            not any(x.requires_grad for x in xs):
+        return tuple(xs)
+    return _AllReduceGrads.apply(pg, *xs)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``P -> R`` forward (all-reduce); backward passes the replicated gradient through."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        return torch.ops.tpx.mesh_all_reduce(x.contiguous(), pg.group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_reduce_sum(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
+    """The sum of ``x`` over ``pg`` with autograd: ``P -> R`` forward, identity backward
+    (the gradient of a replicated result is the gradient of each partial sum)."""
+    if pg.size() == 1:
+        return x
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return sum_over_group(x, pg)
+    return _AllReduceSum.apply(x, pg)
+
+
+class _ScaleForward(torch.autograd.Function):
+    """``x * factor`` forward, identity backward: a replicated term added inside a block whose
+    output is summed over the group (each rank adds ``x / P``; the sum's gradient with respect
+    to ``x`` is the gradient itself)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def scale_forward(x: Tensor, factor: float) -> Tensor:
+    """``x * factor`` whose backward is the identity (see :class:`_ScaleForward`)."""
+    return _ScaleForward.apply(x, factor)
 
 
 def all_reduce_grad_value(grad: Tensor, pg: dist.ProcessGroup) -> Tensor:

@@ -7,6 +7,8 @@ from .api import parallelize_module
 from . import compat
 from .compat import PairwiseParallel
 from .loss_parallel import loss_parallel
+from . import moe
+from .moe import ExpertsTensorParallel, MoEIdentityExpert
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
@@ -16,4 +18,5 @@ from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareM
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
            "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "compat", "PairwiseParallel",
-           "mesh_styles", "MeshParallel", "MeshAttention", "MeshInput"]
+           "mesh_styles", "MeshParallel", "MeshAttention", "MeshInput", "moe",
+           "ExpertsTensorParallel", "MoEIdentityExpert"]

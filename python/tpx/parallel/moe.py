@@ -1,0 +1,271 @@
+"""Mixture-of-experts layers under tensor parallelism (expert TP).
+
+A mixture-of-experts block routes each token to ``k`` of ``E`` experts (MLPs) and adds their
+outputs, weighted by the router's scores. Under expert TP every rank keeps every expert and a
+slice of each one's intermediate features, as Megatron's column/row split of a dense MLP:
+
+* the gate and up projections are split by output feature (for a fused ``[gate | up]``
+  weight, each half separately, so that every rank keeps the gate and up rows of the same
+  features; for an interleaved ``[g0, u0, g1, u1, ...]`` weight, whole pairs);
+* the down projection is split by input feature, so each rank's expert outputs are partial
+  sums;
+* the block's routed output is summed over the group ONCE, after the experts' weighted outputs
+  are combined (not once per expert), and in the backward the gradients of the experts'
+  inputs (the hidden states and the routing weights, both partial sums) are summed ONCE, in
+  one all-reduce.
+
+The router, the shared experts and the auxiliary (load-balancing) losses are whatever the plan
+makes of them: a replicated router computes the same routing on every rank, so the tokens a
+capacity limit drops are dropped alike.
+
+Bytes per token and rank, ``H`` the hidden size, ``b`` bytes per element, ring all-reduce over
+``P`` ranks: forward ``2 (P-1)/P * H * b``, backward ``2 (P-1)/P * (H + k) * b`` (the hidden
+state's and the ``k`` routing weights' gradients), whatever ``E`` and ``k`` are.
+
+Layouts:
+
+* **Fused 3-D experts** (Hugging Face transformers 5: ``experts.gate_up_proj`` ``[E, 2I, H]``,
+  ``experts.down_proj`` ``[E, H, I]``, called as ``experts(hidden, top_k_index,
+  top_k_weights)``): :class:`ExpertsTensorParallel` on the experts module.
+* **A ``ModuleList`` of expert MLPs** (transformers 4, most user models): the stock styles on
+  each expert (``ColwiseParallel`` on its gate/up, ``RowwiseParallel`` on its down). Each
+  expert's output is then summed on its own, a reduction per expert a token visits (``k``
+  times the bytes of the fused layout): the combination of the experts is the block's own
+  code, which no style can see into.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import autograd as tpx_autograd
+from ..group import ShardSpec, _range, load_initial
+from ..sharding import describe_params
+from .style import ParallelStyle
+
+__all__ = ["ExpertsTensorParallel", "MoEIdentityExpert"]
+
+Ranges = Tuple[Tuple[int, int], ...]
+
+
+def _weights_arg(module: nn.Module) -> Tuple[str, str]:
+    """The names of the experts' first (hidden states) and third (routing weights) arguments."""
+    try:
+        names = [p.name for p in inspect.signature(module.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # pragma: no cover
+        names = []
+    return (names[0] if names else "hidden_states",
+            names[2] if len(names) > 2 else "top_k_weights")
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Expert TP for experts kept as fused 3-D parameters (Hugging Face transformers 5's
+    ``*Experts`` modules; Hugging Face's plans call it ``moe_tp_experts`` on the experts
+    module, with ``packed_colwise`` on ``gate_up_proj`` and ``rowwise`` on ``down_proj``).
+
+    Applied to the experts module itself. Shards, in place (the ``Parameter`` objects stay,
+    holding this rank's slice):
+
+    * ``gate_up`` (``[E, 2I, H]``; ``[E, H, 2I]`` when the module is ``is_transposed``): the
+      ``I`` intermediate features split with ``tpx.shard_range(I)``, each of the gate and up
+      halves separately (or whole ``(gate, up)`` pairs when the module is not
+      ``is_concatenated``: interleaved rows). Its bias ``<gate_up>_bias`` ``[E, 2I]`` likewise.
+    * ``down`` (``[E, H, I]``; ``[E, I, H]`` transposed): the same ``I`` features.
+      Its bias ``<down>_bias`` ``[E, H]`` stays whole; each rank adds ``bias / P`` so that the
+      sum over the group adds it once.
+    * Experts without a gate (``has_gate=False``): ``gate_up`` names the ``up`` weight
+      ``[E, I, H]``, split as one block.
+
+    Placements: ``hidden_states`` R, ``top_k_index`` R, ``top_k_weights`` R (their gradients
+    are partial sums, summed in one all-reduce) -> output R (the partial outputs summed once).
+    The routing must be the same on every rank (a replicated router on replicated inputs).
+
+    ``gate_up`` / ``down``: the parameter names (Hugging Face's). Checkpoints, gradient
+    clipping and memory accounting see the slices through the parameters' sharding
+    description, like every tpx layer's.
+    """
+
+    def __init__(self, *, gate_up: str = "gate_up_proj", down: str = "down_proj",
+                 packed: Optional[bool] = None, transposed: Optional[bool] = None,
+                 interleaved: Optional[bool] = None) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.packed, self.transposed, self.interleaved = packed, transposed, interleaved
+
+    def __repr__(self) -> str:
+        return f"ExpertsTensorParallel(gate_up={self.gate_up!r}, down={self.down!r})"
+
+    # -- layout -------------------------------------------------------------------------------
+    def _layout(self, module: nn.Module):
+        what = f"tpx.ExpertsTensorParallel on {type(module).__name__}"
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(f"{what}: a ModuleList of expert MLPs keeps no fused weights; "
+                             "shard each expert with the stock styles instead, e.g. "
+                             "{'experts.*.w1': ColwiseParallel(), 'experts.*.w3': "
+                             "ColwiseParallel(), 'experts.*.w2': RowwiseParallel()}")
+        params = dict(module.named_parameters(recurse=False))
+        for name in (self.gate_up, self.down):
+            if name not in params:
+                raise ValueError(f"{what}: the module has no parameter {name!r} (it has "
+                                 f"{sorted(params)}); name the fused expert weights with "
+                                 "gate_up=... and down=...")
+            p = params[name]
+            if type(p.data) is not torch.Tensor and p.data.__class__.__name__ == "DTensor":
+                raise ValueError(f"{what}: {name!r} is already a DTensor (sharded by another "
+                                 "library); start from the unsharded model")
+            if p.dim() != 3:
+                raise ValueError(f"{what}: {name!r} must be a 3-D [experts, out, in] weight; "
+                                 f"got shape {tuple(p.shape)}. A ModuleList of expert MLPs "
+                                 "takes ColwiseParallel / RowwiseParallel on each expert")
+        if hasattr(module, "_tpx_experts_group"):
+            raise ValueError(f"{what}: the experts are sharded already")
+        transposed = bool(getattr(module, "is_transposed", False)) if self.transposed is None \
+            else bool(self.transposed)
+        gated = bool(getattr(module, "has_gate", True)) if self.packed is None else bool(self.packed)
+        interleaved = (not bool(getattr(module, "is_concatenated", True))
+                       if self.interleaved is None else bool(self.interleaved))
+        gu, dn = params[self.gate_up], params[self.down]
+        gu_dim, dn_dim = (2, 1) if transposed else (1, 2)
+        inter = dn.shape[dn_dim]
+        hidden = dn.shape[3 - dn_dim]
+        want = 2 * inter if gated else inter
+        if gu.shape[0] != dn.shape[0] or gu.shape[gu_dim] != want or \
+                gu.shape[3 - gu_dim] != hidden:
+            raise ValueError(
+                f"{what}: {self.gate_up!r} {tuple(gu.shape)} and {self.down!r} "
+                f"{tuple(dn.shape)} do not fit [E, {'2I' if gated else 'I'}, H] and [E, H, I]"
+                f"{' (transposed)' if transposed else ''}: check `transposed` / `packed`")
+        return dict(transposed=transposed, gated=gated, interleaved=interleaved,
+                    gu_dim=gu_dim, dn_dim=dn_dim, inter=inter, hidden=hidden,
+                    experts=dn.shape[0])
+
+    @staticmethod
+    def _rows(inter: int, world: int, gated: bool, interleaved: bool, align: int = 1):
+        """Per rank, the rows of the gate/up and down weights it holds. The ``inter``
+        features are split in units of ``align`` when they divide by it, so that each slice
+        keeps the 16-byte strides grouped GEMMs need."""
+        gu_rows: List[Ranges] = []
+        dn_rows: List[Ranges] = []
+        unit = align if align > 1 and inter % align == 0 else 1
+        for r in range(world):
+            s, e = (x * unit for x in _range(inter // unit, r, world))
+            dn_rows.append(((s, e),))
+            if not gated:
+                gu_rows.append(((s, e),))
+            elif interleaved:
+                gu_rows.append(((2 * s, 2 * e),))
+            else:
+                gu_rows.append(((s, e), (inter + s, inter + e)))
+        return gu_rows, dn_rows
+
+    # -- apply --------------------------------------------------------------------------------
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
+              src_rank: Optional[int] = 0) -> nn.Module:
+        lay = self._layout(module)
+        world, rank = pg.size(), dist.get_rank(pg)
+        align = max(1, 16 // getattr(module, self.down).element_size())
+        gu_rows, dn_rows = self._rows(lay["inter"], world, lay["gated"], lay["interleaved"],
+                                      align)
+        shards = [(self.gate_up, lay["gu_dim"], gu_rows), (self.down, lay["dn_dim"], dn_rows)]
+        gu_bias = getattr(module, self.gate_up + "_bias", None)
+        dn_bias = getattr(module, self.down + "_bias", None)
+        if isinstance(gu_bias, nn.Parameter):
+            shards.append((self.gate_up + "_bias", 1, gu_rows))
+        if not isinstance(dn_bias, nn.Parameter):
+            dn_bias = None
+        specs, fulls = [], []
+        for name, dim, rows in shards:
+            p = getattr(module, name)
+            shape = list(p.shape)
+            shape[dim] = sum(e - s for s, e in rows[rank])
+            specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
+                                   ranges=rows, dim=dim))
+            fulls.append(p)
+        if dn_bias is not None:
+            specs.append(ShardSpec(torch.empty_like(dn_bias)))
+            fulls.append(dn_bias)
+        config = dict(experts=lay["experts"], inter=lay["inter"], hidden=lay["hidden"],
+                      transposed=lay["transposed"], gated=lay["gated"],
+                      interleaved=lay["interleaved"], names=[s[0] for s in shards],
+                      dtype=str(fulls[0].dtype))
+        load_initial(pg, "ExpertsTensorParallel", config, specs,
+                     lambda: [p.detach() for p in fulls], src_rank=src_rank, drawn=False)
+        with torch.no_grad():
+            for p, spec in zip(fulls, specs):
+                p.data = spec.out
+                p.grad = None
+        module._shards = lambda shards=shards: [(n, d, rows) for n, d, rows in shards]
+        module.group = pg
+        module._tpx_experts_group = pg
+        describe_params(module)
+        if world > 1:
+            self._install_hooks(module, pg, dn_bias)
+        return module
+
+    def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup,
+                       dn_bias: Optional[nn.Parameter]) -> None:
+        first, third = _weights_arg(module)
+        bias_name = self.down + "_bias"
+        world = pg.size()
+
+        def pre(mod, args, kwargs):
+            args = list(args)
+            slots = []  # (where, key) of the hidden states and routing weights
+            for pos, key in ((0, first), (2, third)):
+                if pos < len(args):
+                    slots.append(("a", pos))
+                elif key in kwargs:
+                    slots.append(("k", key))
+            values = [args[k] if w == "a" else kwargs[k] for w, k in slots]
+            values = [v.to_local() if hasattr(v, "to_local") else v for v in values]
+            keep = [i for i, v in enumerate(values)
+                    if isinstance(v, Tensor) and v.is_floating_point()]
+            summed = tpx_autograd.all_reduce_grads([values[i] for i in keep], pg)
+            for i, v in zip(keep, summed):
+                values[i] = v
+            for (w, k), v in zip(slots, values):
+                if w == "a":
+                    args[k] = v
+                else:
+                    kwargs[k] = v
+            if dn_bias is not None:  # each rank adds bias / P: the group's sum adds it once
+                del mod._parameters[bias_name]
+                object.__setattr__(mod, bias_name,
+                                   tpx_autograd.scale_forward(dn_bias, 1.0 / world))
+            return tuple(args), kwargs
+
+        def post(mod, args, kwargs, output):
+            if dn_bias is not None and bias_name not in mod._parameters:
+                mod.__dict__.pop(bias_name, None)
+                mod._parameters[bias_name] = dn_bias
+            if isinstance(output, Tensor):
+                return tpx_autograd.all_reduce_sum(output, pg)
+            return output
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+class MoEIdentityExpert(ParallelStyle):
+    """An expert that returns its input (Hugging Face's ``moe_identity_expert``, the "zero
+    experts" of some MoE models) inside a block whose output is summed over the group: its input
+    is divided by the TP size, so that the sum adds it once. Placement: input R -> output P."""
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        world = pg.size()
+        if world > 1:
+            def pre(mod, args):
+                if args and isinstance(args[0], Tensor):
+                    return (args[0] / world,) + tuple(args[1:])
+                return args
+
+            module.register_forward_pre_hook(pre)
+        return module
+
+    def __repr__(self) -> str:
+        return "MoEIdentityExpert()"
