@@ -11,9 +11,16 @@ every collective counted is an expert one. Rows:
   rowwise): each expert's output is all-reduced on its own, and in the backward each of its two
   column-parallel layers all-reduces its input gradient. Derived per token: forward
   ``2 (P-1)/P k H b``, backward ``2 (P-1)/P 2 k H b``.
-* Expert parallelism (each rank a subset of whole experts, tokens sent with all-to-all) is not
-  built; its derived all-to-all volume per token that a rank holds is shown for comparison:
-  dispatch and combine forward, the same backward, ``(P-1)/P k H b`` each (4 of them).
+* ``tpx.ExpertsParallel`` (each rank a subset of whole experts): the tokens are replicated over
+  the TP group, so none moves; the partial outputs are summed as under expert TP, the same
+  bytes. Derived per token: as the fused row.
+* Expert parallelism over tokens that are NOT replicated (each rank holds ``T/P`` of the
+  group's ``T`` tokens, split by sequence or data), with an all-to-all dispatch and combine,
+  is not built; its derived volume is shown for comparison, per token of the group's batch:
+  each rank sends the ``(P-1)/P`` of its ``k T/P`` token copies that go to other ranks, in 4
+  all-to-alls (dispatch and combine, forward and backward): ``4 (P-1)/P^2 k H b``. Against the
+  all-reduces of replicated tokens (``2 (P-1)/P (2H + k) b``) it sends less when ``k < P``
+  (about); it also needs no replicated activations.
 
 ``b`` is bytes per element (4, float32), ``k`` experts per token, ``H`` the hidden size.
 Correctness first: the sharded layer's output and input gradient equal the unsharded ones.
@@ -109,8 +116,10 @@ def derived(layout: str, world: int, hidden: int, k: int, elem: int = 4) -> dict
         return dict(forward=ar * hidden * elem, backward=ar * (hidden + k) * elem)
     if layout == "module-list":
         return dict(forward=ar * k * hidden * elem, backward=ar * 2 * k * hidden * elem)
-    if layout == "expert-parallel":
-        a2a = (world - 1) / world * k * hidden * elem
+    if layout == "expert-parallel":  # tokens replicated over the group: as expert TP
+        return derived("fused", world, hidden, k, elem)
+    if layout == "expert-parallel-all-to-all":  # tokens split P ways (not built; see above)
+        a2a = (world - 1) / world ** 2 * k * hidden * elem
         return dict(forward=2 * a2a, backward=2 * a2a)
     raise ValueError(layout)
 
@@ -123,9 +132,10 @@ def measure(rank: int, world: int, layout: str, family: str = "mixtral", *, toke
     import tpx
 
     torch.manual_seed(0)
-    if layout == "fused":
+    if layout in ("fused", "expert-parallel"):
         ref = _hf_block(family, hidden, experts, k, inter)
-        plan = {"experts": tpx.ExpertsTensorParallel()}
+        style = tpx.ExpertsTensorParallel() if layout == "fused" else tpx.ExpertsParallel()
+        plan = {"experts": style}
     else:
         ref = ListMoE(hidden, experts, k, inter)
         plan = {"experts.*.w1": tpx.ColwiseParallel(), "experts.*.w3": tpx.ColwiseParallel(),
@@ -152,7 +162,8 @@ def measure(rank: int, world: int, layout: str, family: str = "mixtral", *, toke
         return sum(ring_bytes(kind, nbytes, world)
                    for (_, kind), (_, nbytes) in stats.counts.items()) / tokens
 
-    return dict(layout=layout, family=family if layout == "fused" else "user ModuleList",
+    label = {"fused": family, "expert-parallel": f"{family} (EP)"}.get(layout, "user ModuleList")
+    return dict(layout=layout, family=label,
                 tp=world, hidden=hidden, k=k, experts=experts, tokens=tokens,
                 forward=per_token(fwd), backward=per_token(bwd),
                 calls=dict(forward=fwd.calls(), backward=bwd.calls()),
@@ -163,6 +174,8 @@ def _ranks(rank, world, args, init_method):
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     rows = [measure(rank, world, "fused", f, tokens=args.tokens, hidden=args.hidden)
             for f in FAMILIES]
+    rows += [measure(rank, world, "expert-parallel", f, tokens=args.tokens, hidden=args.hidden)
+             for f in ("mixtral", "deepseek_v3")]
     rows.append(measure(rank, world, "module-list", tokens=args.tokens, hidden=args.hidden))
     if rank == 0:
         write_json(os.path.join(args.out, f"bench_moe_tp{world}.json"),
@@ -190,13 +203,13 @@ def main(argv=None) -> list:
             rows += json.load(f)["results"]
     table = []
     for r in rows:
-        ep = derived("expert-parallel", r["tp"], r["hidden"], r["k"])
+        ep = derived("expert-parallel-all-to-all", r["tp"], r["hidden"], r["k"])
         table.append([r["family"], r["tp"], f"{r['forward']:.1f}", f"{r['derived']['forward']:.1f}",
                       f"{r['backward']:.1f}", f"{r['derived']['backward']:.1f}",
                       f"{r['calls']['forward']}/{r['calls']['backward']}",
                       f"{ep['forward'] + ep['backward']:.1f}"])
     print(format_table(["experts", "TP", "fwd B/token", "derived", "bwd B/token", "derived",
-                        "calls f/b", "EP derived f+b"], table, text_columns=1))
+                        "calls f/b", "all-to-all EP derived f+b"], table, text_columns=1))
     return rows
 
 

@@ -1,6 +1,6 @@
-"""Mixture-of-experts models under expert TP, against one device: Hugging Face's fused 3-D
-experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert, DeepSeek-V3) with
-``tpx.ExpertsTensorParallel``, and a user's ``ModuleList`` of expert MLPs with the stock
+"""Mixture-of-experts models under expert TP and expert parallelism, against one device:
+Hugging Face's fused 3-D experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert,
+DeepSeek-V3) with ``tpx.ExpertsTensorParallel`` and ``tpx.ExpertsParallel``, and a user's ``ModuleList`` of expert MLPs with the stock
 styles. Tiny random configs, nothing downloaded. Every step compares the logits, the loss, the
 router's auxiliary loss and every gradient; after the optimizer steps every parameter and the full
 state dict."""
@@ -50,18 +50,29 @@ def tiny(family: str, impl: str = "grouped_mm", inter: int = 48):
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
             topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
             qk_rope_head_dim=4, v_head_dim=8, **dict(common, num_key_value_heads=4))
+    elif family == "gpt_oss":  # transposed, interleaved [g0 u0 g1 u1 ...], biases
+        config = transformers.GptOssConfig(intermediate_size=inter, num_local_experts=4,
+                                           num_experts_per_tok=2, head_dim=8, sliding_window=8,
+                                           **common)
     else:
         raise ValueError(family)
     config._experts_implementation = impl
-    return transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # Hugging Face starts biases at zero: make them count from step 0
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(0, 0.1)
+    return model
 
 
-def plan(family: str, attention: bool = True):
+def plan(family: str, attention: bool = True, experts=None):
     """The family's Hugging Face TP plan written with tpx styles (``attention=False``: the
     attention left whole, for TP sizes its heads do not divide by)."""
     C, R = tpx.ColwiseParallel, tpx.RowwiseParallel
-    p = {"model.layers.*.mlp.experts": tpx.ExpertsTensorParallel()}
-    if attention and family != "deepseek_v3":  # Hugging Face's DeepSeek-V3 plan keeps the MLA attention whole
+    p = {"model.layers.*.mlp.experts": experts or tpx.ExpertsTensorParallel()}
+    # Hugging Face's DeepSeek-V3 plan keeps the MLA attention whole; gpt-oss's attention sinks
+    # (one per head) would need splitting with the heads
+    if attention and family not in ("deepseek_v3", "gpt_oss"):
         # whole heads of 8; the 2 KV heads replicated where the TP size exceeds them
         p["model.layers.*.self_attn.q_proj"] = C(head_size=8)
         p.update({f"model.layers.*.self_attn.{n}_proj": C(head_size=8, replicate_heads=True)
@@ -85,12 +96,14 @@ def _batch(step: int):
     return ids, labels
 
 
-def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, steps=3):
-    what = f"{family} ({impl}, I={inter}) TP={world}"
+def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, steps=3, ep=False):
+    what = f"{family} ({impl}, I={inter}{', EP' if ep else ''}) TP={world}"
     torch.manual_seed(0)
     ref = tiny(family, impl, inter)
     model = copy.deepcopy(ref)
-    tpx.parallelize_module(model, None, plan(family, attention=4 % world == 0), strict=False)
+    experts = tpx.ExpertsParallel() if ep else None
+    tpx.parallelize_module(model, None, plan(family, attention=4 % world == 0, experts=experts),
+                           strict=False)
     # SGD with momentum: Adam divides by the gradient's own size, so a gradient at round-off
     # level (1e-7, summed in another order on one device) becomes a step of +-lr there.
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
@@ -129,6 +142,12 @@ def _cases(rank, world, names):
     """The named cases of this file in one set of ranks (starting ranks costs more than the
     cases); a failure in one is reported with the others'."""
     table = {f: (lambda f=f: _train_like_one_device(rank, world, f)) for f in FAMILIES}
+    table.update({f"{f}-ep": (lambda f=f: _train_like_one_device(rank, world, f, ep=True))
+                  for f in FAMILIES})
+    table["gpt_oss"] = lambda: _train_like_one_device(rank, world, "gpt_oss")
+    table["gpt_oss-ep"] = lambda: _train_like_one_device(rank, world, "gpt_oss", ep=True)
+    table["mixtral-eager-ep"] = lambda: _train_like_one_device(rank, world, "mixtral", "eager",
+                                                               ep=True)
     table.update({
         "mixtral-eager-46": lambda: _train_like_one_device(rank, world, "mixtral", "eager", 46),
         "qwen3_moe-eager-46": lambda: _train_like_one_device(rank, world, "qwen3_moe", "eager",
@@ -142,20 +161,24 @@ def _cases(rank, world, names):
 
 
 def test_moe_tp2():
-    """Every family at TP 2 with the grouped GEMM, generate(), a ModuleList of experts and the
-    errors."""
-    run_ranks(_cases, 2, FAMILIES + ["generate", "module-list", "errors", "bytes"])
+    """Every family at TP 2 with the grouped GEMM (gpt-oss: transposed, interleaved gate/up,
+    biases), expert parallelism, generate(), a ModuleList of experts, the errors, the bytes."""
+    run_ranks(_cases, 2, FAMILIES + ["gpt_oss", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
+                                     "generate", "module-list", "errors", "bytes"])
 
 
 def test_moe_tp3():
     """TP 3: the eager loop over the experts with an intermediate size (46) that does not divide
     by 3 (the attention left whole: its 4 heads do not divide either); a ModuleList of experts."""
-    run_ranks(_cases, 3, ["mixtral-eager-46", "module-list", "bytes"])
+    run_ranks(_cases, 3, ["mixtral-eager-46", "mixtral-eager-ep", "qwen2_moe-ep", "module-list",
+                          "bytes"])
 
 
 @pytest.mark.slow
 def test_moe_tp4():
-    run_ranks(_cases, 4, FAMILIES + ["qwen3_moe-eager-46", "module-list", "bytes"])
+    run_ranks(_cases, 4, FAMILIES + [f"{f}-ep" for f in FAMILIES] +
+              ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
+               "bytes"])
 
 
 def _generate(rank, world):
@@ -247,9 +270,10 @@ def _bytes(rank, world):
     family; for a ModuleList of experts one per expert a token visits."""
     import bench_moe
 
-    for layout, family in [("fused", f) for f in FAMILIES] + [("module-list", None)]:
+    for layout, family in ([("fused", f) for f in FAMILIES] + [("expert-parallel", "mixtral"),
+                           ("module-list", None)]):
         r = bench_moe.measure(rank, world, layout, family or "mixtral")
         assert (r["forward"], r["backward"]) == (r["derived"]["forward"],
                                                  r["derived"]["backward"]), r
-        if layout == "fused":
+        if layout != "module-list":
             assert r["calls"] == dict(forward=1, backward=1), r

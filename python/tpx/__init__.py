@@ -9,7 +9,7 @@ from . import autograd, ops, random
 from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
 from .parallel import (MeshAttention, MeshInput, MeshParallel)
-from .parallel import ExpertsTensorParallel, MoEIdentityExpert
+from .parallel import ExpertsParallel, ExpertsTensorParallel, MoEIdentityExpert
 from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                        Replicate, ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel,
                        Shard, ShardedAttention, loss_parallel, parallelize_module, plans)
@@ -41,6 +41,7 @@ __all__ = [
     "ShardedAttention",
     "ReplicatedWithGradAllReduce",
     "ExpertsTensorParallel",
+    "ExpertsParallel",
     "MoEIdentityExpert",
     "check_replicas",
     "end_run",

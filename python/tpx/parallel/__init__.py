@@ -8,7 +8,7 @@ from . import compat
 from .compat import PairwiseParallel
 from .loss_parallel import loss_parallel
 from . import moe
-from .moe import ExpertsTensorParallel, MoEIdentityExpert
+from .moe import ExpertsParallel, ExpertsTensorParallel, MoEIdentityExpert
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
@@ -19,4 +19,4 @@ __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "Sequence
            "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
            "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "compat", "PairwiseParallel",
            "mesh_styles", "MeshParallel", "MeshAttention", "MeshInput", "moe",
-           "ExpertsTensorParallel", "MoEIdentityExpert"]
+           "ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]

@@ -48,20 +48,20 @@ from ..group import ShardSpec, _range, load_initial
 from ..sharding import describe_params
 from .style import ParallelStyle
 
-__all__ = ["ExpertsTensorParallel", "MoEIdentityExpert"]
+__all__ = ["ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]
 
 Ranges = Tuple[Tuple[int, int], ...]
 
 
-def _weights_arg(module: nn.Module) -> Tuple[str, str]:
-    """The names of the experts' first (hidden states) and third (routing weights) arguments."""
+def _expert_args(module: nn.Module) -> Tuple[str, str, str]:
+    """The names of the experts' arguments: hidden states, expert indices, routing weights."""
     try:
         names = [p.name for p in inspect.signature(module.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):  # pragma: no cover
         names = []
-    return (names[0] if names else "hidden_states",
-            names[2] if len(names) > 2 else "top_k_weights")
+    names += ["hidden_states", "top_k_index", "top_k_weights"][len(names):]
+    return names[0], names[1], names[2]
 
 
 class ExpertsTensorParallel(ParallelStyle):
@@ -168,16 +168,7 @@ class ExpertsTensorParallel(ParallelStyle):
               src_rank: Optional[int] = 0) -> nn.Module:
         lay = self._layout(module)
         world, rank = pg.size(), dist.get_rank(pg)
-        align = max(1, 16 // getattr(module, self.down).element_size())
-        gu_rows, dn_rows = self._rows(lay["inter"], world, lay["gated"], lay["interleaved"],
-                                      align)
-        shards = [(self.gate_up, lay["gu_dim"], gu_rows), (self.down, lay["dn_dim"], dn_rows)]
-        gu_bias = getattr(module, self.gate_up + "_bias", None)
-        dn_bias = getattr(module, self.down + "_bias", None)
-        if isinstance(gu_bias, nn.Parameter):
-            shards.append((self.gate_up + "_bias", 1, gu_rows))
-        if not isinstance(dn_bias, nn.Parameter):
-            dn_bias = None
+        shards, dn_bias = self._plan_shards(module, lay, world)
         specs, fulls = [], []
         for name, dim, rows in shards:
             p = getattr(module, name)
@@ -186,14 +177,14 @@ class ExpertsTensorParallel(ParallelStyle):
             specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
                                    ranges=rows, dim=dim))
             fulls.append(p)
-        if dn_bias is not None:
+        if dn_bias is not None:  # replicated, each rank adds bias / P
             specs.append(ShardSpec(torch.empty_like(dn_bias)))
             fulls.append(dn_bias)
         config = dict(experts=lay["experts"], inter=lay["inter"], hidden=lay["hidden"],
                       transposed=lay["transposed"], gated=lay["gated"],
                       interleaved=lay["interleaved"], names=[s[0] for s in shards],
                       dtype=str(fulls[0].dtype))
-        load_initial(pg, "ExpertsTensorParallel", config, specs,
+        load_initial(pg, type(self).__name__, config, specs,
                      lambda: [p.detach() for p in fulls], src_rank=src_rank, drawn=False)
         with torch.no_grad():
             for p, spec in zip(fulls, specs):
@@ -203,36 +194,63 @@ class ExpertsTensorParallel(ParallelStyle):
         module.group = pg
         module._tpx_experts_group = pg
         describe_params(module)
+        self._local_experts(module, lay, world, rank)
         if world > 1:
             self._install_hooks(module, pg, dn_bias)
         return module
 
+    def _plan_shards(self, module: nn.Module, lay: dict, world: int):
+        """``([(param name, dim, rows per rank)], the bias each rank adds a 1/P of)``."""
+        align = max(1, 16 // getattr(module, self.down).element_size())
+        gu_rows, dn_rows = self._rows(lay["inter"], world, lay["gated"], lay["interleaved"],
+                                      align)
+        shards = [(self.gate_up, lay["gu_dim"], gu_rows), (self.down, lay["dn_dim"], dn_rows)]
+        gu_bias = getattr(module, self.gate_up + "_bias", None)
+        dn_bias = getattr(module, self.down + "_bias", None)
+        if isinstance(gu_bias, nn.Parameter):
+            shards.append((self.gate_up + "_bias", 1, gu_rows))
+        return shards, dn_bias if isinstance(dn_bias, nn.Parameter) else None
+
+    def _local_experts(self, module: nn.Module, lay: dict, world: int, rank: int) -> None:
+        """Expert TP keeps every expert: nothing to change."""
+
+    def _route(self, module, index, weights):
+        """The expert indices and routing weights this rank's experts see (all of them)."""
+        return index, weights
+
     def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup,
                        dn_bias: Optional[nn.Parameter]) -> None:
-        first, third = _weights_arg(module)
+        names = _expert_args(module)
         bias_name = self.down + "_bias"
         world = pg.size()
 
         def pre(mod, args, kwargs):
             args = list(args)
-            slots = []  # (where, key) of the hidden states and routing weights
-            for pos, key in ((0, first), (2, third)):
+            slots = []  # (where, key) of the hidden states, expert indices, routing weights
+            for pos, key in enumerate(names):
                 if pos < len(args):
                     slots.append(("a", pos))
                 elif key in kwargs:
                     slots.append(("k", key))
-            values = [args[k] if w == "a" else kwargs[k] for w, k in slots]
+                else:
+                    slots.append(None)
+            values = [None if s is None else args[s[1]] if s[0] == "a" else kwargs[s[1]]
+                      for s in slots]
             values = [v.to_local() if hasattr(v, "to_local") else v for v in values]
-            keep = [i for i, v in enumerate(values)
-                    if isinstance(v, Tensor) and v.is_floating_point()]
+            keep = [i for i in (0, 2) if isinstance(values[i], Tensor) and
+                    values[i].is_floating_point()]
             summed = tpx_autograd.all_reduce_grads([values[i] for i in keep], pg)
             for i, v in zip(keep, summed):
                 values[i] = v
-            for (w, k), v in zip(slots, values):
-                if w == "a":
-                    args[k] = v
+            if values[1] is not None and values[2] is not None:
+                values[1], values[2] = self._route(mod, values[1], values[2])
+            for slot, v in zip(slots, values):
+                if slot is None:
+                    continue
+                if slot[0] == "a":
+                    args[slot[1]] = v
                 else:
-                    kwargs[k] = v
+                    kwargs[slot[1]] = v
             if dn_bias is not None:  # each rank adds bias / P: the group's sum adds it once
                 del mod._parameters[bias_name]
                 object.__setattr__(mod, bias_name,
@@ -249,6 +267,59 @@ class ExpertsTensorParallel(ParallelStyle):
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _expert_range(experts: int, rank: int, world: int) -> Tuple[int, int]:
+    """The experts rank ``rank`` holds: counts differ by at most one (``E=4`` over 3 ranks:
+    1, 1, 2), so that every rank holds one when ``E >= P``."""
+    return rank * experts // world, (rank + 1) * experts // world
+
+
+class ExpertsParallel(ExpertsTensorParallel):
+    """Expert parallelism over the TP group, for the same fused 3-D experts as
+    :class:`ExpertsTensorParallel`: each rank keeps a subset of WHOLE experts (experts
+    ``[r E / P, (r+1) E / P)``; every parameter, biases included, split along dim 0) and computes
+    them for the tokens routed to them; the others' slots are masked (index set to the local
+    expert count, Hugging Face's convention for experts not held here; routing weight zero).
+
+    The tokens are replicated over the group (as everywhere in 1-D TP), so no token moves: the
+    partial outputs are summed with one all-reduce forward and the hidden states' and routing
+    weights' gradients with one backward, the same bytes as expert TP. Against expert TP each
+    rank runs whole experts (larger GEMMs, no 1/P-wide slices) but only the tokens routed to its
+    experts: the work per rank follows the router's balance. Needs at least as many experts as
+    ranks.
+
+    Placements: as :class:`ExpertsTensorParallel` (inputs R, gradients P summed to R; output R).
+    """
+
+    def __repr__(self) -> str:
+        return f"ExpertsParallel(gate_up={self.gate_up!r}, down={self.down!r})"
+
+    def _plan_shards(self, module: nn.Module, lay: dict, world: int):
+        experts = lay["experts"]
+        if experts < world:
+            raise ValueError(f"tpx.ExpertsParallel on {type(module).__name__}: {experts} "
+                             f"experts cannot be split over {world} ranks (each rank needs at "
+                             "least one); use ExpertsTensorParallel")
+        rows = [(_expert_range(experts, r, world),) for r in range(world)]
+        shards = []
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() >= 1 and p.shape[0] == experts:
+                shards.append((name, 0, rows))
+        return shards, None
+
+    def _local_experts(self, module: nn.Module, lay: dict, world: int, rank: int) -> None:
+        start, end = _expert_range(lay["experts"], rank, world)
+        module._tpx_local_experts = (start, end - start)
+        module.num_experts = end - start
+        module._is_expert_parallel = True  # Hugging Face's grouped GEMM masks the others' slots
+
+    def _route(self, module, index, weights):
+        start, count = module._tpx_local_experts
+        local = index - start
+        mine = (local >= 0) & (local < count)
+        index = torch.where(mine, local, torch.full_like(local, count))
+        return index, weights * mine.to(weights.dtype)
 
 
 class MoEIdentityExpert(ParallelStyle):
