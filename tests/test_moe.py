@@ -133,6 +133,17 @@ def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, ste
     for key, value in ref_state.items():
         torch.testing.assert_close(full[key], value, rtol=1e-4, atol=2e-5,
                                    msg=lambda m: f"state {key} ({what}): {m}")
+    # The full state loads into a differently initialised sharded copy and reproduces it.
+    torch.manual_seed(7)
+    other = tiny(family, impl, inter)
+    tpx.parallelize_module(other, None, plan(family, attention=4 % world == 0,
+                                             experts=tpx.ExpertsParallel() if ep else None),
+                           strict=False)
+    tpx.checkpoint.load_full_state_dict(other, ref_state)
+    with torch.no_grad():
+        ids, _ = _batch(steps)
+        torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   msg=lambda m: f"reloaded ({what}): {m}")
 
 
 FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"]
