@@ -143,3 +143,54 @@ def _check_qwen3(rank, world):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_plan_check_qwen3(world):
     run_ranks(_check_qwen3, world)
+
+
+class NonParametricNorm(nn.Module):
+    """A layer norm without weights (OLMo's), written as users do: over the last dim it gets."""
+
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:])
+
+
+def _check_multidim_and_older_api(rank, world):
+    """Beyond 1-D: the 2-D plan of examples/tiny_llama.py's decoder is clean; the same plan
+    with weightless norms left out of it (each normalises its rank's block of the hidden
+    dimension) is named at the first norm. The older PyTorch API
+    (``PairwiseParallel`` on an MLP) through the same check."""
+    import copy
+
+    from tiny_llama import Decoder
+
+    from tpx.parallel import PairwiseParallel
+
+    torch.manual_seed(0)
+    model = Decoder(vocab=64, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, hidden=24)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    mesh = tpx.init_mesh("2d")
+    plan = tpx.plans.auto(model, layout="2d")
+    report = tpx.plans.check(copy.deepcopy(model), mesh, plan, ids)
+    assert report.ok, str(report)
+    # Norms without weights look like nothing to shard; left out of the plan, each normalises
+    # its rank's block of the hidden dimension.
+    for block in model.layers:
+        block.attention_norm, block.ffn_norm = NonParametricNorm(), NonParametricNorm()
+    no_norms = {k: v for k, v in plan.items() if not k.endswith("_norm")}
+    report = tpx.plans.check(copy.deepcopy(model), mesh, no_norms, ids)
+    assert not report.ok, str(report)
+    assert report.first_divergent_module[0] == "layers.0.attention_norm", str(report)
+    if rank == 0:
+        print(report)
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 16))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+    report = tpx.plans.check(copy.deepcopy(mlp), None, PairwiseParallel(), x)
+    assert report.ok, str(report)
+
+
+def test_plan_check_multidim_and_older_api():
+    run_ranks(_check_multidim_and_older_api, 4)

@@ -23,6 +23,7 @@ run, not on the full model.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -119,7 +120,24 @@ def _parts_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> List[Tensor
     if local.dim() != full.dim():
         return []
     differ = [d for d in range(full.dim()) if local.shape[d] != full.shape[d]]
-    if len(differ) != 1:
+    if len(differ) > 1:  # a block of a multi-dimensional layout: every block of its size
+        grids = []
+        for d in differ:
+            w = local.shape[d]
+            if w == 0 or w > full.shape[d]:
+                return []
+            grids.append(range(0, full.shape[d] - w + 1, w))
+        starts = list(itertools.product(*grids))
+        if len(starts) > 512:
+            return []
+        out = []
+        for start in starts:
+            part = full
+            for d, o in zip(differ, start):
+                part = part.narrow(d, o, local.shape[d])
+            out.append(part)
+        return out
+    if not differ:
         return []
     d, width = differ[0], local.shape[differ[0]]
     if width == 0 or width > full.shape[d]:
@@ -145,14 +163,22 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     must then be whole on every rank (a ``DTensor`` is gathered; a vocab-sharded output needs
     a ``loss_fn`` written for it, e.g. inside ``tpx.loss_parallel()``). Inputs must be the same
     on every rank. Works for 1-D plans (tpx's, PyTorch's names, Hugging Face plans through
-    ``tpx.plans.auto``); ``rtol`` is relative to each tensor's largest magnitude."""
+    ``tpx.plans.auto``, the older API's ``PairwiseParallel``) over a group or a 1-D mesh, and
+    for the 2-D / 2.5-D / 3-D plans over a mesh from ``tpx.init_mesh`` (a module's output block
+    is compared with the block of the unsharded output it matches best; replicas are compared
+    over the whole mesh for the parameters no layer shards). ``rtol`` is relative to each
+    tensor's largest magnitude."""
     from ..group import resolve_group
     from ..replicas import check_replicas
     from .api import parallelize_module
 
-    pg = resolve_group(group)
+    from ..mesh import mesh_layout
+    from .api import _mesh_group
+
+    multidim = hasattr(group, "mesh_dim_names") and mesh_layout(group) in ("2d", "2.5d", "3d")
+    pg = _mesh_group(group) if multidim else resolve_group(group)
     ref = copy.deepcopy(model)
-    parallelize_module(model, pg, plan)
+    parallelize_module(model, group if multidim else pg, plan)
     names_ref = dict(ref.named_modules())
     captured: Dict[str, Tensor] = {}
     order: List[str] = []
@@ -196,9 +222,10 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
         parts = _parts_of(captured[name], local, sharded_modules.get(name), pg)
         errors.append(min(_rel(local, part) for part in parts) if parts else -1.0)
 
-    from ..checkpoint import _sharded_params
+    from ..checkpoint import _mesh_params, _sharded_params
 
     shards = {sh.key: sh for sh in _sharded_params(model)}
+    shards.update({ms.key: ms for ms in _mesh_params(model)})
     grad_names, grad_errs = [], []
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
