@@ -161,6 +161,7 @@ def _cases(rank, world, names):
                                                                ep=True)
     table.update({
         "mixtral-eager-46": lambda: _train_like_one_device(rank, world, "mixtral", "eager", 46),
+        "mixtral-eager-45": lambda: _train_like_one_device(rank, world, "mixtral", "eager", 45),
         "qwen3_moe-eager-46": lambda: _train_like_one_device(rank, world, "qwen3_moe", "eager",
                                                               46),
         "generate": lambda: _generate(rank, world),
@@ -173,11 +174,13 @@ def _cases(rank, world, names):
 
 def test_moe_tp2():
     """Every family at TP 2 with the grouped GEMM (gpt-oss: transposed, interleaved gate/up,
-    biases), expert parallelism, generate(), a ModuleList of experts, the errors, the bytes."""
-    run_ranks(_cases, 2, FAMILIES + ["gpt_oss", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
-                                     "generate", "module-list", "errors", "bytes"])
+    biases); the eager loop over experts with an intermediate size (45) split 23 / 22; expert
+    parallelism, generate(), a ModuleList of experts, the errors, the bytes."""
+    run_ranks(_cases, 2, FAMILIES + ["gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep",
+                                     "gpt_oss-ep", "generate", "module-list", "errors", "bytes"])
 
 
+@pytest.mark.slow
 def test_moe_tp3():
     """TP 3: the eager loop over the experts with an intermediate size (46) that does not divide
     by 3 (the attention left whole: its 4 heads do not divide either); a ModuleList of experts."""
