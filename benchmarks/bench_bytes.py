@@ -219,8 +219,8 @@ def known_excess(model: str, library: str, *, batch: int, seq: int, dim: int, vo
         out.append(Term("wk and wv input gradients all-reduced on their own (bwd)",
                         "all_reduce", act, 2 * L))
     if plan.sequence_parallel and library == "PyTorch TP":
-        # The norms' weight gradients stay Partial DTensors after backward; Adam's step
-        # reduces them each time it reads them (exp_avg, exp_avg_sq, ...).
+        # The norms' weight gradients stay Partial DTensors after backward, and Adam's step
+        # reduces each of them three times (its ops read the Partial gradient), not once.
         out.append(Term("norm weight gradients reduced again inside Adam's step",
                         "all_reduce", plan.norm_params * f, 2 * (2 * L + 1)))
     if plan.loss_parallel and library == "tpx":
