@@ -112,6 +112,9 @@ def _check_multidim(tmp_path, world, layouts):
         assert r["total_bytes"] == r["minimum_bytes"] > 0, r
 
 
+# make test already holds the 2-D blocks at 4 ranks to their derivation
+# (tests/test_bench_multidim.py); these tests add them to this table's runs.
+@pytest.mark.slow
 def test_bytes_multidim_2d(tmp_path):
     _check_multidim(tmp_path, 4, ["2d"])
 
