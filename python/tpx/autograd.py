@@ -311,8 +311,14 @@ def gather_dim_for_partial_grads(x: Tensor, dim: int, pg: dist.ProcessGroup) -> 
 
 def partial_grad_input(x: Tensor, pg: dist.ProcessGroup):
     """The handle :func:`gather_dim_for_partial_grads` left on ``x`` for consumers over ``pg``
-    whose input gradient is partial (or ``None``)."""
+    whose input gradient is partial (or ``None``). A view of the whole of such a tensor (a
+    model that keeps every position, ``x[:, 0:, :]``) holds the same values: its handle
+    serves the view too."""
     twin = getattr(x, "_tpx_partial_grad_input", None)
+    base = x._base if twin is None and not torch.compiler.is_compiling() else None
+    if base is not None and x.shape == base.shape and x.stride() == base.stride() and \
+            x.storage_offset() == base.storage_offset() and x.dtype == base.dtype:
+        twin = getattr(base, "_tpx_partial_grad_input", None)
     if twin is None or twin[1] != pg.group_name or torch.compiler.is_compiling():
         return None
     return twin[0]

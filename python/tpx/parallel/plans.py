@@ -204,6 +204,10 @@ def _gather_sequence(x: Tensor, seq: _SeqLength, pg: dist.ProcessGroup, trim: bo
         raise ValueError(f"tpx.plans (sequence_parallel=True): a block of {per} positions on "
                          f"each of {world} ranks, but the first decoder layer split "
                          f"{seq.padded}; call the model as a whole, not a layer on its own")
+    if not (trim and seq.length != seq.padded):
+        # Nothing to trim: the column-parallel projections reading the result (q, k, v) leave
+        # their input gradients partial; their sum is reduce-scattered once.
+        return tpx_autograd.gather_dim_for_partial_grads(x, 1, pg)
     x = tpx_autograd.gather_dim(x, 1, [per] * world, dist.get_rank(pg) * per, pg)
     return x.narrow(1, 0, seq.length) if trim and seq.length != seq.padded else x
 
