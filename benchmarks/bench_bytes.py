@@ -223,13 +223,6 @@ def known_excess(model: str, library: str, *, batch: int, seq: int, dim: int, vo
         # reduces each of them three times (its ops read the Partial gradient), not once.
         out.append(Term("norm weight gradients reduced again inside Adam's step",
                         "all_reduce", plan.norm_params * f, 2 * (2 * L + 1)))
-    if plan.loss_parallel and library == "tpx":
-        # tpx's vocab-parallel loss sends four statistics per row (the sum of the logits too,
-        # which only label smoothing reads) in one all-gather, whatever P.
-        out.append(Term("loss: four statistics per row in one all-gather (fwd)", "all_gather",
-                        4 * n * f))
-        out.extend(Term(t.what + " (replaced)", t.kind, t.message, -t.calls)
-                   for t in loss_minimum(n, p, f))
     if model == "llama" and library == "tpx":
         # Hugging Face's model builds positions and the causal mask from the embedding
         # output's length, so the plan keeps that output whole (all-reduce) and the first

@@ -439,6 +439,14 @@ WorkPtr all_reduce(c10d::ProcessGroup& pg, const at::Tensor& buf) {
   return inject_fault(pg.allreduce(bufs));
 }
 
+WorkPtr all_reduce_max(c10d::ProcessGroup& pg, const at::Tensor& buf) {
+  count_collective(pg, Collective::kAllReduce, nbytes(buf));
+  std::vector<at::Tensor> bufs{buf};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  return inject_fault(pg.allreduce(bufs, opts));
+}
+
 WorkPtr broadcast(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root) {
   std::vector<at::Tensor> bufs{buf};
   c10d::BroadcastOptions opts;

@@ -77,6 +77,9 @@ WorkPtr reduce_scatter_base(c10d::ProcessGroup& pg, const at::Tensor& out, const
 // In-place sum over ranks. On a two-rank gloo group (CPU tensors) this is one send/recv
 // exchange and a local add (see process_group.cpp; TPX_GLOO_ALLREDUCE=gloo opts out).
 WorkPtr all_reduce(c10d::ProcessGroup& pg, const at::Tensor& buf);
+// In-place maximum over ranks (gloo's or NCCL's all-reduce with ReduceOp::MAX; counted as an
+// all-reduce).
+WorkPtr all_reduce_max(c10d::ProcessGroup& pg, const at::Tensor& buf);
 // In-place sum over ranks into `root`'s buffer (root = rank within pg).
 WorkPtr reduce_to(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 // In-place copy of `root`'s buffer (root = rank within pg).
