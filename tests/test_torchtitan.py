@@ -1,0 +1,126 @@
+"""torchtitan's own training step with tpx: its Llama 3 model, its ``apply_tp`` (sequence
+parallelism, loss parallelism: the output layer returns vocab-sharded ``DTensor`` logits), its
+loss (``cross_entropy_loss`` inside its train context) and an optimizer step, with only the TP
+names swapped for tpx's, equal to one device at TP 2 (and 4, slow).
+
+torchtitan 0.2.2 is the last release whose TP goes through ``torch.distributed.tensor.parallel``
+(installed with ``--no-deps`` plus ``tyro`` and ``torchdata``). Importing its Llama 3 imports
+three modules whose dependencies it does not install and this step never uses (its MoE Triton
+kernels, its metrics' tensorboard, its datasets' ``datasets``): where one is missing, a module
+whose every name raises when used stands in for it, in the test's processes only."""
+
+import copy
+import importlib.util
+import sys
+import types
+from unittest import mock
+
+import pytest
+import torch
+
+import tpx
+from harness import assert_like_unsharded, run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                reason="torchtitan is not installed (make test installs it)")
+
+
+class _StandIn(types.ModuleType):
+    """A module of torchtitan whose third-party dependency is not installed here and which a
+    dense Llama's training step never uses: any name imported from it is a class that raises
+    when used."""
+
+    def __init__(self, name: str, needs: str) -> None:
+        super().__init__(name)
+        self.needs = needs
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        message = f"{self.__name__}.{attr} needs {self.needs}, which is not installed"
+
+        class Unavailable:
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError(message)
+
+            def __call__(self, *args, **kwargs):  # pragma: no cover
+                raise RuntimeError(message)
+
+        Unavailable.__name__ = attr
+        return Unavailable
+
+
+# torchtitan's modules that import a dependency torchtitan does not declare for its core:
+# (module, the dependency)
+_OPTIONAL = [("torchtitan.models.moe.kernels", "triton"),
+             ("torchtitan.components.metrics", "tensorboard"),
+             ("torchtitan.hf_datasets.text_datasets", "datasets")]
+
+
+def _import_torchtitan():
+    for module, needs in _OPTIONAL:
+        if importlib.util.find_spec(needs) is None and module not in sys.modules:
+            sys.modules[module] = _StandIn(module, needs)
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.utils import get_train_context
+    from torchtitan.models.llama3.infra import parallelize as titan_parallelize
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    return cross_entropy_loss, get_train_context, titan_parallelize, TransformerModelArgs, Transformer
+
+
+def _train_step_like_one_device(rank, world, steps=3):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    loss_fn, train_context, titan, Args, Transformer = _import_torchtitan()
+    args = Args(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1003, multiple_of=16,
+                max_seq_len=32)
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    with torch.no_grad():  # as torchtitan calls it (on meta-initialised models)
+        ref.init_weights()
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    # torchtitan's apply_tp, unchanged, with the TP names it imported swapped for tpx's
+    with mock.patch.multiple(titan, parallelize_module=tpx.parallelize_module,
+                             ColwiseParallel=tpx.ColwiseParallel,
+                             RowwiseParallel=tpx.RowwiseParallel,
+                             SequenceParallel=tpx.SequenceParallel,
+                             PrepareModuleInput=tpx.PrepareModuleInput):
+        titan.apply_tp(model, mesh, loss_parallel=True, enable_float8_tensorwise_tp=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, model)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=gen)
+        labels = torch.randint(0, args.vocab_size, (2, 16), generator=gen)
+        labels[0, :3] = -100  # torchtitan's IGNORE_INDEX
+        ref_loss = loss_fn(ref(tokens), labels)
+        ref_loss.backward()
+        # torchtitan's train context enters torch's loss_parallel(): tpx's in its place
+        with mock.patch("torch.distributed.tensor.parallel.loss_parallel", tpx.loss_parallel):
+            with train_context(True)():
+                pred = model(tokens)
+                assert type(pred).__name__ == "DTensor", type(pred)
+                loss = loss_fn(pred, labels)
+                loss.backward()
+        what = f"torchtitan Llama 3, TP={world}, step {step}"
+        if type(loss).__name__ == "DTensor":  # a replicated DTensor, as PyTorch's loss_parallel
+            loss = loss.full_tensor()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"loss ({what}): {m}")
+        assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=2e-5)
+        for opt, m in zip(opts, (ref, model)):
+            opt.step()
+            m.zero_grad()
+    assert_like_unsharded(model, ref, f"torchtitan Llama 3, TP={world}, after {steps} steps",
+                          rtol=1e-4, atol=2e-5)
+
+
+def test_torchtitan_train_step_tp2():
+    run_ranks(_train_step_like_one_device, 2)
+
+
+@pytest.mark.slow
+def test_torchtitan_train_step_tp4():
+    run_ranks(_train_step_like_one_device, 4)
