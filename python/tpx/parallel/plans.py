@@ -264,56 +264,15 @@ def _set_attrs(**names):
 
 def llama(model: nn.Module, *, sequence_parallel: bool = False,
           loss_parallel: bool = False) -> Plan:
-    """Plan for Hugging Face Llama / Mistral / Qwen2 (``...ForCausalLM`` or the bare model)."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = _find(model, "layers")
-    pre = f"{layers}.*." if layers else "layers.*."
-    base = _prefix(layers, "layers")
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan: Plan = {
-        pre + "self_attn": ShardedAttention(
-            heads, kv, out_proj="o_proj",
-            update=_set_attrs(num_key_value_groups=lambda h, k, m: h // k,
-                              num_heads=lambda h, k, m: h,
-                              num_key_value_heads=lambda h, k, m: k)),
-        # The embedding output stays replicated even under sequence parallelism: the model
-        # derives positions and the causal mask from its sequence length. The first layer
-        # splits it instead (below).
-        base + "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        pre + "self_attn.q_proj": ColwiseParallel(head_size=head_dim),
-        pre + "self_attn.k_proj": ColwiseParallel(head_size=head_dim, replicate_heads=True),
-        pre + "self_attn.v_proj": ColwiseParallel(head_size=head_dim, replicate_heads=True),
-        pre + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        pre + "mlp.gate_proj": ColwiseParallel(),
-        pre + "mlp.up_proj": ColwiseParallel(),
-        pre + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-    }
-    head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
-    if head is not None:
-        # Under sequence parallelism the final norm hands the full sequence on (below): the
-        # model keeps only some positions for the head (the last one when generating).
-        plan["lm_head"] = _head_output(loss_parallel, Replicate())
-    elif loss_parallel:
-        raise ValueError("tpx.plans.llama: loss_parallel=True needs a model with an `lm_head`")
-    if sequence_parallel:
-        # The decoder layers run on this rank's block of the sequence, padded at its end to a
-        # multiple of the TP size (any length works, one-token decoding steps too). Norms run on
-        # the block; each layer gathers the sequence once before attention (trimmed to the real
-        # positions, which the mask and the rotary embeddings describe) and once before its MLP;
-        # the final norm gathers it back.
-        n = _SeqLength()
-        plan[pre + "self_attn"] = _Chain(plan[pre + "self_attn"], _GatherSequence(n, "input"))
-        plan[pre + "self_attn.o_proj"] = _Chain(plan[pre + "self_attn.o_proj"], _PadSequence(n))
-        plan[pre + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),))
-        plan[pre.replace("*", "0").rstrip(".")] = _SplitSequence(n)
-        plan[pre + "input_layernorm"] = SequenceParallel()
-        plan[pre + "post_attention_layernorm"] = SequenceParallel()
-        plan[base + "norm"] = _Chain(SequenceParallel(), _GatherSequence(n, "output"))
-    return _with_generate(plan, model, head, loss_parallel)
+    """Plan for Hugging Face Llama / Mistral / Qwen2 (``...ForCausalLM`` or the bare model):
+    the model's own TP plan read by :func:`tpx.parallel.hf_plan.translate` (q/k/v in whole
+    heads, KV heads replicated when there are fewer than ranks, o_proj rowwise, gate/up
+    colwise, down rowwise, embedding vocab-parallel, LM head colwise; sequence parallelism
+    supported). Kept under this name for the code that calls it."""
+    from . import hf_plan
+
+    return hf_plan.translate(model, sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
 
 
 class _Chain(ParallelStyle):
@@ -455,8 +414,8 @@ def decoder(model: nn.Module, *, sequence_parallel: bool = False,
     return plan
 
 
-_HF_FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "gpt2": gpt2,
-                "gpt_neox": gpt_neox}
+# Hugging Face families planned by hand: GPT-2's config has no base_model_tp_plan.
+_HF_FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox}
 
 
 def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
@@ -570,12 +529,20 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
         return _mesh_auto(model, layout, loss_parallel)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None:
-        if model_type not in _HF_FAMILIES:
-            raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
-                             f"{model_type!r}; known: {sorted(_HF_FAMILIES)}. Write the plan "
-                             "by hand (a dict of module-name patterns to styles)")
-        return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
-                                        loss_parallel=loss_parallel)
+        if model_type in _HF_FAMILIES:
+            return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
+                                            loss_parallel=loss_parallel)
+        from . import hf_plan
+
+        if hf_plan.has_plan(model):
+            return hf_plan.translate(model, sequence_parallel=sequence_parallel,
+                                     loss_parallel=loss_parallel)
+        raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
+                         f"{model_type!r}: its config has no base_model_tp_plan, and tpx "
+                         f"writes plans by hand only for {sorted(_HF_FAMILIES)}. Write the "
+                         "plan by hand (a dict of module-name patterns to styles; "
+                         "tpx.parallel.hf_plan.style('colwise') ... gives Hugging Face's "
+                         "style names as tpx styles)")
     return decoder(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
