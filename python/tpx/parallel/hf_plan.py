@@ -499,7 +499,15 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                          f"(model_type={model_type!r}, {type(model).__name__})")
     if sequence_parallel:
         _sequence_parallel(model, plan, mod_entries, attn_parents, model_type)
-    return _plans._with_generate(plan, model, head, loss_parallel)
+    # Each attention module before its projections: its check of the head counts against
+    # the TP size is the error a user sees first.
+    ordered: Plan = {}
+    for key, st in plan.items():
+        for parent in attn_parents:
+            if key.startswith(parent + ".") and parent not in ordered:
+                ordered[parent] = plan[parent]
+        ordered.setdefault(key, st)
+    return _plans._with_generate(ordered, model, head, loss_parallel)
 
 
 def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn: nn.Module,
