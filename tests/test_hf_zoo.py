@@ -184,11 +184,9 @@ def _moe_model():
 
 
 def test_moe_experts_clear_error():
-    try:
-        import tpx.parallel.moe  # noqa: F401
-    except ImportError:
-        pass
-    else:
+    import importlib.util
+
+    if importlib.util.find_spec("tpx.parallel.moe") is not None:
         pytest.skip("tpx.parallel.moe exists: its own tests cover the experts")
     model = _moe_model()
     with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.experts'.*MoE experts are "
@@ -215,3 +213,11 @@ def test_no_plan_is_a_clear_error():
     with pytest.raises(ValueError, match="model_type='stablelm': its config has no "
                                          "base_model_tp_plan"):
         tpx.plans.auto(model)
+
+
+def test_sequence_parallel_where_the_plan_gathers_attention_is_a_clear_error():
+    # OLMo-2's plan gathers q/k/v (its q/k norms span all heads): no head-split attention for
+    # the sequence to be gathered before.
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported for "
+                                         "model_type='olmo2'"):
+        tpx.plans.auto(tiny("olmo2"), sequence_parallel=True)

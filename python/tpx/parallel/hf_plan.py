@@ -341,7 +341,7 @@ def style(name: str, module: Optional[nn.Module] = None) -> ParallelStyle:
 # ------------------------------------------------------------------ reading the model's plan
 
 def _text_config(model: nn.Module):
-    cfg = model.config
+    cfg = getattr(model, "config", None)
     get = getattr(cfg, "get_text_config", None)
     return get() if callable(get) else cfg
 
@@ -516,7 +516,8 @@ def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn:
     they do not divide the TP size; the attention module told its local head counts."""
     heads = getattr(cfg, "num_attention_heads", None)
     if not heads:
-        raise ValueError(f"tpx.hf_plan: {parent!r}: the config has no num_attention_heads")
+        raise ValueError(f"tpx.hf_plan: {parent!r}: the plan splits its projections by heads, "
+                         "but the model has no config.num_attention_heads to count them")
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = (getattr(attn, "head_dim", None) or getattr(attn, "head_size", None)
                 or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
