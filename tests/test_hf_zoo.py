@@ -221,3 +221,15 @@ def test_sequence_parallel_where_the_plan_gathers_attention_is_a_clear_error():
     with pytest.raises(ValueError, match="sequence_parallel=True is not supported for "
                                          "model_type='olmo2'"):
         tpx.plans.auto(tiny("olmo2"), sequence_parallel=True)
+
+
+def test_embedding_with_its_own_forward_is_a_clear_error():
+    from tpx.parallel.hf_plan import VocabParallelEmbeddingStyle
+
+    class ShiftedEmbedding(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1.0
+
+    with pytest.raises(ValueError, match="ShiftedEmbedding subclasses nn.Embedding with its own "
+                                         "forward.*'replicate'"):
+        VocabParallelEmbeddingStyle().apply(ShiftedEmbedding(10, 4), None)
