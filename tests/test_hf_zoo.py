@@ -233,3 +233,14 @@ def test_embedding_with_its_own_forward_is_a_clear_error():
     with pytest.raises(ValueError, match="ShiftedEmbedding subclasses nn.Embedding with its own "
                                          "forward.*'replicate'"):
         VocabParallelEmbeddingStyle().apply(ShiftedEmbedding(10, 4), None)
+
+
+def test_unnamed_parameters_inside_split_attention_are_a_clear_error():
+    # Cohere's optional q/k norms hold one weight per head ([heads, head_dim]); its plan does
+    # not name them, and a replicated copy would train every head's weight on this rank's heads.
+    kw = dict(COMMON, **ARCHS["cohere"], use_qk_norm=True)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("cohere", **kw))
+    with pytest.raises(ValueError, match=r"model\.layers\.\*\.self_attn\.q_norm \(CohereLayerNorm\)"
+                                         r" has parameters.*the plan does not name it"):
+        tpx.plans.auto(model)
