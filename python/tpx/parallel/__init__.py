@@ -3,6 +3,7 @@ the loss-parallel context; ``compat`` holds the API of earlier PyTorch releases
 (``PairwiseParallel``, the ``make_input_*`` / ``make_output_*`` helpers)."""
 
 from . import plans
+from . import hf_plan
 from .api import parallelize_module
 from . import compat
 from .compat import PairwiseParallel
@@ -17,6 +18,6 @@ from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareM
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
-           "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "compat", "PairwiseParallel",
-           "mesh_styles", "MeshParallel", "MeshAttention", "MeshInput", "moe",
-           "ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]
+           "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "hf_plan",
+           "compat", "PairwiseParallel", "mesh_styles", "MeshParallel", "MeshAttention",
+           "MeshInput", "moe", "ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]

@@ -3,14 +3,17 @@ plan (a dict from module-name patterns to styles) for ``tpx.parallelize_module``
 
 Families:
 
-* Hugging Face Llama, Mistral, Qwen2 (``model_type`` llama / mistral / qwen2): q/k/v
-  colwise in whole heads (KV heads replicated when there are fewer than ranks), o_proj
-  rowwise, gate/up colwise, down rowwise, embedding rowwise (vocab-parallel), LM head
-  colwise. Sequence parallelism supported.
-* Hugging Face GPT-2: the fused ``c_attn`` (``Conv1D``, ``[q | k | v]``) split per q, k and v;
-  ``c_proj`` rowwise; ``wte`` rowwise and the LM head colwise, still tied.
-* Hugging Face GPT-NeoX: the fused ``query_key_value`` (per head ``[q k v]``) split in whole
-  heads; ``dense`` rowwise; MLP; ``embed_in`` and the LM head (``embed_out`` or ``lm_head``).
+* Any Hugging Face model whose config has a ``base_model_tp_plan`` (Llama, Mistral, Qwen2/3,
+  Gemma 2/3, Phi, Phi-3, Starcoder2, OLMo/OLMo-2, Cohere, Granite, GLM, GPT-NeoX, ...): its
+  own plan read through :mod:`tpx.parallel.hf_plan` (one table from Hugging Face's style
+  names to tpx styles), with what tpx adds on top: attention in whole heads and KV heads
+  replicated when there are fewer than ranks, the attention told its local head counts,
+  per-head norms' gradients summed, the embedding vocab-parallel and the LM head colwise,
+  sequence parallelism where the decoder layer is one attention, one MLP and norms.
+  ``tpx.plans.llama`` and ``tpx.plans.gpt_neox`` are that translation under their old names.
+* Hugging Face GPT-2 (no ``base_model_tp_plan``; planned by hand): the fused ``c_attn``
+  (``Conv1D``, ``[q | k | v]``) split per q, k and v; ``c_proj`` rowwise; ``wte`` rowwise and
+  the LM head colwise, still tied.
 * A plain PyTorch decoder in torchtitan's naming (``tok_embeddings``,
   ``layers.*.attention.wq/wk/wv/wo``, ``layers.*.feed_forward.w1/w2/w3``, ``norm``,
   ``output``), or gpt-fast's fused ``attention.wqkv``. Sequence parallelism supported.
@@ -19,7 +22,7 @@ With ``loss_parallel=True`` the LM head's output stays sharded over the vocabula
 (``Shard(-1)``): compute the loss inside ``with tpx.loss_parallel():``. A Hugging Face model's
 own ``generate()`` sees the full logits (gathered while it runs), so it generates what one
 device generates with every plan here, sequence-parallel ones at any length included (the
-Llama family pads the sequence to a multiple of the TP size inside its decoder layers).
+sequence is padded to a multiple of the TP size inside the decoder layers).
 """
 
 from __future__ import annotations
@@ -268,56 +271,15 @@ def _set_attrs(**names):
 
 def llama(model: nn.Module, *, sequence_parallel: bool = False,
           loss_parallel: bool = False) -> Plan:
-    """Plan for Hugging Face Llama / Mistral / Qwen2 (``...ForCausalLM`` or the bare model)."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = _find(model, "layers")
-    pre = f"{layers}.*." if layers else "layers.*."
-    base = _prefix(layers, "layers")
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan: Plan = {
-        pre + "self_attn": ShardedAttention(
-            heads, kv, out_proj="o_proj",
-            update=_set_attrs(num_key_value_groups=lambda h, k, m: h // k,
-                              num_heads=lambda h, k, m: h,
-                              num_key_value_heads=lambda h, k, m: k)),
-        # The embedding output stays replicated even under sequence parallelism: the model
-        # derives positions and the causal mask from its sequence length. The first layer
-        # splits it instead (below).
-        base + "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        pre + "self_attn.q_proj": ColwiseParallel(head_size=head_dim),
-        pre + "self_attn.k_proj": ColwiseParallel(head_size=head_dim, replicate_heads=True),
-        pre + "self_attn.v_proj": ColwiseParallel(head_size=head_dim, replicate_heads=True),
-        pre + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        pre + "mlp.gate_proj": ColwiseParallel(),
-        pre + "mlp.up_proj": ColwiseParallel(),
-        pre + "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-    }
-    head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
-    if head is not None:
-        # Under sequence parallelism the final norm hands the full sequence on (below): the
-        # model keeps only some positions for the head (the last one when generating).
-        plan["lm_head"] = _head_output(loss_parallel, Replicate())
-    elif loss_parallel:
-        raise ValueError("tpx.plans.llama: loss_parallel=True needs a model with an `lm_head`")
-    if sequence_parallel:
-        # The decoder layers run on this rank's block of the sequence, padded at its end to a
-        # multiple of the TP size (any length works, one-token decoding steps too). Norms run on
-        # the block; each layer gathers the sequence once before attention (trimmed to the real
-        # positions, which the mask and the rotary embeddings describe) and once before its MLP;
-        # the final norm gathers it back.
-        n = _SeqLength()
-        plan[pre + "self_attn"] = _Chain(plan[pre + "self_attn"], _GatherSequence(n, "input"))
-        plan[pre + "self_attn.o_proj"] = _Chain(plan[pre + "self_attn.o_proj"], _PadSequence(n))
-        plan[pre + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),))
-        plan[pre.replace("*", "0").rstrip(".")] = _SplitSequence(n)
-        plan[pre + "input_layernorm"] = SequenceParallel()
-        plan[pre + "post_attention_layernorm"] = SequenceParallel()
-        plan[base + "norm"] = _Chain(SequenceParallel(), _GatherSequence(n, "output"))
-    return _with_generate(plan, model, head, loss_parallel)
+    """Plan for Hugging Face Llama / Mistral / Qwen2 (``...ForCausalLM`` or the bare model):
+    the model's own TP plan read by :func:`tpx.parallel.hf_plan.translate` (q/k/v in whole
+    heads, KV heads replicated when there are fewer than ranks, o_proj rowwise, gate/up
+    colwise, down rowwise, embedding vocab-parallel, LM head colwise; sequence parallelism
+    supported). Kept under this name for the code that calls it."""
+    from . import hf_plan
+
+    return hf_plan.translate(model, sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
 
 
 class _Chain(ParallelStyle):
@@ -370,33 +332,14 @@ def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
 
 def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> Plan:
-    """Plan for Hugging Face GPT-NeoX (``GPTNeoXForCausalLM`` or ``GPTNeoXModel``)."""
-    if sequence_parallel:
-        raise NotImplementedError("tpx.plans.gpt_neox: sequence_parallel=True is not supported "
-                                  "for GPT-NeoX yet; use sequence_parallel=False")
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    head_size = cfg.hidden_size // heads
-    layers = _find(model, "layers")
-    pre = f"{layers}.*." if layers else "layers.*."
-    base = _prefix(layers, "layers")
-    plan: Plan = {
-        # GPT-NeoX's attention reads its head count from the projections' shapes.
-        pre + "attention": ShardedAttention(heads, out_proj="dense",
-                                            update=ShardedAttention.shapes_only),
-        base + "embed_in": RowwiseParallel(input_layouts=Replicate()),
-        # query_key_value's rows are [q k v] per head: whole heads are contiguous blocks.
-        pre + "attention.query_key_value": ColwiseParallel(head_size=3 * head_size),
-        pre + "attention.dense": RowwiseParallel(),
-        pre + "mlp.dense_h_to_4h": ColwiseParallel(),
-        pre + "mlp.dense_4h_to_h": RowwiseParallel(),
-    }
-    head = next((n for n in ("embed_out", "lm_head") if _find(model, n) == n), None)
-    if head is not None:  # embed_out in older transformers, lm_head in newer
-        plan[head] = _head_output(loss_parallel, Replicate())
-    elif loss_parallel:
-        raise ValueError("tpx.plans.gpt_neox: loss_parallel=True needs a model with an LM head")
-    return _with_generate(plan, model, head, loss_parallel)
+    """Plan for Hugging Face GPT-NeoX (``GPTNeoXForCausalLM`` or ``GPTNeoXModel``): its own TP
+    plan read by :func:`tpx.parallel.hf_plan.translate` (the fused ``query_key_value``, whose
+    rows are ``[q k v]`` per head, split in whole heads; ``dense`` rowwise; the MLP; ``embed_in``
+    vocab-parallel and the LM head colwise). Kept under this name for the code that calls it."""
+    from . import hf_plan
+
+    return hf_plan.translate(model, sequence_parallel=sequence_parallel,
+                             loss_parallel=loss_parallel)
 
 
 def decoder(model: nn.Module, *, sequence_parallel: bool = False,
@@ -459,8 +402,10 @@ def decoder(model: nn.Module, *, sequence_parallel: bool = False,
     return plan
 
 
-_HF_FAMILIES = {"llama": llama, "mistral": llama, "qwen2": llama, "gpt2": gpt2,
-                "gpt_neox": gpt_neox}
+# Hugging Face families planned by hand: GPT-2's config has no base_model_tp_plan. Every other
+# family is read from its own plan (tpx.parallel.hf_plan), which the hand-written Llama and
+# GPT-NeoX plans equalled.
+_HF_FAMILIES = {"gpt2": gpt2}
 
 
 def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
@@ -551,9 +496,9 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
 
 def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
          loss_parallel: bool = False) -> Plan:
-    """The TP plan for ``model``: a Hugging Face model by its ``config.model_type`` (llama,
-    mistral, qwen2, gpt2, gpt_neox), otherwise a plain decoder in torchtitan's or gpt-fast's
-    names. Head counts are checked against the TP size when the plan is applied: heads that
+    """The TP plan for ``model``: a Hugging Face model from its own ``base_model_tp_plan``
+    (:func:`tpx.parallel.hf_plan.translate`) or, for GPT-2, by hand; otherwise a plain decoder
+    in torchtitan's or gpt-fast's names. Head counts are checked against the TP size when the plan is applied: heads that
     do not divide raise a ``ValueError`` naming the numbers.
 
     ``layout``: ``"1d"`` (the default: Megatron-style column/row parallelism over a TP group)
@@ -574,12 +519,20 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
         return _mesh_auto(model, layout, loss_parallel)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None:
-        if model_type not in _HF_FAMILIES:
-            raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
-                             f"{model_type!r}; known: {sorted(_HF_FAMILIES)}. Write the plan "
-                             "by hand (a dict of module-name patterns to styles)")
-        return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
-                                        loss_parallel=loss_parallel)
+        if model_type in _HF_FAMILIES:
+            return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
+                                            loss_parallel=loss_parallel)
+        from . import hf_plan
+
+        if hf_plan.has_plan(model):
+            return hf_plan.translate(model, sequence_parallel=sequence_parallel,
+                                     loss_parallel=loss_parallel)
+        raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
+                         f"{model_type!r}: its config has no base_model_tp_plan, and tpx "
+                         f"writes plans by hand only for {sorted(_HF_FAMILIES)}. Write the "
+                         "plan by hand (a dict of module-name patterns to styles; "
+                         "tpx.parallel.hf_plan.style('colwise') ... gives Hugging Face's "
+                         "style names as tpx styles)")
     return decoder(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 

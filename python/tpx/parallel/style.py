@@ -294,7 +294,13 @@ class ColwiseParallel(ParallelStyle):
         return new
 
     def __repr__(self) -> str:
-        return f"ColwiseParallel(input_layouts={self.input_layouts}, output_layouts={self.output_layouts})"
+        extra = "".join(f", {k}={v!r}" for k, v in (("segments", self.segments),
+                                                    ("head_size", self.head_size))
+                        if v is not None)
+        if self.replicate_heads:
+            extra += ", replicate_heads=True"
+        return (f"ColwiseParallel(input_layouts={self.input_layouts}, "
+                f"output_layouts={self.output_layouts}{extra})")
 
 
 class RowwiseParallel(ParallelStyle):

@@ -1,0 +1,254 @@
+"""The Hugging Face zoo under tensor parallelism, tpx's plans and transformers' own: which
+architectures run, at which TP size, and whether they compute what one device computes.
+
+For every architecture of ``tests/test_hf_zoo.py`` (tiny random configs, nothing downloaded)
+plus a few without a TP plan or with MoE experts, and every TP size asked for, the ranks
+(gloo, CPU) build the same unsharded model from the same seed and a copy sharded by
+
+* ``tpx``: ``tpx.parallelize_module(model, None, tpx.plans.auto(model))``;
+* ``hf``: transformers' own tensor parallelism applied to the built model
+  (``model._resolve_parallel_plans(DistributedConfig(tp_size=P))`` then
+  ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``: what
+  ``from_pretrained(..., distributed_config=...)`` does after loading; ``from_pretrained``
+  with ``tp_plan`` / ``distributed_config`` itself needs ``accelerate``, recorded as such when
+  it is not installed),
+
+then train both for two AdamW steps on the same batches and compare the logits and the loss of
+each step and every parameter after the last one with the unsharded model, in float64 by
+default (``--dtype float32``: the tests' precision; Adam turns float32 rounding of gradients
+near zero into differences of a parameter near the tolerances below, e.g. Gemma 3's tied
+embedding, which float64 shows to be rounding: 1e-10 there). A case is ``pass``
+(within the tests' tolerances: ``|sharded - unsharded| <= 2e-5 + 1e-4 * |unsharded|`` for
+logits and parameters, ``1e-5 + 1e-5 * |unsharded|`` for the loss), ``wrong`` (it runs, the
+numbers differ: the first tensor out of tolerance is named), or ``error`` (the exception's
+first line).
+
+    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...]
+
+prints the table and writes ``benchmarks/results/hf_zoo.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from common import environment, format_table, write_json  # noqa: E402
+
+# Beyond the test's architectures: one without a base_model_tp_plan, one with MoE experts.
+EXTRA = {
+    "stablelm": dict(vocab_size=1003, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
+    "mixtral": dict(vocab_size=1003, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=2,
+                    tie_word_embeddings=False, max_position_embeddings=64),
+}
+STEPS = 2
+
+
+def tiny(arch: str):
+    import transformers
+
+    if arch in EXTRA:
+        cfg = transformers.AutoConfig.for_model(arch, **EXTRA[arch])
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+    import test_hf_zoo
+
+    return test_hf_zoo.tiny(arch)
+
+
+def _excess(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float):
+    """(how far the worst element is beyond ``atol + rtol * |b|``, largest absolute
+    difference): the tests' ``torch.testing.assert_close`` criterion."""
+    a, b = a.detach().double(), b.detach().double()
+    if not b.numel():
+        return 0.0, 0.0
+    diff = (a - b).abs()
+    return float((diff - (atol + rtol * b.abs())).max()), float(diff.max())
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shard(impl: str, model, world: int):
+    if impl == "tpx":
+        import tpx
+
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=world))
+    apply_tensor_parallelism(model, init_device_mesh("cpu", (world,)), tp_plan)
+
+
+def _full_state(impl: str, model):
+    if impl == "tpx":
+        import tpx.checkpoint
+
+        return tpx.checkpoint.full_state_dict(model)
+    return {k: _full(v) for k, v in model.state_dict().items()}
+
+
+def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    ref = tiny(arch).to(dtype)
+    model = copy.deepcopy(ref)
+    _shard(impl, model, world)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
+    worst = (0.0, "")
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        ids = torch.randint(3, 1003, (2, 16), generator=g)
+        out_ref = ref(input_ids=ids, labels=ids)
+        out = model(input_ids=ids, labels=ids)
+        for what, a, b, rtol, atol in (("logits", _full(out.logits), out_ref.logits, 1e-4, 2e-5),
+                                       ("loss", _full(out.loss), out_ref.loss, 1e-5, 1e-5)):
+            excess, diff = _excess(a, b, rtol, atol)
+            if excess > 0:
+                return dict(status="wrong", detail=f"{what} at step {step}: largest difference "
+                                                   f"{diff:.1e}")
+        out_ref.loss.backward()
+        out.loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    full, expected = _full_state(impl, model), ref.state_dict()
+    for key, value in expected.items():
+        if key not in full:
+            return dict(status="wrong", detail=f"{key} missing from the sharded state")
+        excess, diff = _excess(full[key], value, 1e-4, 2e-5)
+        if excess > 0:
+            return dict(status="wrong", detail=f"{key} after {STEPS} AdamW steps: largest "
+                                               f"difference {diff:.1e}")
+        worst = max(worst, (diff, key))
+    return dict(status="pass", detail=f"largest difference of a parameter {worst[0]:.1e} "
+                                      f"({worst[1]})")
+
+
+def _rank(rank: int, world: int, archs, impls, init: str, out_dir: str, dtype) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows = []
+    for arch in archs:
+        for impl in impls:
+            t = time.perf_counter()
+            try:
+                r = _case(impl, arch, world, dtype)
+            except Exception as e:  # noqa: BLE001 - recorded
+                line = (str(e).strip().splitlines() or [""])[0]
+                r = dict(status="error", detail=f"{type(e).__name__}: {line}"[:300])
+                if os.environ.get("HF_ZOO_TRACE"):
+                    traceback.print_exc()
+            r.update(arch=arch, impl=impl, tp=world, seconds=round(time.perf_counter() - t, 1))
+            rows.append(r)
+            dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def run(archs, world: int, impls, timeout: float, dtype: torch.dtype) -> list:
+    """One group of ``world`` ranks per architecture (an error in one cannot stall the
+    next); the rows of rank 0, or an error row when the ranks did not finish."""
+    ctx = mp.get_context("spawn")
+    rows = []
+    for arch in archs:
+        tmp = tempfile.mkdtemp(prefix="hf_zoo_")
+        init = f"file://{tmp}/store"
+        procs = [ctx.Process(target=_rank, args=(r, world, [arch], impls, init, tmp, dtype))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        path = os.path.join(tmp, "rank0.json")
+        if os.path.exists(path):
+            got = json.load(open(path))
+        else:
+            got = [dict(arch=arch, impl=i, tp=world, status="error",
+                        detail=f"the ranks did not finish within {timeout:.0f} s "
+                               f"(exit codes {[p.exitcode for p in procs]})")
+                   for i in impls]
+        for r in got:
+            print(f"  {r['arch']:<12} tpx={r['impl'] == 'tpx'} TP {world}: {r['status']:<5} "
+                  f"{r['detail']}", flush=True)
+        rows += got
+    return rows
+
+
+def main() -> None:
+    import test_hf_zoo
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--archs", default=",".join(list(test_hf_zoo.ARCHS) + list(EXTRA)))
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    parser.add_argument("--out", default=str(HERE / "results" / "hf_zoo.json"))
+    args = parser.parse_args()
+    archs = args.archs.split(",")
+    accelerate = importlib.util.find_spec("accelerate") is not None
+    rows = []
+    for world in args.tp:
+        print(f"TP {world}:", flush=True)
+        rows += run(archs, world, ["tpx", "hf"], args.timeout, getattr(torch, args.dtype))
+    table = []
+    for arch in archs:
+        cells = [arch]
+        for impl in ("tpx", "hf"):
+            for world in args.tp:
+                r = next(x for x in rows if (x["arch"], x["impl"], x["tp"]) == (arch, impl, world))
+                cells.append(r["status"])
+        table.append(cells)
+    headers = ["model_type"] + [f"{impl} TP {w}" for impl in ("tpx", "hf") for w in args.tp]
+    print(format_table(headers, table, text_columns=len(headers)))
+    if not accelerate:
+        print("from_pretrained(..., tp_plan / distributed_config=...) itself: needs accelerate, "
+              "which is not installed")
+    import transformers
+
+    payload = dict(
+        command="python benchmarks/hf_zoo.py " + " ".join(sys.argv[1:]),
+        environment=environment(torch.device("cpu"), max(args.tp), "gloo"),
+        transformers=transformers.__version__, accelerate_installed=accelerate,
+        from_pretrained_tp=("runs" if accelerate else
+                            "ValueError: tp_plan / distributed_config in from_pretrained "
+                            "requires accelerate (not installed); the hf rows apply "
+                            "transformers' apply_tensor_parallelism to the built model"),
+        steps=STEPS, dtype=args.dtype, results=rows)
+    print("wrote", write_json(args.out, payload))
+
+
+if __name__ == "__main__":
+    main()

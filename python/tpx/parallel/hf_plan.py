@@ -1,0 +1,628 @@
+"""How tpx reads a Hugging Face TP plan.
+
+A Hugging Face model carries its tensor-parallel plan as data: ``config.base_model_tp_plan``
+(module-name patterns of the base model to style names) merged by transformers with the
+classes' own ``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``) and, when the base model
+has an ``embed_tokens``, ``"embedding_rowwise"`` for it: ``model.tp_plan``. The style names
+are those of transformers' ``ALL_PARALLEL_STYLES``. This module holds
+
+* :data:`HF_STYLES`: the one table from every such name to the tpx style that computes the
+  same thing (what transformers' style does, checked against its source, beside it);
+* :func:`translate`: ``model.tp_plan`` through that table, then what tpx knows beyond it,
+  layered on top (never a copy of the plan per model family):
+
+  - attention split in whole heads (``head_size``), KV heads replicated when they do not
+    divide the TP size (Hugging Face's plan cuts them in half and fails), the attention
+    module told its local head counts (:class:`~tpx.parallel.style.ShardedAttention`);
+  - a fused ``gate_up_proj`` that the plan gathers (``colwise_gather_output``) before a
+    ``down_proj`` that splits its input again (``rowwise_split_input``) kept sharded
+    instead, in matching halves of gate and up (the gather and the split cancel);
+  - the input embedding vocab-parallel (a scaled embedding, Gemma's, keeps its scale) and
+    the LM head column-parallel, its logits vocab-sharded with ``loss_parallel=True``, full
+    during ``generate()``;
+  - ``sequence_parallel=True``: norms on blocks of the sequence, one gather before attention
+    and the MLP, reduce-scatters after them;
+
+* :func:`style`: one Hugging Face style name as a tpx style, for plans written by hand.
+
+Parameter entries (a key naming a parameter, ``layers.*.mlp.experts.gate_up_proj``) are read
+only under a module marked ``moe_tp_experts``, whose tpx style
+(``tpx.parallel.moe.ExpertsTensorParallel``) shards those parameters itself.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import ops
+from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
+                    ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
+                    ShardedAttention)
+
+__all__ = ["HF_STYLES", "HFStyle", "style", "translate", "has_plan", "hf_tp_plan"]
+
+Plan = Dict[str, ParallelStyle]
+
+
+# ------------------------------------------------------------------ small styles of the table
+
+class _SumOutput(torch.autograd.Function):
+    """``P -> R``: forward all-reduce (sum), backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        return ops.mesh_all_reduce(x.contiguous(), pg.group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (``R`` whose consumers
+    each saw part of the computation)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ops.mesh_all_reduce(grad.contiguous(), ctx.pg.group_name), None
+
+
+class AllReduceOutput(ParallelStyle):
+    """A module whose output is a partial sum on every rank (its parameters already sharded
+    by entries inside it): the output is summed over the group. ``P -> R``; backward
+    identity. Hugging Face's ``all_reduce``."""
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        if pg.size() > 1:
+            module.register_forward_hook(
+                lambda m, a, out: _SumOutput.apply(out, pg) if isinstance(out, Tensor) else out)
+        return module
+
+    def __repr__(self) -> str:
+        return "AllReduceOutput()"
+
+
+class KeepWhole(ParallelStyle):
+    """Leaves the module whole on every rank (its parameters broadcast from ``src_rank`` as
+    every unsharded one). Hugging Face's ``replicate`` and ``local_params`` (tpx's sharded
+    layers compute on local tensors already, so a module that reads its own sharded
+    parameters needs nothing more)."""
+
+    def __init__(self, hf_name: str = "replicate") -> None:
+        self.hf_name = hf_name
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return f"KeepWhole({self.hf_name!r})"
+
+
+class SplitRopeGrad(ParallelStyle):
+    """MLA's ``kv_a_proj_with_mqa`` (DeepSeek-V2 style attention), replicated: its output is
+    ``[k_pass | k_rope]``; ``k_pass`` goes through a column-parallel ``kv_b_proj`` (whose
+    backward sums the input gradient), ``k_rope`` straight to this rank's heads, so its
+    gradient is partial and is summed here. ``rope_dim``: ``config.qk_rope_head_dim``.
+    Hugging Face's ``mla_kv_a_proj``."""
+
+    def __init__(self, rope_dim: int) -> None:
+        self.rope_dim = int(rope_dim)
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        n = self.rope_dim
+
+        def hook(mod, args, out):
+            if pg.size() == 1 or not isinstance(out, Tensor):
+                return out
+            keep, rope = out.split([out.shape[-1] - n, n], dim=-1)
+            return torch.cat([keep, _SumGrad.apply(rope, pg)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SplitRopeGrad(rope_dim={self.rope_dim})"
+
+
+class ScaleInputByGroup(ParallelStyle):
+    """An identity expert beside tensor-parallel experts whose outputs are summed over the
+    group: its input is divided by the group size so the sum counts it once. Hugging Face's
+    ``moe_identity_expert``."""
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        world = pg.size()
+        module.register_forward_pre_hook(lambda m, args: (args[0] / world,) + tuple(args[1:]))
+        return module
+
+    def __repr__(self) -> str:
+        return "ScaleInputByGroup()"
+
+
+class VocabParallelEmbeddingStyle(ParallelStyle):
+    """``nn.Embedding`` -> :class:`tpx.VocabParallelEmbedding` (rows of the vocabulary
+    sharded, lookups summed), also for a subclass that scales its output (Gemma's
+    ``*ScaledWordEmbedding``: ``super().forward(ids) * self.embed_scale``): the scale is kept
+    and applied to the summed lookup. Any other subclass with its own forward raises
+    ``ValueError``. Hugging Face's ``embedding_rowwise``; ids R, output R."""
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
+              src_rank: Optional[int] = 0) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"tpx.hf_plan: 'embedding_rowwise' applies to nn.Embedding; got "
+                             f"{type(module).__name__}")
+        if type(module).forward is nn.Embedding.forward:
+            return RowwiseParallel(input_layouts=Replicate()).apply(module, pg, src_rank)
+        scale = getattr(module, "embed_scale", None)
+        if not _is_scaled_embedding(module):
+            raise ValueError(
+                f"tpx.hf_plan: {type(module).__name__} subclasses nn.Embedding with its own "
+                "forward, which a vocab-parallel embedding would drop. tpx keeps the forward "
+                "of a scaled embedding (super().forward(ids) * self.embed_scale) only; leave "
+                "this module out of the plan ('replicate') or write a style for it")
+        from ..nn import VocabParallelEmbedding
+
+        new = VocabParallelEmbedding.from_embedding(module, group=pg, src_rank=src_rank)
+        scale = scale.detach().clone() if isinstance(scale, Tensor) else torch.tensor(scale)
+        new.register_buffer("embed_scale", scale, persistent=False)
+        new.register_forward_hook(lambda m, a, out: out * m.embed_scale.to(out.dtype))
+        return new
+
+    def __repr__(self) -> str:
+        return "VocabParallelEmbeddingStyle()"
+
+
+def _is_scaled_embedding(module: nn.Module) -> bool:
+    """A subclass of nn.Embedding whose forward is the lookup times ``self.embed_scale``."""
+    if not hasattr(module, "embed_scale"):
+        return False
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    body = [ln.strip() for ln in src.splitlines()[1:]
+            if ln.strip() and not ln.strip().startswith(("#", '"""', "'''"))]
+    return (len(body) == 1 and body[0].startswith("return super().forward(")
+            and "* self.embed_scale" in body[0])
+
+
+def _experts_style(name: str, params: Dict[str, str]) -> ParallelStyle:
+    """``moe_tp_experts``: tpx's experts style, imported when a plan needs it. ``params``: the
+    plan's parameter entries under this module (attribute -> style name), read here and not
+    applied again."""
+    gate_up = [p for p, s in params.items() if s == "packed_colwise"]
+    down = [p for p, s in params.items() if s == "rowwise"]
+    other = {p: s for p, s in params.items() if p not in gate_up + down}
+    if other or len(gate_up) > 1 or len(down) > 1:
+        raise ValueError(
+            f"tpx.hf_plan: the experts {name!r} ('moe_tp_experts') come with the parameter "
+            f"entries {params}; tpx's experts style reads one 'packed_colwise' parameter (the "
+            "fused [gate | up] projection, [experts, 2 * intermediate, hidden]) and one "
+            "'rowwise' parameter (the down projection, [experts, hidden, intermediate]). "
+            "Write the plan for these experts by hand")
+    try:
+        from .moe import ExpertsTensorParallel
+    except ImportError as e:
+        raise ValueError(
+            f"tpx.hf_plan: {name!r} is marked 'moe_tp_experts' (mixture-of-experts "
+            "experts, sharded inside each expert); MoE experts are not supported yet by "
+            "tpx.plans.auto (tpx.parallel.moe.ExpertsTensorParallel is not available: "
+            f"{e}). Use a dense model or write the plan by hand") from e
+    kwargs = {}
+    if gate_up:
+        kwargs["gate_up"] = gate_up[0]
+    if down:
+        kwargs["down"] = down[0]
+    return ExpertsTensorParallel(packed=True, **kwargs)
+
+
+def _packed_colwise(module: nn.Module) -> ParallelStyle:
+    out = getattr(module, "out_features", None)
+    if out is None or out % 2:
+        raise ValueError(f"tpx.hf_plan: 'packed_colwise' on a module needs a linear layer with "
+                         f"an even number of output features ([gate | up]); got "
+                         f"{type(module).__name__} with out_features={out}")
+    return ColwiseParallel(segments=(out // 2, out // 2))
+
+
+def _unsupported(name: str, why: str):
+    def build(module, ctx):
+        raise ValueError(f"tpx.hf_plan: the style {name!r} on {type(module).__name__}: {why}")
+    return build
+
+
+@dataclass(frozen=True)
+class HFStyle:
+    """One entry of :data:`HF_STYLES`: a transformers style name, what transformers does with
+    it, and how tpx computes the same thing."""
+
+    name: str
+    hf: str            # transformers' semantics (placements, what is gathered or summed)
+    tpx: str           # the tpx style and its placements
+    build: Callable    # build(module, ctx) -> ParallelStyle; module: one module it names
+    target: str = "module"   # "module" or "module or parameter"
+
+
+def _b(make):
+    return lambda module, ctx: make()
+
+
+_GATHER = "ColwiseParallel(output_layouts=Replicate())"
+_SPLIT = "RowwiseParallel(input_layouts=Replicate())"
+
+#: Every style name of transformers' ``ALL_PARALLEL_STYLES`` -> its tpx style.
+HF_STYLES: Dict[str, HFStyle] = {s.name: s for s in (
+    HFStyle("colwise", "Linear weight and bias Shard(0) (output features); input R, output "
+            "S(-1)", "ColwiseParallel() (attention projections: in whole heads, see translate)",
+            _b(ColwiseParallel), "module or parameter"),
+    HFStyle("colwise_gather_output", "as colwise, output gathered to R", _GATHER,
+            _b(lambda: ColwiseParallel(output_layouts=Replicate()))),
+    HFStyle("colwise_rep", "the same as colwise_gather_output", _GATHER,
+            _b(lambda: ColwiseParallel(output_layouts=Replicate()))),
+    HFStyle("rowwise", "Linear weight Shard(1) (input features), bias R added once after the "
+            "sum; input S(-1), output P -> R (all-reduce)", "RowwiseParallel()",
+            _b(RowwiseParallel), "module or parameter"),
+    HFStyle("rowwise_split_input", "as rowwise, input R split locally to S(-1)", _SPLIT,
+            _b(lambda: RowwiseParallel(input_layouts=Replicate()))),
+    HFStyle("rowwise_rep", "the same as rowwise_split_input", _SPLIT,
+            _b(lambda: RowwiseParallel(input_layouts=Replicate()))),
+    HFStyle("embedding_rowwise", "Embedding weight Shard(0) (vocabulary); ids R, lookups "
+            "P -> R", "VocabParallelEmbeddingStyle() (tpx.VocabParallelEmbedding; a scaled "
+            "embedding keeps its scale)", _b(VocabParallelEmbeddingStyle)),
+    HFStyle("embedding_colwise", "Embedding weight Shard(1) (embedding dim); ids R, output "
+            "gathered to R", "ColwiseParallel(output_layouts=Replicate()) "
+            "(tpx.ColumnParallelEmbedding)",
+            _b(lambda: ColwiseParallel(output_layouts=Replicate()))),
+    HFStyle("packed_colwise", "fused [gate | up] weight, each half Shard(0) "
+            "(_StridedShard, split_factor 2: every rank keeps matching halves); input R, output "
+            "S(-1) of each half", "ColwiseParallel(segments=(n/2, n/2)) on a Linear (its bias "
+            "split the same way); on experts' parameters: read by ExpertsTensorParallel",
+            lambda module, ctx: _packed_colwise(module), "module or parameter"),
+    HFStyle("packed_rowwise", "weight packed along its last dim, each half Shard(-1) "
+            "(_StridedShard), bias R", "experts' parameters only (read by the experts' style)",
+            _unsupported("packed_rowwise", "a Linear whose input is two packed halves has no "
+                         "tpx style; write the plan for this module by hand"),
+            "module or parameter"),
+    HFStyle("sequence_parallel", "norm/dropout on S(1) (the sequence), parameters R",
+            "SequenceParallel() (gradients summed over the group)", _b(SequenceParallel)),
+    HFStyle("replicated_with_grad_allreduce", "parameters R whose gradient is partial (a "
+            "per-head norm after a column-parallel projection); gradient summed",
+            "ReplicatedWithGradAllReduce()", _b(ReplicatedWithGradAllReduce)),
+    HFStyle("all_reduce", "the module's output P -> R (all-reduce), backward identity",
+            "AllReduceOutput()", _b(AllReduceOutput)),
+    HFStyle("mla_kv_a_proj", "output [pass | rope]: the rope part's gradient summed (it "
+            "bypasses the column-parallel kv_b_proj)", "SplitRopeGrad(config.qk_rope_head_dim)",
+            lambda module, ctx: SplitRopeGrad(_rope_dim(ctx))),
+    HFStyle("local_params", "the module's forward runs on its sharded parameters as local "
+            "tensors", "KeepWhole('local_params') (tpx computes on local tensors already)",
+            _b(lambda: KeepWhole("local_params"))),
+    HFStyle("replicate", "every rank keeps the full parameter", "KeepWhole('replicate')",
+            _b(lambda: KeepWhole("replicate")), "module or parameter"),
+    HFStyle("moe_tp_experts", "each expert's [gate|up] Shard(-2) packed, down Shard(-1); "
+            "input R (gradient summed), output P -> R", "tpx.parallel.moe."
+            "ExpertsTensorParallel (imported when needed; it shards the experts' parameters)",
+            lambda module, ctx: _experts_style(ctx["name"], ctx["params"])),
+    HFStyle("moe_identity_expert", "input divided by the TP size (the experts' sum counts it "
+            "once)", "ScaleInputByGroup()", _b(ScaleInputByGroup)),
+)}
+
+
+def _rope_dim(ctx) -> int:
+    cfg = _text_config(ctx["model"])
+    n = getattr(cfg, "qk_rope_head_dim", None)
+    if n is None:
+        raise ValueError("tpx.hf_plan: 'mla_kv_a_proj' needs config.qk_rope_head_dim")
+    return n
+
+
+def style(name: str, module: Optional[nn.Module] = None) -> ParallelStyle:
+    """The tpx style for one Hugging Face style name (``"colwise"``, ``"rowwise"``, ...).
+    ``module``: the module it will shard, for the styles that read it (``packed_colwise``)."""
+    if name not in HF_STYLES:
+        raise ValueError(f"tpx.hf_plan.style: unknown Hugging Face style {name!r}; known: "
+                         f"{sorted(HF_STYLES)}")
+    if name in ("moe_tp_experts", "mla_kv_a_proj"):
+        raise ValueError(f"tpx.hf_plan.style: {name!r} reads the model (its config, the "
+                         "experts' parameter entries); use tpx.hf_plan.translate(model)")
+    return HF_STYLES[name].build(module, {})
+
+
+# ------------------------------------------------------------------ reading the model's plan
+
+def _text_config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    get = getattr(cfg, "get_text_config", None)
+    return get() if callable(get) else cfg
+
+
+def has_plan(model: nn.Module) -> bool:
+    """Whether the Hugging Face ``model``'s config has a ``base_model_tp_plan``."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    return bool(getattr(cfg, "base_model_tp_plan", None)
+                or getattr(_text_config(model), "base_model_tp_plan", None))
+
+
+def hf_tp_plan(model: nn.Module) -> Dict[str, str]:
+    """The model's Hugging Face plan, keys relative to ``model``: ``model.tp_plan`` (the
+    config's ``base_model_tp_plan`` under the base model's prefix, with the classes'
+    ``_tp_plan`` and the ``embedding_rowwise`` transformers adds for ``embed_tokens``)."""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    base = _text_config(model).base_model_tp_plan or {}
+    prefix = ""
+    base_model = getattr(model, "base_model", model)
+    if base_model is not model:
+        prefix = next(n for n, m in model.named_modules() if m is base_model) + "."
+    out = {prefix + k: v for k, v in base.items()}
+    for k, v in (getattr(type(model), "_tp_plan", None) or {}).items():
+        out.setdefault(k, v)
+    return out
+
+
+# ------------------------------------------------------------------ translation
+
+_Q, _K, _V = ("q_proj",), ("k_proj",), ("v_proj",)
+_FUSED_QKV = "qkv_proj"            # [q | k | v] (Phi-3's layout)
+_PER_HEAD_QKV = "query_key_value"  # [q k v] per head (GPT-NeoX's layout)
+_COLWISE_OUT = ("colwise",)        # output left sharded: heads split
+_ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
+
+
+def _parent(key: str) -> Tuple[str, str]:
+    parent, _, child = key.rpartition(".")
+    return parent, child
+
+
+def _name_of(model: nn.Module, module: Optional[nn.Module]) -> Optional[str]:
+    if module is None:
+        return None
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def _local_heads_update(module: nn.Module, heads: int, kv_heads: int) -> None:
+    """Sets the head counts a Hugging Face attention module keeps (those it has among
+    :attr:`ShardedAttention.HEAD_ATTRIBUTES`); most read the rest from the tensors' shapes."""
+    local = {"q": heads, "kv": kv_heads, "groups": heads // kv_heads}
+    for attr, kind in ShardedAttention.HEAD_ATTRIBUTES.items():
+        v = getattr(module, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            setattr(module, attr, local[kind])
+
+
+def _reads_config_heads(module: nn.Module) -> bool:
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "config.num_attention_heads" in src or "config.num_key_value_heads" in src
+
+
+def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
+              sequence_parallel: bool = False, loss_parallel: bool = False) -> Plan:
+    """The tpx plan of a Hugging Face ``model`` from its own TP plan (``tp_plan``: a plan of
+    Hugging Face style names to read instead of ``model.tp_plan``), with tpx's additions
+    (module docstring). Entries whose pattern matches nothing in this model (a module the
+    config leaves out) are dropped, as transformers does."""
+    from . import plans as _plans
+
+    hf = dict(tp_plan) if tp_plan is not None else hf_tp_plan(model)
+    if not hf:
+        raise ValueError(f"tpx.hf_plan.translate: {type(model).__name__} has no Hugging Face TP "
+                         "plan (config.base_model_tp_plan is empty); pass tp_plan= or write the "
+                         "plan by hand")
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    param_names = [n for n, _ in model.named_parameters()]
+
+    # 1. Entries naming modules, entries naming parameters, entries naming nothing here.
+    mod_entries: Dict[str, str] = {}
+    param_entries: Dict[str, str] = {}
+    for key, name in hf.items():
+        if name not in HF_STYLES:
+            raise ValueError(f"tpx.hf_plan.translate: the plan entry {key!r} has the style "
+                             f"{name!r}, which is not a Hugging Face style tpx knows "
+                             f"({sorted(HF_STYLES)})")
+        if any(fnmatch.fnmatchcase(n, key) for n in names):
+            mod_entries[key] = name
+        elif any(fnmatch.fnmatchcase(p, key) for p in param_names):
+            param_entries[key] = name
+    experts = {k for k, s in mod_entries.items() if s == "moe_tp_experts"}
+    under: Dict[str, Dict[str, str]] = {k: {} for k in experts}
+    for key, name in param_entries.items():
+        owner, attr = _parent(key)
+        if owner not in experts:
+            raise ValueError(
+                f"tpx.hf_plan.translate: the plan entry {key!r}: {name!r} names the parameter "
+                f"{attr!r} of {owner!r}, not a module. tpx shards a parameter through its "
+                "module's style and reads parameter entries only under a 'moe_tp_experts' "
+                "module; give the module a style in the plan instead")
+        under[owner][attr] = name
+
+    def first(key):
+        return modules[next(n for n in names if fnmatch.fnmatchcase(n, key))]
+
+    # 2. The table.
+    plan: Plan = {}
+    for key, name in mod_entries.items():
+        ctx = {"name": key, "params": under.get(key, {}), "model": model}
+        plan[key] = HF_STYLES[name].build(first(key), ctx)
+
+    # 3. tpx's additions.
+    cfg = _text_config(model)
+    children: Dict[str, Dict[str, str]] = {}
+    for key, name in mod_entries.items():
+        parent, child = _parent(key)
+        children.setdefault(parent, {})[child] = name
+    attn_parents = []
+    for parent, kids in children.items():
+        sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
+        if not (sharded & {*_Q, *_K, *_V, _FUSED_QKV, _PER_HEAD_QKV}):
+            continue
+        attn_parents.append(parent)
+        _shard_attention(model, plan, parent, kids, first(parent), cfg, mod_entries)
+    for parent, kids in children.items():
+        # A fused [gate | up] the plan gathers only to split it again before down_proj.
+        if kids.get("gate_up_proj") == "colwise_gather_output":
+            downs = [c for c, s in kids.items() if s in ("rowwise_split_input", "rowwise_rep")]
+            if len(downs) == 1:
+                plan[parent + ".gate_up_proj"] = _packed_colwise(first(parent + ".gate_up_proj"))
+                plan[parent + "." + downs[0]] = RowwiseParallel()
+
+    emb_name = _name_of(model, model.get_input_embeddings()
+                        if callable(getattr(model, "get_input_embeddings", None)) else None)
+    if emb_name and not any(fnmatch.fnmatchcase(emb_name, k) for k in plan):
+        plan[emb_name] = VocabParallelEmbeddingStyle()
+    head_mod = (model.get_output_embeddings()
+                if callable(getattr(model, "get_output_embeddings", None)) else None)
+    head = _name_of(model, head_mod) if isinstance(head_mod, nn.Linear) else None
+    if head is not None:
+        for k in [k for k in plan if fnmatch.fnmatchcase(head, k)]:
+            del plan[k]
+        plan[head] = ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())
+    elif loss_parallel:
+        raise ValueError(f"tpx.plans.auto: loss_parallel=True needs a model with an LM head "
+                         f"(model_type={model_type!r}, {type(model).__name__})")
+    if sequence_parallel:
+        _sequence_parallel(model, plan, mod_entries, attn_parents, model_type)
+    # Each attention module before its projections: its check of the head counts against
+    # the TP size is the error a user sees first.
+    ordered: Plan = {}
+    for key, st in plan.items():
+        for parent in attn_parents:
+            if key.startswith(parent + ".") and parent not in ordered:
+                ordered[parent] = plan[parent]
+        ordered.setdefault(key, st)
+    return _plans._with_generate(ordered, model, head, loss_parallel)
+
+
+def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn: nn.Module,
+                     cfg, entries: Dict[str, str]) -> None:
+    """q/k/v (or a fused projection) column-parallel in whole heads, KV heads replicated when
+    they do not divide the TP size; the attention module told its local head counts."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"tpx.hf_plan: {parent!r}: the plan splits its projections by heads, "
+                         "but the model has no config.num_attention_heads to count them")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = (getattr(attn, "head_dim", None) or getattr(attn, "head_size", None)
+                or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
+    if _reads_config_heads(attn):
+        raise ValueError(
+            f"tpx.hf_plan: {parent!r} ({type(attn).__name__}) reads config.num_attention_heads "
+            "in its forward, so it cannot be told the heads each rank holds; the plan splits "
+            f"its projections {sorted(sharded)} by heads. Gather their outputs in the plan "
+            "('colwise_gather_output', and 'rowwise_split_input' on the output projection)")
+    for c in sharded:
+        proj = attn.get_submodule(c)
+        out = getattr(proj, "out_features", None)
+        if c in _Q:
+            expected, st = heads * head_dim, ColwiseParallel(head_size=head_dim)
+        elif c in _K + _V:
+            expected = kv * head_dim
+            st = ColwiseParallel(head_size=head_dim, replicate_heads=True)
+        elif c == _FUSED_QKV:
+            expected = (heads + 2 * kv) * head_dim
+            st = ColwiseParallel(segments=(heads * head_dim, kv * head_dim, kv * head_dim),
+                                 head_size=head_dim, replicate_heads=True)
+        elif c == _PER_HEAD_QKV:
+            if kv != heads:
+                raise ValueError(f"tpx.hf_plan: {parent}.{c}: a per-head [q k v] projection "
+                                 f"with {kv} KV heads for {heads} query heads")
+            expected, st = 3 * heads * head_dim, ColwiseParallel(head_size=3 * head_dim)
+        else:
+            continue
+        if out != expected:
+            raise ValueError(
+                f"tpx.hf_plan: {parent}.{c} has {out} output features, not the {expected} its "
+                f"config's heads give ({heads} heads, {kv} KV heads, head_dim {head_dim}); "
+                "write the plan for this attention by hand")
+        plan[f"{parent}.{c}"] = st
+    outs = [c for c, s in kids.items() if s in _ROWWISE]
+    if len(outs) != 1:
+        raise ValueError(f"tpx.hf_plan: {parent!r}: the heads are split but the plan has "
+                         f"{len(outs)} row-parallel output projections under it ({outs}); "
+                         "write the plan for this attention by hand")
+    # Parameters under the attention the plan does not mention see only this rank's heads.
+    for name, sub in attn.named_children():
+        if name in kids or not any(True for _ in sub.parameters()):
+            continue
+        raise ValueError(
+            f"tpx.hf_plan: {parent}.{name} ({type(sub).__name__}) has parameters and sits "
+            "inside attention split by heads, but the plan does not name it: each rank would "
+            "train it on its heads only. Add it to the plan ('replicated_with_grad_allreduce' "
+            "for a norm shared by the heads) or write the plan by hand")
+    plan[parent] = ShardedAttention(heads, kv, out_proj=outs[0], update=_local_heads_update)
+
+
+def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
+                       attn_parents: List[str], model_type) -> None:
+    """Sequence parallelism layered on the translated plan, as for the Llama family: the
+    decoder layers run on this rank's block of the sequence (padded to a multiple of the TP
+    size), their norms on the block; attention gathers the sequence before it (trimmed to
+    the real positions) and its output projection reduce-scatters it; the MLP gathers
+    it (padded) and its down projection reduce-scatters; the final norm gathers it back."""
+    from .plans import (_Chain, _find, _GatherSequence, _PadSequence, _SeqLength,
+                        _SplitSequence)
+
+    def fail(why):
+        return ValueError(f"tpx.plans.auto: sequence_parallel=True is not supported for "
+                          f"model_type={model_type!r}: {why}; use sequence_parallel=False")
+
+    layers = _find(model, "layers")
+    if layers is None or not isinstance(model.get_submodule(layers), nn.ModuleList):
+        raise fail("no `layers` list of decoder layers")
+    pre = layers + ".*."
+    base = layers[: len(layers) - len("layers")]
+    layer = model.get_submodule(layers)[0]
+    rows = {k: s for k, s in entries.items() if s in _ROWWISE and k.startswith(pre)}
+    blocks = {}
+    for key in rows:
+        block = key[len(pre):].split(".")[0]
+        blocks.setdefault(block, []).append(key)
+    attn = [p for p in attn_parents if p.startswith(pre)]
+    if len(attn) != 1 or any(len(v) != 1 for v in blocks.values()) or len(blocks) != 2:
+        raise fail("the decoder layer is not one attention and one MLP, each ending in one "
+                   "row-parallel projection")
+    attn_child = attn[0][len(pre):]
+    if "." in attn_child or attn_child not in blocks:
+        raise fail("the attention is not a direct child of the decoder layer")
+    mlp_child = next(b for b in blocks if b != attn_child)
+    for name, sub in layer.named_children():
+        if name in (attn_child, mlp_child):
+            continue
+        if not ("norm" in type(sub).__name__.lower() or isinstance(sub, nn.Dropout)):
+            raise fail(f"the decoder layer holds {name} ({type(sub).__name__}), neither a norm "
+                       "nor dropout")
+    base_mod = model.get_submodule(base.rstrip(".")) if base else model
+    finals = [n for n, m in base_mod.named_children() if "norm" in type(m).__name__.lower()]
+    if len(finals) != 1:
+        raise fail("no single final norm after the decoder layers")
+    n = _SeqLength()
+    for key in rows:
+        st = plan[key]
+        new = RowwiseParallel(input_layouts=st.input_layouts, output_layouts=Shard(1))
+        plan[key] = _Chain(new, _PadSequence(n)) if key.startswith(attn[0] + ".") else new
+    plan[attn[0]] = _Chain(plan[attn[0]], _GatherSequence(n, "input"))
+    plan[pre + mlp_child] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),))
+    plan[pre.replace("*", "0").rstrip(".")] = _SplitSequence(n)
+    for name, sub in layer.named_children():
+        if name not in (attn_child, mlp_child):
+            plan[pre + name] = SequenceParallel()
+    plan[base + finals[0]] = _Chain(SequenceParallel(), _GatherSequence(n, "output"))

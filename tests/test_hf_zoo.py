@@ -1,0 +1,246 @@
+"""The Hugging Face zoo through its own TP plans: ``tpx.plans.auto`` reads each model's
+``base_model_tp_plan`` (``tpx.parallel.hf_plan``) and adds what tpx knows beyond it. Tiny
+random configs (nothing downloaded); every rank builds the same unsharded model from the same
+seed, trains it and its sharded copy for a few AdamW steps on the same batches, and compares
+logits, loss, every gradient of the first step and every parameter after the last step.
+
+``make test`` runs a few architectures at TP 2; the rest (and TP 4) are marked slow."""
+
+import copy
+
+import pytest
+import torch
+
+import tpx
+from harness import assert_like_unsharded, run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+V = 1003  # does not divide by 2 or 4
+
+# Every architecture: overrides of the common tiny config (8 query heads, 2 KV heads).
+ARCHS = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},                                            # per-head q_norm / k_norm
+    "gemma2": dict(tie_word_embeddings=True, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, query_pre_attn_scalar=8),  # scaled embedding
+    "gemma3_text": dict(tie_word_embeddings=True, query_pre_attn_scalar=8,
+                        sliding_window=8),                  # scaled embedding, q/k norm
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),  # fused qkv and gate_up
+    "starcoder2": dict(bos_token_id=1, eos_token_id=2, norm_epsilon=1e-5),  # bias, LayerNorm
+    "olmo2": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),  # full-width q/k norm
+    "cohere": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, logit_scale=0.5,
+                   tie_word_embeddings=True),               # parallel attention and MLP
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0,
+                    attention_multiplier=0.2),
+    "phi": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0,
+                embd_pdrop=0.0),                             # partial rotary, LM head bias
+    "glm": dict(pad_token_id=0, bos_token_id=1, eos_token_id=[2]),  # fused gate_up
+    "helium": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "olmo": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "ernie4_5": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "exaone4": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=8),
+    "gpt_neox": dict(num_key_value_heads=None, tie_word_embeddings=False),  # hand-written plan
+}
+
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+              max_position_embeddings=64, tie_word_embeddings=False, attention_dropout=0.0,
+              hidden_dropout=0.0)
+
+
+def tiny(arch: str):
+    """A tiny randomly initialised causal LM of ``arch`` (fp32, no dropout)."""
+    kw = dict(COMMON)
+    kw.update(ARCHS[arch])
+    kw = {k: v for k, v in kw.items() if v is not None}
+    config = transformers.AutoConfig.for_model(arch, **kw)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _batch(step: int, seq: int = 16):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, V, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _train_like_unsharded(rank, world, arch, sp, lp, steps=3):
+    what = f"{arch} TP={world} sp={sp} lp={lp}"
+    torch.manual_seed(0)
+    ref = tiny(arch)
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp,
+                                                       loss_parallel=lp))
+    # eps=1e-6: some gradients are zero in exact arithmetic (a key bias: softmax does not see a
+    # shift shared by all keys) and rounding noise in practice, different in the sharded and
+    # the unsharded sums; with the default eps=1e-8 Adam turns that noise into steps of +-lr.
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    start, end = tpx.shard_range(V)
+    for step in range(steps):
+        ids, labels = _batch(step)
+        out_ref = ref(input_ids=ids, labels=labels)
+        if lp:
+            with tpx.loss_parallel():
+                out = model(input_ids=ids, labels=labels)
+            expected = out_ref.logits[..., start:end]
+        else:
+            out = model(input_ids=ids, labels=labels)
+            expected = out_ref.logits
+        torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"logits ({what}, step {step}): {m}")
+        torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"loss ({what}, step {step}): {m}")
+        out_ref.loss.backward()
+        out.loss.backward()
+        if step == 0:
+            assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=2e-5)
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    assert_like_unsharded(model, ref, f"{what} after {steps} AdamW steps", rtol=1e-4,
+                          atol=2e-5)
+
+
+def _generate_like_one_device(rank, world, arch, lp):
+    torch.manual_seed(0)
+    ref = tiny(arch)
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, loss_parallel=lp))
+    ids, _ = _batch(9, seq=7)
+    expected = ref.generate(ids, max_new_tokens=5, do_sample=False)
+    got = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, expected), f"{arch} TP={world} lp={lp}: {got.tolist()} vs " \
+                                       f"{expected.tolist()}"
+
+
+FAST = ["qwen3", "gemma3_text", "phi3", "starcoder2"]
+SLOW = [a for a in ARCHS if a not in FAST]
+
+
+@pytest.mark.parametrize("arch", FAST)
+def test_zoo_tp2(arch):
+    run_ranks(_train_like_unsharded, 2, arch, False, arch in ("qwen3", "gemma3_text"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", SLOW)
+def test_zoo_tp2_slow(arch):
+    run_ranks(_train_like_unsharded, 2, arch, False, arch in ("gemma2", "cohere", "phi"))
+
+
+# TP 4: 8 query heads, 2 KV heads, so every KV head is replicated on two ranks (Hugging
+# Face's own plan cuts them in half here).
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "phi3", "starcoder2",
+                                  "olmo2", "cohere", "granite", "phi", "glm"])
+def test_zoo_tp4(arch):
+    run_ranks(_train_like_unsharded, 4, arch, False, arch in ("qwen3", "cohere"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "gemma2", "starcoder2", "cohere",
+                                  "granite"])
+def test_zoo_sequence_parallel(arch):
+    run_ranks(_train_like_unsharded, 2, arch, True, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,lp", [("gemma3_text", True), ("phi3", False), ("qwen3", True)])
+def test_zoo_generate(arch, lp):
+    run_ranks(_generate_like_one_device, 2, arch, lp)
+
+
+# ------------------------------------------------------------------ the table and its errors
+
+def test_every_hf_style_has_a_tpx_style():
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    import transformers.distributed.tensor_parallel  # noqa: F401  (registers the TP styles)
+    from tpx.parallel import hf_plan
+
+    tp_styles = {k for k, v in ALL_PARALLEL_STYLES._global_mapping.items()
+                 if type(v).__module__.endswith("tensor_parallel")}
+    assert tp_styles, "no tensor-parallel style registered by transformers"
+    assert tp_styles <= set(hf_plan.HF_STYLES), sorted(tp_styles - set(hf_plan.HF_STYLES))
+    assert isinstance(hf_plan.style("colwise_gather_output"), tpx.ColwiseParallel)
+    assert isinstance(hf_plan.style("replicated_with_grad_allreduce"),
+                      tpx.ReplicatedWithGradAllReduce)
+    with pytest.raises(ValueError, match="unknown Hugging Face style 'colwize'"):
+        hf_plan.style("colwize")
+
+
+def _moe_model():
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+        max_position_embeddings=32)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_moe_experts_clear_error():
+    import importlib.util
+
+    if importlib.util.find_spec("tpx.parallel.moe") is not None:
+        pytest.skip("tpx.parallel.moe exists: its own tests cover the experts")
+    model = _moe_model()
+    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.experts'.*MoE experts are "
+                                         r"not supported yet"):
+        tpx.plans.auto(model)
+
+
+def test_parameter_entry_outside_experts_is_an_error():
+    from tpx.parallel import hf_plan
+
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"names the parameter 'weight' of "
+                                         r"'model\.layers\.\*\.mlp\.up_proj', not a module"):
+        hf_plan.translate(model, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
+    with pytest.raises(ValueError, match="'colwize', which is not a Hugging Face style"):
+        hf_plan.translate(model, tp_plan={"model.layers.*.mlp.up_proj": "colwize"})
+
+
+def test_no_plan_is_a_clear_error():
+    cfg = transformers.AutoConfig.for_model("stablelm", vocab_size=V, hidden_size=32,
+                                            intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=4)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="model_type='stablelm': its config has no "
+                                         "base_model_tp_plan"):
+        tpx.plans.auto(model)
+
+
+def test_sequence_parallel_where_the_plan_gathers_attention_is_a_clear_error():
+    # OLMo-2's plan gathers q/k/v (its q/k norms span all heads): no head-split attention for
+    # the sequence to be gathered before.
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported for "
+                                         "model_type='olmo2'"):
+        tpx.plans.auto(tiny("olmo2"), sequence_parallel=True)
+
+
+def test_embedding_with_its_own_forward_is_a_clear_error():
+    from tpx.parallel.hf_plan import VocabParallelEmbeddingStyle
+
+    class ShiftedEmbedding(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1.0
+
+    with pytest.raises(ValueError, match="ShiftedEmbedding subclasses nn.Embedding with its own "
+                                         "forward.*'replicate'"):
+        VocabParallelEmbeddingStyle().apply(ShiftedEmbedding(10, 4), None)
+
+
+def test_unnamed_parameters_inside_split_attention_are_a_clear_error():
+    # Cohere's optional q/k norms hold one weight per head ([heads, head_dim]); its plan does
+    # not name them, and a replicated copy would train every head's weight on this rank's heads.
+    kw = dict(COMMON, **ARCHS["cohere"], use_qk_norm=True)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("cohere", **kw))
+    with pytest.raises(ValueError, match=r"model\.layers\.\*\.self_attn\.q_norm \(CohereLayerNorm\)"
+                                         r" has parameters.*the plan does not name it"):
+        tpx.plans.auto(model)
