@@ -50,14 +50,34 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from common import environment, format_table, write_json  # noqa: E402
 
-# Beyond the test's architectures: one without a base_model_tp_plan, one with MoE experts.
+# Beyond the test's architectures: one without a base_model_tp_plan, and mixtures of experts
+# (tests/test_moe.py trains them too).
 EXTRA = {
     "stablelm": dict(vocab_size=1003, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
     "mixtral": dict(vocab_size=1003, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=2,
+                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
                     tie_word_embeddings=False, max_position_embeddings=64),
+    "qwen3_moe": dict(vocab_size=1003, hidden_size=64, intermediate_size=88,
+                      moe_intermediate_size=40, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      tie_word_embeddings=False, max_position_embeddings=64),
+    "qwen2_moe": dict(vocab_size=1003, hidden_size=64, intermediate_size=88,
+                      moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                      num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                      max_position_embeddings=64),
+    "deepseek_v3": dict(vocab_size=1003, hidden_size=64, intermediate_size=88,
+                        moe_intermediate_size=40, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, tie_word_embeddings=False,
+                        max_position_embeddings=64),
 }
+# Mixture-of-experts models run their experts with the eager loop: Hugging Face's default
+# grouped GEMM takes no float64.
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 STEPS = 2
 
 
@@ -66,6 +86,8 @@ def tiny(arch: str):
 
     if arch in EXTRA:
         cfg = transformers.AutoConfig.for_model(arch, **EXTRA[arch])
+        if arch in MOE:
+            cfg._experts_implementation = "eager"
         return transformers.AutoModelForCausalLM.from_config(cfg)
     import test_hf_zoo
 

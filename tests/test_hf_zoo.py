@@ -175,25 +175,6 @@ def test_every_hf_style_has_a_tpx_style():
         hf_plan.style("colwize")
 
 
-def _moe_model():
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
-        max_position_embeddings=32)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
-
-
-def test_moe_experts_clear_error():
-    import importlib.util
-
-    if importlib.util.find_spec("tpx.parallel.moe") is not None:
-        pytest.skip("tpx.parallel.moe exists: its own tests cover the experts")
-    model = _moe_model()
-    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.experts'.*MoE experts are "
-                                         r"not supported yet"):
-        tpx.plans.auto(model)
-
-
 def test_parameter_entry_outside_experts_is_an_error():
     from tpx.parallel import hf_plan
 

@@ -96,14 +96,18 @@ def _batch(step: int):
     return ids, labels
 
 
-def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, steps=3, ep=False):
-    what = f"{family} ({impl}, I={inter}{', EP' if ep else ''}) TP={world}"
+def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, steps=3, ep=False,
+                           auto=False):
+    what = f"{family} ({impl}, I={inter}{', EP' if ep else ''}{', plans.auto' if auto else ''}) TP={world}"
     torch.manual_seed(0)
     ref = tiny(family, impl, inter)
     model = copy.deepcopy(ref)
-    experts = tpx.ExpertsParallel() if ep else None
-    tpx.parallelize_module(model, None, plan(family, attention=4 % world == 0, experts=experts),
-                           strict=False)
+    if auto:  # the model's own Hugging Face plan, read by tpx
+        tpx.parallelize_module(model, None, tpx.plans.auto(model, experts="ep" if ep else "tp"))
+    else:
+        experts = tpx.ExpertsParallel() if ep else None
+        tpx.parallelize_module(model, None, plan(family, attention=4 % world == 0,
+                                                 experts=experts), strict=False)
     # SGD with momentum: Adam divides by the gradient's own size, so a gradient at round-off
     # level (1e-7, summed in another order on one device) becomes a step of +-lr there.
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
@@ -136,9 +140,12 @@ def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, ste
     # The full state loads into a differently initialised sharded copy and reproduces it.
     torch.manual_seed(7)
     other = tiny(family, impl, inter)
-    tpx.parallelize_module(other, None, plan(family, attention=4 % world == 0,
-                                             experts=tpx.ExpertsParallel() if ep else None),
-                           strict=False)
+    if auto:
+        tpx.parallelize_module(other, None, tpx.plans.auto(other, experts="ep" if ep else "tp"))
+    else:
+        tpx.parallelize_module(other, None, plan(family, attention=4 % world == 0,
+                                                 experts=tpx.ExpertsParallel() if ep else None),
+                               strict=False)
     tpx.checkpoint.load_full_state_dict(other, ref_state)
     with torch.no_grad():
         ids, _ = _batch(steps)
@@ -154,6 +161,11 @@ def _cases(rank, world, names):
     cases); a failure in one is reported with the others'."""
     table = {f: (lambda f=f: _train_like_one_device(rank, world, f)) for f in FAMILIES}
     table.update({f"{f}-ep": (lambda f=f: _train_like_one_device(rank, world, f, ep=True))
+                  for f in FAMILIES})
+    table.update({f"{f}-auto": (lambda f=f: _train_like_one_device(rank, world, f, auto=True))
+                  for f in FAMILIES})
+    table.update({f"{f}-auto-ep": (lambda f=f: _train_like_one_device(rank, world, f, ep=True,
+                                                                     auto=True))
                   for f in FAMILIES})
     table["gpt_oss"] = lambda: _train_like_one_device(rank, world, "gpt_oss")
     table["gpt_oss-ep"] = lambda: _train_like_one_device(rank, world, "gpt_oss", ep=True)
@@ -174,10 +186,12 @@ def _cases(rank, world, names):
 
 def test_moe_tp2():
     """Every family at TP 2 with the grouped GEMM (gpt-oss: transposed, interleaved gate/up,
-    biases); the eager loop over experts with an intermediate size (45) split 23 / 22; expert
-    parallelism, generate(), a ModuleList of experts, the errors, the bytes."""
-    run_ranks(_cases, 2, FAMILIES + ["gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep",
-                                     "gpt_oss-ep", "generate", "module-list", "errors", "bytes"])
+    biases), by hand and through ``tpx.plans.auto`` (the model's own Hugging Face plan); the
+    eager loop over experts with an intermediate size (45) split 23 / 22; expert parallelism,
+    generate(), a ModuleList of experts, the errors, the bytes."""
+    run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
+        "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
+        "qwen3_moe-auto-ep", "generate", "module-list", "errors", "bytes"])
 
 
 @pytest.mark.slow
@@ -191,6 +205,7 @@ def test_moe_tp3():
 @pytest.mark.slow
 def test_moe_tp4():
     run_ranks(_cases, 4, FAMILIES + [f"{f}-ep" for f in FAMILIES] +
+              [f"{f}-auto" for f in FAMILIES] + [f"{f}-auto-ep" for f in FAMILIES] +
               ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
                "bytes"])
 
@@ -199,7 +214,9 @@ def _generate(rank, world):
     torch.manual_seed(0)
     ref = tiny("mixtral")
     model = copy.deepcopy(ref)
-    tpx.parallelize_module(model, None, plan("mixtral"), strict=False)
+    # the model's own plan with the vocab-parallel head (loss_parallel): generate() sees the
+    # full logits
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, loss_parallel=True))
     ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(3))
     want = ref.generate(ids, max_new_tokens=6, do_sample=False)
     got = model.generate(ids, max_new_tokens=6, do_sample=False)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import ops
+from .moe import MoEIdentityExpert
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
                     ShardedAttention)
@@ -136,20 +137,6 @@ class SplitRopeGrad(ParallelStyle):
         return f"SplitRopeGrad(rope_dim={self.rope_dim})"
 
 
-class ScaleInputByGroup(ParallelStyle):
-    """An identity expert beside tensor-parallel experts whose outputs are summed over the
-    group: its input is divided by the group size so the sum counts it once. Hugging Face's
-    ``moe_identity_expert``."""
-
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        world = pg.size()
-        module.register_forward_pre_hook(lambda m, args: (args[0] / world,) + tuple(args[1:]))
-        return module
-
-    def __repr__(self) -> str:
-        return "ScaleInputByGroup()"
-
-
 class VocabParallelEmbeddingStyle(ParallelStyle):
     """``nn.Embedding`` -> :class:`tpx.VocabParallelEmbedding` (rows of the vocabulary
     sharded, lookups summed), also for a subclass that scales its output (Gemma's
@@ -197,10 +184,11 @@ def _is_scaled_embedding(module: nn.Module) -> bool:
             and "* self.embed_scale" in body[0])
 
 
-def _experts_style(name: str, params: Dict[str, str]) -> ParallelStyle:
-    """``moe_tp_experts``: tpx's experts style, imported when a plan needs it. ``params``: the
-    plan's parameter entries under this module (attribute -> style name), read here and not
-    applied again."""
+def _experts_style(name: str, params: Dict[str, str], experts: str = "tp") -> ParallelStyle:
+    """``moe_tp_experts``: tpx's experts style (``experts="tp"``: expert TP,
+    :class:`~tpx.parallel.moe.ExpertsTensorParallel`; ``"ep"``: expert parallelism,
+    :class:`~tpx.parallel.moe.ExpertsParallel`). ``params``: the plan's parameter entries under
+    this module (attribute -> style name), read here and not applied again."""
     gate_up = [p for p, s in params.items() if s == "packed_colwise"]
     down = [p for p, s in params.items() if s == "rowwise"]
     other = {p: s for p, s in params.items() if p not in gate_up + down}
@@ -211,20 +199,15 @@ def _experts_style(name: str, params: Dict[str, str]) -> ParallelStyle:
             "fused [gate | up] projection, [experts, 2 * intermediate, hidden]) and one "
             "'rowwise' parameter (the down projection, [experts, hidden, intermediate]). "
             "Write the plan for these experts by hand")
-    try:
-        from .moe import ExpertsTensorParallel
-    except ImportError as e:
-        raise ValueError(
-            f"tpx.hf_plan: {name!r} is marked 'moe_tp_experts' (mixture-of-experts "
-            "experts, sharded inside each expert); MoE experts are not supported yet by "
-            "tpx.plans.auto (tpx.parallel.moe.ExpertsTensorParallel is not available: "
-            f"{e}). Use a dense model or write the plan by hand") from e
+    from .moe import ExpertsParallel, ExpertsTensorParallel
+
     kwargs = {}
     if gate_up:
         kwargs["gate_up"] = gate_up[0]
     if down:
         kwargs["down"] = down[0]
-    return ExpertsTensorParallel(packed=True, **kwargs)
+    cls = ExpertsParallel if experts == "ep" else ExpertsTensorParallel
+    return cls(packed=True, **kwargs)
 
 
 def _packed_colwise(module: nn.Module) -> ParallelStyle:
@@ -312,9 +295,9 @@ HF_STYLES: Dict[str, HFStyle] = {s.name: s for s in (
     HFStyle("moe_tp_experts", "each expert's [gate|up] Shard(-2) packed, down Shard(-1); "
             "input R (gradient summed), output P -> R", "tpx.parallel.moe."
             "ExpertsTensorParallel (imported when needed; it shards the experts' parameters)",
-            lambda module, ctx: _experts_style(ctx["name"], ctx["params"])),
+            lambda module, ctx: _experts_style(ctx["name"], ctx["params"], ctx["experts"])),
     HFStyle("moe_identity_expert", "input divided by the TP size (the experts' sum counts it "
-            "once)", "ScaleInputByGroup()", _b(ScaleInputByGroup)),
+            "once)", "tpx.MoEIdentityExpert()", _b(MoEIdentityExpert)),
 )}
 
 
@@ -412,12 +395,19 @@ def _reads_config_heads(module: nn.Module) -> bool:
 
 
 def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
-              sequence_parallel: bool = False, loss_parallel: bool = False) -> Plan:
+              sequence_parallel: bool = False, loss_parallel: bool = False,
+              experts: str = "tp") -> Plan:
     """The tpx plan of a Hugging Face ``model`` from its own TP plan (``tp_plan``: a plan of
     Hugging Face style names to read instead of ``model.tp_plan``), with tpx's additions
     (module docstring). Entries whose pattern matches nothing in this model (a module the
-    config leaves out) are dropped, as transformers does."""
+    config leaves out) are dropped, as transformers does. ``experts``: how the experts a plan
+    marks ``moe_tp_experts`` are split: ``"tp"`` (expert TP, Hugging Face's meaning) or ``"ep"``
+    (expert parallelism: whole experts per rank; docs/experts.md)."""
     from . import plans as _plans
+
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"tpx.hf_plan.translate: `experts` must be 'tp' or 'ep'; got "
+                         f"{experts!r}")
 
     hf = dict(tp_plan) if tp_plan is not None else hf_tp_plan(model)
     if not hf:
@@ -459,7 +449,7 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     # 2. The table.
     plan: Plan = {}
     for key, name in mod_entries.items():
-        ctx = {"name": key, "params": under.get(key, {}), "model": model}
+        ctx = {"name": key, "params": under.get(key, {}), "model": model, "experts": experts}
         plan[key] = HF_STYLES[name].build(first(key), ctx)
 
     # 3. tpx's additions.

@@ -495,7 +495,7 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
 
 
 def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
-         loss_parallel: bool = False) -> Plan:
+         loss_parallel: bool = False, experts: str = "tp") -> Plan:
     """The TP plan for ``model``: a Hugging Face model from its own ``base_model_tp_plan``
     (:func:`tpx.parallel.hf_plan.translate`) or, for GPT-2, by hand; otherwise a plain decoder
     in torchtitan's or gpt-fast's names. Head counts are checked against the TP size when the plan is applied: heads that
@@ -508,7 +508,11 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
     inputs are split at its entry and the LM head returns the full logits, so ``model(ids)``
     is called as before. With ``loss_parallel=True`` the logits stay in the layout's blocks:
     compute the loss inside ``with tpx.loss_parallel(mesh):``. Sequence parallelism is a 1-D
-    notion (multi-dimensional layouts already split the activations)."""
+    notion (multi-dimensional layouts already split the activations).
+
+    ``experts`` (mixture-of-experts models, whose Hugging Face plan marks the experts
+    ``moe_tp_experts``): ``"tp"`` (expert TP: every rank a slice of every expert) or ``"ep"``
+    (expert parallelism: every rank whole experts); docs/experts.md."""
     if layout not in ("1d", "2d", "2.5d", "3d"):
         raise ValueError(f"tpx.plans.auto: `layout` must be '1d', '2d', '2.5d' or '3d'; got "
                          f"{layout!r}")
@@ -526,7 +530,7 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
 
         if hf_plan.has_plan(model):
             return hf_plan.translate(model, sequence_parallel=sequence_parallel,
-                                     loss_parallel=loss_parallel)
+                                     loss_parallel=loss_parallel, experts=experts)
         raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
                          f"{model_type!r}: its config has no base_model_tp_plan, and tpx "
                          f"writes plans by hand only for {sorted(_HF_FAMILIES)}. Write the "
