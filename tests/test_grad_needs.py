@@ -161,16 +161,14 @@ def _linear_ce_case(rank, world):
             continue
         case = f"requires_grad hidden={rh} weight={rw} bias={rb}"
         h, w, b = _leaf(H, rh), _leaf(W[v0:v1], rw), _leaf(Bv[v0:v1], rb)
+        loss = tpx.linear_cross_entropy(h, w, target, bias=b, chunk_size=4, vocab_size=V)
         with tpx.comm_stats() as stats:
-            loss = tpx.linear_cross_entropy(h, w, target, bias=b, chunk_size=4, vocab_size=V)
-            forward_calls = stats.calls()
             loss.backward()
         _check_grad(h, fH.grad, rh, f"hidden {case}")
         _check_grad(w, fW.grad[v0:v1], rw, f"weight {case}")
         _check_grad(b, fB.grad[v0:v1], rb, f"bias {case}")
         if world > 1 and not rh:  # no hidden gradient: its per-chunk all-reduces are skipped
-            assert stats.calls(kind="all_reduce") == 0, (case, stats)
-            assert stats.calls() == forward_calls, (case, stats)
+            assert stats.calls() == 0, (case, stats)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

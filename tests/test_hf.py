@@ -268,6 +268,6 @@ def _check_mesh_token_inputs(rank, world, layout):
 
 
 @pytest.mark.parametrize("layout,world", [("2d", 4), pytest.param("2.5d", 8, marks=pytest.mark.slow),
-                                          ("3d", 8)])
+                                          pytest.param("3d", 8, marks=pytest.mark.slow)])
 def test_mesh_plans_masks_and_positions(layout, world):
     run_ranks(_check_mesh_token_inputs, world, layout)

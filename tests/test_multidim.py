@@ -679,7 +679,8 @@ def _check_layout(rank, world, layout):
 # embedding -> vocab-parallel head -> loss, the tiny Llama decoder through tpx.plans.auto (with
 # and without loss parallelism), and at 2-D on 4 ranks Hugging Face Llama and the plan errors.
 @pytest.mark.parametrize("layout,world", [("2d", 4), pytest.param("2d", 9, marks=pytest.mark.slow),
-                                          ("2.5d", 8), ("3d", 8)])
+                                          pytest.param("2.5d", 8, marks=pytest.mark.slow),
+                                          ("3d", 8)])
 def test_layout_matches_unsharded(layout, world):
     run_ranks(_check_layout, world, layout)
 

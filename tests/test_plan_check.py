@@ -101,7 +101,8 @@ def test_plan_check(world):
 def _check_qwen3(rank, world):
     """Hugging Face's Qwen3 with its TP plan written as tpx styles: plain q_norm / k_norm (the
     per-head norms after the column-parallel q / k projections) are named by the check, their
-    gradients and replicas; with ReplicatedWithGradAllReduce the plan is clean."""
+    gradients and replicas; with ReplicatedWithGradAllReduce the plan is clean. Phi-3's fused
+    gate_up under a plain ColwiseParallel: named at the activation after it."""
     import copy
 
     import transformers
@@ -137,6 +138,25 @@ def _check_qwen3(rank, world):
     fixed = dict(plan, **{pre + "self_attn.q_norm": ReplicatedWithGradAllReduce(),
                           pre + "self_attn.k_norm": ReplicatedWithGradAllReduce()})
     report = tpx.plans.check(copy.deepcopy(model), None, fixed, ids, loss_fn=loss)
+    assert report.ok, str(report)
+
+    # Phi-3's fused [gate | up] projection under a plain ColwiseParallel(): each rank holds a
+    # block of gate features or of up features, never matching halves, and the MLP multiplies
+    # the wrong pairs. Its own output is right (its columns); the activation after the split
+    # is the first module that differs. Split by segments, the plan is clean.
+    cfg = transformers.Phi3Config(vocab_size=211, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=4, pad_token_id=0)
+    torch.manual_seed(0)
+    phi3 = transformers.AutoModelForCausalLM.from_config(cfg)
+    mlp = {"model.layers.*.mlp.down_proj": RowwiseParallel()}
+    naive = dict(mlp, **{"model.layers.*.mlp.gate_up_proj": ColwiseParallel()})
+    report = tpx.plans.check(copy.deepcopy(phi3), None, naive, ids, loss_fn=loss)
+    assert not report.ok, str(report)
+    assert report.first_divergent_module[0] == "model.layers.0.mlp.activation_fn", str(report)
+    assert report.last_matching_module == "model.layers.0.mlp.gate_up_proj", str(report)
+    halves = dict(mlp, **{"model.layers.*.mlp.gate_up_proj": ColwiseParallel(segments=(96, 96))})
+    report = tpx.plans.check(copy.deepcopy(phi3), None, halves, ids, loss_fn=loss)
     assert report.ok, str(report)
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import ops
+from .. import autograd as tpx_autograd
 from .moe import MoEIdentityExpert
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
@@ -54,32 +54,6 @@ Plan = Dict[str, ParallelStyle]
 
 # ------------------------------------------------------------------ small styles of the table
 
-class _SumOutput(torch.autograd.Function):
-    """``P -> R``: forward all-reduce (sum), backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        return ops.mesh_all_reduce(x.contiguous(), pg.group_name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group (``R`` whose consumers
-    each saw part of the computation)."""
-
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ops.mesh_all_reduce(grad.contiguous(), ctx.pg.group_name), None
-
-
 class AllReduceOutput(ParallelStyle):
     """A module whose output is a partial sum on every rank (its parameters already sharded
     by entries inside it): the output is summed over the group. ``P -> R``; backward
@@ -88,7 +62,8 @@ class AllReduceOutput(ParallelStyle):
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
         if pg.size() > 1:
             module.register_forward_hook(
-                lambda m, a, out: _SumOutput.apply(out, pg) if isinstance(out, Tensor) else out)
+                lambda m, a, out: tpx_autograd.all_reduce_sum(out, pg)
+                if isinstance(out, Tensor) else out)
         return module
 
     def __repr__(self) -> str:
@@ -128,7 +103,7 @@ class SplitRopeGrad(ParallelStyle):
             if pg.size() == 1 or not isinstance(out, Tensor):
                 return out
             keep, rope = out.split([out.shape[-1] - n, n], dim=-1)
-            return torch.cat([keep, _SumGrad.apply(rope, pg)], dim=-1)
+            return torch.cat([keep, tpx_autograd.all_reduce_grad(rope, pg)], dim=-1)
 
         module.register_forward_hook(hook)
         return module
