@@ -107,7 +107,8 @@ def test_mistral():
     run_ranks(_check_family, 2, "mistral", False, False)
 
 
-@pytest.mark.parametrize("world,lp", [(2, False), (2, True), (4, False)])
+@pytest.mark.parametrize("world,lp", [(2, False), (2, True),
+                                       pytest.param(4, False, marks=pytest.mark.slow)])
 def test_gpt2_tied_conv1d(world, lp):
     run_ranks(_check_family, world, "gpt2", False, lp)
 
@@ -187,8 +188,9 @@ def _check_generate(rank, world, family):
             assert logits.shape[-1] == tpx.shard_range(V)[1] - tpx.shard_range(V)[0]
 
 
-@pytest.mark.parametrize("family,world", [("llama", 2), ("qwen2", 4), ("gpt2", 2),
-                                          ("gpt_neox", 2)])
+@pytest.mark.parametrize("family,world", [("llama", 2),
+                                          pytest.param("qwen2", 4, marks=pytest.mark.slow),
+                                          ("gpt2", 2), ("gpt_neox", 2)])
 def test_generate_like_one_device(family, world):
     run_ranks(_check_generate, world, family)
 

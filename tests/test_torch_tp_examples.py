@@ -269,7 +269,7 @@ def _transformer_cases(rank, world):
                 for sp in (True, False) for dt in (torch.float64, torch.float32)])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_transformer_training(world):
     run_ranks(_transformer_cases, world)
 
