@@ -10,17 +10,19 @@ gloo, CPU) step after step; at step 3 rank 1 misbehaves in one of these ways:
   raise-continue  as raise-exit, but rank 1 catches the error and goes on with the next batch
                   (a "skip the batch" loop that only one rank runs)
   late            rank 1 arrives 30 s late at the step (a slow disk, a straggler)
+  raise-all       every rank raises the same error in the tpx op (the same bad input on every
+                  rank), catches it and goes on with the next batch
 
 For each, rank 0's outcome: the error it raises (or that it finished), the seconds from the
 fault to that error, and whether anything spun meanwhile: the CPU time of rank 0's gloo
-event-loop threads and of the process per second of waiting. The process groups keep their
-default timeout (30 minutes for gloo) except for raise-continue, which runs with a 20 s
-timeout so that it ends (it waits for the timeout, whatever that is).
+event-loop threads and of the process per second of waiting; and how rank 1 itself ended.
+The process groups keep their default timeout (30 minutes for gloo) except for
+raise-continue, which runs with a 20 s timeout so that a wait for the timeout would still end.
 
     python benchmarks/faults.py            # all scenarios: a table, and results/faults.json
 
-Correctness first: before any fault, the first two steps' losses are compared with the
-unsharded model on rank 0.
+Correctness first: the first two steps' losses are compared with the unsharded model, and
+every step's where the ranks go on after the fault (late, raise-all).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("kill", "raise-exit", "fault-exit", "raise-continue", "late")
+SCENARIOS = ("kill", "raise-exit", "fault-exit", "raise-continue", "late", "raise-all")
 FAULT_STEP = 3
 LATE_SECONDS = 30.0
 
@@ -88,7 +90,13 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
             f.write(repr(time.time()))
 
     def misbehave(module, inputs):
-        if rank != 1 or step != FAULT_STEP or module is not model[2]:
+        if step != FAULT_STEP or module is not model[2]:
+            return None
+        if scenario == "raise-all":
+            if rank == 1:
+                fault_now()
+            return (inputs[0][..., :-1],)  # the same bad input on every rank
+        if rank != 1:
             return None
         if scenario == "kill":
             fault_now()
@@ -121,8 +129,11 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
             except Exception:
                 if rank == 1 and scenario == "raise-continue" and step == FAULT_STEP:
                     continue  # skip the batch, on this rank only
+                if scenario == "raise-all" and step == FAULT_STEP:
+                    continue  # skip the batch, on every rank
                 raise
-            if step <= 2:
+            # Before the fault, and after it where the ranks go on: equal to one device.
+            if step <= 2 or scenario in ("raise-all", "late"):
                 want = ref(x).pow(2).mean()
                 ref_opt.zero_grad()
                 want.backward()
@@ -160,6 +171,9 @@ def run(scenario: str) -> dict:
             p.join()
     path = os.path.join(out_dir, "rank0.json")
     row = json.load(open(path)) if os.path.exists(path) else {"outcome": "no report (hung?)"}
+    path1 = os.path.join(out_dir, "rank1.json")
+    row["rank1_outcome"] = (json.load(open(path1))["outcome"] if os.path.exists(path1)
+                            else "no report (killed, or hung)")
     row["scenario"] = scenario
     row["exit_codes"] = [p.exitcode for p in procs]
     row["wall_seconds"] = round(time.time() - start, 1)
@@ -177,6 +191,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['scenario']:16} {r['outcome'][:70]:70} {r.get('seconds_after_fault', '-'):>8} "
               f"{r.get('loop_thread_cpu_per_s', '-'):>10} {r.get('process_cpu_per_s', '-'):>10}")
+    print(f"\n{'scenario':16} rank 1 (the rank that misbehaved) ends with")
+    for r in rows:
+        print(f"{r['scenario']:16} {r['rank1_outcome'][:110]}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -82,4 +82,6 @@ PYBIND11_MODULE(_C, m) {
         "Tests: one all-reduce, waited on twice; what each wait did.");
   m.def("group_broken_reason", &tpx::group_broken_reason, pybind11::arg("name"),
         "Why tpx marked the group `name` unusable, or None.");
+  m.def("mark_group_broken", &tpx::mark_group_broken, pybind11::arg("name"), pybind11::arg("why"),
+        "Makes every later tpx op on the group `name` raise `why` (the first cause is kept).");
 }

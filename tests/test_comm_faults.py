@@ -419,3 +419,102 @@ def _check_killed_during_save(rank, world, path):
 def test_killed_during_save(tmp_path):
     run_ranks(_check_killed_during_save, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT,
               crashes=(1,))
+
+
+def _check_one_rank_fails(rank, world, where, failing):
+    """A tpx layer or op that raises on one rank while its peers wait in its collective: the
+    peers raise promptly (well within the group's 60 s timeout), naming the failed rank and its
+    error; the failed rank, if it catches the error and goes on with the next batch, raises at
+    its next tpx op instead of pairing its messages with its peers' current step (before, the
+    ranks ran on out of step with wrong sums). tpx closes only its own groups: the user's group
+    and the default group still work afterwards. When every rank fails alike (the same bad
+    input everywhere), nothing is cut off and the next step equals one device."""
+    import tpx.comm_groups
+
+    os.environ["TPX_FAULT_GRACE"] = "1"
+    pg = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU(), torch.nn.Linear(12, 5))
+    model = torch.nn.Sequential(tpx.ColumnParallelLinear.from_linear(ref[0], group=pg),
+                                torch.nn.GELU(),
+                                tpx.RowParallelLinear.from_linear(ref[2], group=pg))
+    gen = torch.Generator().manual_seed(1)
+
+    def step(x, bad=False):
+        if bad and where == "layer":  # a bad input: RowParallelLinear's check raises
+            h = model[1](model[0](x))[..., :-1]
+            return model[2](h).sum()
+        if bad:  # an allocation failing inside the op, after its first collective was posted
+            os.environ["TPX_INJECT_FAULT"] = "1"
+            try:
+                return model(x).sum()
+            finally:
+                os.environ.pop("TPX_INJECT_FAULT")
+        return model(x).sum()
+
+    x = torch.randn(6, 8, generator=gen)
+    close(step(x), ref(x).sum(), "step 1")
+    # Every rank fails alike: the group stays usable.
+    try:
+        step(x, bad=True)
+    except (ValueError, RuntimeError):
+        pass
+    else:
+        raise AssertionError("the bad step did not raise")
+    x = torch.randn(6, 8, generator=gen)
+    close(step(x), ref(x).sum(), "the step after every rank failed alike")
+    # One rank fails.
+    x = torch.randn(6, 8, generator=gen)
+    start = time.monotonic()
+    if rank == failing:
+        try:
+            step(x, bad=True)
+        except (ValueError, RuntimeError) as e:
+            first = e
+        else:
+            raise AssertionError("the bad step did not raise")
+        x = torch.randn(6, 8, generator=gen)  # "skip the batch" on this rank only
+        try:
+            step(x)
+        except RuntimeError as e:
+            assert "can no longer be used by tpx" in str(e) and type(first).__name__ in str(e), e
+        else:
+            raise AssertionError("the failed rank's next step ran (out of step with its peers)")
+    else:
+        # The layer fails before its collective, so the peers' step is cut off; the op fails
+        # after its collective completed, so the peers' step is right and their next one is.
+        for attempt in range(2):
+            try:
+                got = step(x)
+            except RuntimeError as e:
+                waited = time.monotonic() - start
+                assert f"rank {failing} raised" in str(e), e
+                assert waited < 30, f"the peer learnt of the failure after {waited:.1f} s"
+                break
+            if where == "layer" or attempt == 1:
+                raise AssertionError("the step finished without the failed rank")
+            close(got, ref(x).sum(), "the peers' step whose collective the failed rank completed")
+            start = time.monotonic()
+        try:
+            step(x)
+        except RuntimeError as e:
+            assert "can no longer be used by tpx" in str(e), e
+        else:
+            raise AssertionError("a later step ran on the broken group")
+    assert tpx.comm_groups.group_broken_reason(pg) is not None
+    for group in (pg, None):  # the user's groups are untouched
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=group)
+        close(t, torch.full((3,), world * (world + 1) / 2), "the user's group after the fault")
+    before = _loop_thread_ticks()
+    time.sleep(1.0)
+    idle = _loop_thread_ticks() - before
+    assert idle <= 10, f"gloo's loop threads used {idle} ticks in an idle second (spinning)"
+
+
+@pytest.mark.parametrize("where,world,failing", [
+    ("layer", 2, 1), ("mid_op", 2, 1),
+    pytest.param("layer", 3, 2, marks=pytest.mark.slow),
+    pytest.param("mid_op", 4, 0, marks=pytest.mark.slow)])
+def test_one_rank_fails(where, world, failing):
+    run_ranks(_check_one_rank_fails, world, where, failing, timeout=TIMEOUT)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import ops  # noqa: F401  (registers the operators and their fakes)
 from .comm import count_collective
+from .comm_groups import guarded, wire_group
 
 __all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum", "gather_dim", "gather_last_dim", "split_dim", "split_last_dim"]
 
@@ -46,11 +47,13 @@ def register(op: str, backward, setup_context) -> None:
     key, so both paths compute the same thing. Under ``torch.autocast`` the op wrappers cast
     the inputs before ``Function.apply`` (:func:`tpx.amp.eager_call`), above autograd as the
     operator's own Autocast kernel does."""
+    backward = guarded(backward)
     torch.library.register_autograd(f"tpx::{op}", backward, setup_context=setup_context)
     overload = getattr(torch.ops.tpx, op).default
 
     # forward(ctx, ...) rather than a separate setup_context: Function.apply then binds no
     # signature per call (inspect.signature costs as much as the dispatch work saved).
+    @guarded
     def forward(ctx, *args):
         with torch._C._AutoDispatchBelowAutograd():
             output = overload(*args)
@@ -231,7 +234,7 @@ def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Ten
     local = local.contiguous()
     pieces = [torch.empty_like(local) for _ in sizes]
     count_collective(pg, "all_gather", local)
-    dist.all_gather(pieces, local, group=pg)
+    dist.all_gather(pieces, local, group=wire_group(pg))
     # Concatenated along `dim` itself, so the result is contiguous (consumers that reshape it,
     # as a linear layer does with 3-D inputs, need no copy of it).
     return torch.cat([p[..., :s].movedim(-1, dim) for p, s in zip(pieces, sizes)], dim=dim)
@@ -241,11 +244,13 @@ class _GatherDim(torch.autograd.Function):
     """S(dim) -> R forward; backward keeps this rank's slice of the replicated gradient."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, dim, sizes, start, pg):
         ctx.dim, ctx.start, ctx.width = dim, start, x.shape[dim]
         return _gather(x, dim, sizes, pg)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         return grad.narrow(ctx.dim, ctx.start, ctx.width).contiguous(), None, None, None, None
 
@@ -254,11 +259,13 @@ class _SplitDim(torch.autograd.Function):
     """R -> S(dim) forward (this rank's slice); backward gathers the gradient back to R."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, dim, sizes, start, pg):
         ctx.dim, ctx.sizes, ctx.pg = dim, sizes, pg
         return x.narrow(dim, start, sizes[dist.get_rank(pg)]).contiguous()
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         return _gather(grad, ctx.dim, ctx.sizes, ctx.pg), None, None, None, None
 
@@ -277,18 +284,20 @@ class _PartialGradView(torch.autograd.Function):
     reduce-scattered ONCE back to this rank's shard (S(dim) -> R forward's conjugate)."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, box, dim, pg):
         ctx.dim, ctx.pg, ctx.shape = dim, pg, x.shape
         full = box[0]
         return full.view_as(full)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         dim, pg = ctx.dim, ctx.pg
         g = grad.movedim(dim, 0).contiguous()
         out = g.new_empty((g.shape[0] // pg.size(), *g.shape[1:]))
         count_collective(pg, "reduce_scatter", out)
-        dist.reduce_scatter_tensor(out, g, group=pg)
+        dist.reduce_scatter_tensor(out, g, group=wire_group(pg))
         return out.movedim(0, dim), None, None, None
 
 
@@ -353,11 +362,13 @@ class _AllReduceGrad(torch.autograd.Function):
     consumers each saw only part of the data, e.g. under sequence parallelism)."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, pg):
         ctx.pg = pg
         return x.view_as(x)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         return torch.ops.tpx.mesh_all_reduce(grad, ctx.pg.group_name), None
 
@@ -374,12 +385,14 @@ class _AllReduceGrads(torch.autograd.Function):
     with ONE all-reduce (the gradients of a dtype flattened into one buffer)."""
 
     @staticmethod
+    @guarded
     def forward(ctx, pg, *xs):
         ctx.pg = pg
         ctx.meta = [(x.shape, x.dtype, x.device) for x in xs]
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
+    @guarded
     def backward(ctx, *grads):
         grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                  for g, (shape, dtype, device) in zip(grads, ctx.meta)]
@@ -410,10 +423,12 @@ class _AllReduceSum(torch.autograd.Function):
     """``P -> R`` forward (all-reduce); backward passes the replicated gradient through."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, pg):
         return torch.ops.tpx.mesh_all_reduce(x.contiguous(), pg.group_name)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         return grad, None
 
@@ -434,10 +449,12 @@ class _ScaleForward(torch.autograd.Function):
     to ``x`` is the gradient itself)."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, factor):
         return x * factor
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         return grad, None
 
@@ -458,11 +475,13 @@ class _SumGradOverHolders(torch.autograd.Function):
     full-size buffer, used for the small replicated KV projections)."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, index, full_rows, pg):
         ctx.index, ctx.full_rows, ctx.pg = index, full_rows, pg
         return x.view_as(x)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         full = grad.new_zeros((ctx.full_rows,) + tuple(grad.shape[1:]))
         index = _holder_index(ctx.index, grad.device)

@@ -39,6 +39,7 @@ from torch.utils._foreach_utils import (_device_has_foreach_support,
                                         _has_foreach_support)
 
 from .comm import count_collective
+from .comm_groups import wire_group
 from .group import _comm_device
 from .sharding import GroupSharding, sharding_of
 
@@ -178,7 +179,8 @@ def _all_reduce(values: List[Tensor], group: dist.ProcessGroup, use_max: bool) -
     dev = _comm_device(group, buf.device)
     wire = buf.to(dev)
     count_collective(group, "all_reduce", wire)
-    dist.all_reduce(wire, op=dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(wire, op=dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM,
+                    group=wire_group(group))
     buf = wire.to(buf.device)
     if use_max:
         n = len(values)

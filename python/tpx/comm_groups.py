@@ -24,27 +24,45 @@ eager call runs on the user's group, with the backend's own collectives.
 
 Cost: one extra gloo group per group tpx meets (its TCP connections and one event-loop
 thread), made in a few milliseconds.
+
+**A failure on one rank is an error on every rank, promptly.** When an exception leaves a tpx
+op or layer on one rank (bad input, out of memory, Ctrl-C) while its peers may already wait in
+that op's collective, the rank asks, through the default group's store, whether every rank of
+its tpx groups failed with it (the same bad input everywhere, say). If they all did within
+``TPX_FAULT_GRACE`` seconds (default 2), nothing else happens: no collective was left half
+done and the groups stay usable. If not, the rank marks its tpx groups broken and closes their
+connections: a peer waiting in a collective on them raises at once (``RuntimeError`` naming
+the rank that failed and its error) instead of waiting out the group's timeout, or pairing its
+messages with the failed rank's next step, and every later tpx op on those groups raises on
+every rank. Only tpx's own groups are closed; the user's groups stay as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import time
+import uuid
 import weakref
 from datetime import timedelta
-from typing import Dict, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["own", "owned_group", "group_broken_reason", "settings"]
+__all__ = ["own", "owned_group", "group_broken_reason", "settings", "guarded", "wire_group"]
 
 # user group name -> (a weak reference to the user's group, the name of tpx's own group or
 # None when it needs none). Weak, and names only: tpx keeps no group alive past
 # destroy_process_group (a group kept alive would be torn down at interpreter exit instead,
 # with its threads still running).
 _OWNED: Dict[str, Tuple[object, Optional[str]]] = {}
+
+# tpx's own group name -> the id its ranks agreed when it was made (rank 0's), which names
+# the group's keys in the store (group names repeat within a run; ids do not).
+_IDS: Dict[str, str] = {}
 
 _ALLREDUCE_CHOICES = ("exchange", "gloo")
 _POLICY_CHOICES = ("batch", "keep")
@@ -128,6 +146,7 @@ def own(pg: dist.ProcessGroup) -> None:
         _OWNED[name] = (weakref.ref(pg), None)
         return
     mine = settings()
+    mine_id = uuid.uuid4().hex  # not compared: rank 0's becomes the group's id
     before = _gloo_loop_threads()
     owned = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
                            timeout=_timeout(pg), use_local_synchronization=True,
@@ -135,7 +154,10 @@ def own(pg: dist.ProcessGroup) -> None:
     threads = _gloo_loop_threads() - before
     everyone = [None] * pg.size()
     with torch.inference_mode(False):
-        dist.all_gather_object(everyone, mine, group=owned)
+        dist.all_gather_object(everyone, dict(mine, id=mine_id), group=owned)
+    group_id = everyone[0].pop("id")
+    for s in everyone[1:]:
+        s.pop("id")
     differ = {k: [s[k] for s in everyone] for k in mine if any(s[k] != mine[k] for s in everyone)}
     if differ:
         dist.destroy_process_group(owned)
@@ -149,6 +171,7 @@ def own(pg: dist.ProcessGroup) -> None:
     _C.register_owned_group(name, owned.group_name,
                             mine["TPX_GLOO_ALLREDUCE"] == "exchange" and pg.size() == 2)
     _OWNED[name] = (weakref.ref(pg), owned.group_name)
+    _IDS[owned.group_name] = group_id
 
 
 def own_by_name(name: str) -> None:
@@ -178,6 +201,214 @@ def group_broken_reason(group: dist.ProcessGroup) -> Optional[str]:
     in flight and the ranks may be out of step), or ``None``."""
     own_pg = owned_group(group)
     return _C.group_broken_reason((own_pg or group).group_name)
+
+
+def wire_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group a collective tpx issues from Python for ``group`` runs on: tpx's own copy
+    when it has one, else ``group``. Raises, as the C++ ops do, when tpx marked it broken.
+    Under ``torch.compile``, ``group`` itself (the graph uses the backend's collectives)."""
+    if torch.compiler.is_compiling():
+        return group
+    own_pg = owned_group(group)
+    target = own_pg or group
+    why = _C.group_broken_reason(target.group_name)
+    if why is not None:
+        raise RuntimeError(
+            f"tpx: process group '{group.group_name}' can no longer be used by tpx: {why}. The "
+            "ranks of the group no longer agree on which message comes next, so any later "
+            "collective could pair the wrong messages; end the run (or destroy the group and "
+            "make a new one) and resume from the last checkpoint.")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# A failure on one rank: every rank learns of it promptly (module docstring).
+
+_F = TypeVar("_F", bound=Callable)
+_ABORT_TAG = 0x7472  # a receive on tpx's own group that is never sent: see _close
+_FAILURES: Dict[str, int] = {}  # group id -> failures this rank reported on it
+
+
+def guarded(fn: _F) -> _F:
+    """Runs ``fn``; an exception leaving it goes through :func:`_on_failure` first (once per
+    exception, however many guarded calls it unwinds through). Nothing is added under
+    ``torch.compile``, where tpx makes no groups of its own."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except (Exception, KeyboardInterrupt) as exc:
+            replacement = _on_failure(exc)
+            if replacement is not None:
+                raise replacement from exc
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _grace() -> float:
+    value = os.environ.get("TPX_FAULT_GRACE") or "2"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"TPX_FAULT_GRACE must be a number of seconds >= 0; got '{value}'")
+    return seconds
+
+
+def _live_groups() -> List[Tuple[dist.ProcessGroup, str, List[int]]]:
+    """(tpx's own group, its id, its global ranks) for every live group tpx owns here."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out = []
+    for user_ref, owned_name in list(_OWNED.values()):
+        if owned_name is None or user_ref() is None or owned_name not in _IDS:
+            continue
+        try:
+            pg = _resolve_process_group(owned_name)
+            out.append((pg, _IDS[owned_name], dist.get_process_group_ranks(pg)))
+        except Exception:  # destroyed
+            continue
+    return out
+
+
+def _tracing() -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    except Exception:
+        return False
+
+
+def _close(pg: dist.ProcessGroup) -> None:
+    """Closes this rank's connections of ``pg`` (tpx's own gloo group), so that a peer
+    blocked in a collective on it raises at once. Gloo closes every connection of a group
+    when a receive times out; a receive that is never sent, waited on for a millisecond, does
+    that."""
+    me = pg.rank()
+    for peer in range(pg.size()):
+        if peer == me:
+            continue
+        try:
+            work = pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _ABORT_TAG)
+        except Exception:  # this connection is already closed: try the next
+            continue
+        try:
+            work.wait(timedelta(milliseconds=1))
+        except Exception:
+            pass
+        return
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def _is_communication_failure(exc: BaseException, groups) -> bool:
+    if any(_C.group_broken_reason(pg.group_name) is not None for pg, _, _ in groups):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection" in text
+                                              or "pair closure" in text)
+
+
+def _on_failure(exc: BaseException) -> Optional[BaseException]:
+    """What this rank does when ``exc`` leaves a tpx op or layer (module docstring). Returns
+    the error to raise instead (a peer's failure, explained), or ``None`` to re-raise ``exc``."""
+    if getattr(exc, "_tpx_failure_seen", False) or _tracing():
+        return None
+    try:
+        exc._tpx_failure_seen = True  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    if "can no longer be used by tpx" in str(exc):
+        return None  # an op on a group already broken: its error says why
+    try:
+        return _handle_failure(exc)
+    except Exception:  # never hide the user's error behind one of tpx's own
+        return None
+
+
+def _handle_failure(exc: BaseException) -> Optional[BaseException]:
+    groups = _live_groups()
+    if not groups:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
+    except Exception:
+        store, rank = None, dist.get_rank() if dist.is_initialized() else -1
+
+    def broken_reason() -> Optional[str]:
+        if store is None:
+            return None
+        for _, gid, _ in groups:
+            key = f"tpx/{gid}/broken"
+            try:
+                if store.check([key]):
+                    return store.get(key).decode()
+            except Exception:
+                return None
+        return None
+
+    mine = _first_line(exc)
+    why = broken_reason()
+    told = why is not None  # another rank's failure, recorded before it closed its groups
+    own_failure = not told and not _is_communication_failure(exc, groups)
+    if own_failure and store is not None:
+        # Did every rank of every group fail here too? Then nothing is left half done.
+        grace = _grace()
+        wanted = []
+        try:
+            for _, gid, ranks in groups:
+                k = _FAILURES[gid] = _FAILURES.get(gid, 0) + 1
+                store.set(f"tpx/{gid}/failed/{k}/{rank}", mine)
+                wanted += [f"tpx/{gid}/failed/{k}/{r}" for r in ranks if r != rank]
+            deadline = time.monotonic() + grace
+            while True:
+                missing = [key for key in wanted if not store.check([key])]
+                if not missing:
+                    return None  # every rank failed with this one: the groups stay in step
+                why = broken_reason()
+                if why is not None or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+        except Exception:  # the store is gone (rank 0 ended): the group cannot be trusted
+            missing = ["?"]
+        if why is None:
+            silent = sorted({int(key.rsplit("/", 1)[1]) for key in missing if key != "?"})
+            why = (f"rank {rank} raised {mine} inside a tpx op"
+                   + (f" while rank(s) {silent} did not (they were waiting in its collective, "
+                      f"or more than TPX_FAULT_GRACE={grace:g} s late)" if silent else ""))
+    elif why is None:
+        why = f"a collective failed on rank {rank}: {mine}"
+    if store is not None:
+        for _, gid, _ in groups:
+            try:
+                if not store.check([f"tpx/{gid}/broken"]):
+                    store.set(f"tpx/{gid}/broken", why)
+            except Exception:
+                break
+    for pg, _, _ in groups:
+        _C.mark_group_broken(pg.group_name, why)
+        _close(pg)
+    if not told:
+        # This rank's own error, or its collective failed (a peer died): the error says so
+        # best; its later tpx ops raise `why`.
+        return None
+    replacement = RuntimeError(
+        f"tpx: {why}. This rank's tpx collectives were cut off so that it learns of it now "
+        "rather than after the group's timeout; tpx's process groups can no longer be used "
+        "(the user's groups are untouched): end the run and resume from the last checkpoint. "
+        f"This rank's error: {mine}")
+    replacement._tpx_failure_seen = True  # type: ignore[attr-defined]
+    return replacement
 
 
 def _forget_all() -> None:  # tests

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the operator library)
 from . import amp as _amp  # the operators' torch.autocast kernels (and the eager casts)
-from .comm_groups import own as _own, own_by_name as _own_by_name
+from .comm_groups import guarded, own as _own, own_by_name as _own_by_name
 from .group import GroupLike, check_same_on_ranks, resolve_group
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 
+@guarded
 def all_gather_matmul(
     a: Tensor,
     b: Tensor,
@@ -122,6 +123,7 @@ def _rank_major(staged: Tensor, a: Tensor, gather_dim: int, world: int,
     return staged.index_select(gd, index.to(staged.device))
 
 
+@guarded
 def matmul_reduce_scatter(
     a: Tensor,
     b: Tensor,
@@ -151,6 +153,7 @@ def matmul_reduce_scatter(
     return _call("matmul_reduce_scatter", a, b, scatter_dim, name, chunks, bias)
 
 
+@guarded
 def matmul_all_reduce(
     a: Tensor,
     b: Tensor,
@@ -176,6 +179,7 @@ def matmul_all_reduce(
     return _call("matmul_all_reduce", a, b, name, chunks, bias)
 
 
+@guarded
 def replicated_matmul(
     a: Tensor,
     b: Tensor,
@@ -224,6 +228,7 @@ def cpu_gemm_backend() -> str:
     return torch.ops.tpx.cpu_gemm_backend()
 
 
+@guarded
 def vocab_parallel_cross_entropy_rows(
     logits: Tensor,
     target: Tensor,
@@ -247,6 +252,7 @@ def vocab_parallel_cross_entropy_rows(
                  ignore_index, label_smoothing, inplace_backward)
 
 
+@guarded
 def vocab_parallel_embedding(
     weight: Tensor,
     ids: Tensor,
@@ -269,6 +275,7 @@ def vocab_parallel_embedding(
                  padding_idx)
 
 
+@guarded
 def linear_cross_entropy_rows(
     hidden: Tensor,
     weight: Tensor,
@@ -515,6 +522,7 @@ def _linear_cross_entropy_backward_fake(grad_loss, hidden, weight, bias, target,
 # ---------------------------------------------------------------------------------------------
 
 
+@guarded
 def linear_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], row_group: str,
               col_group: str, depth_group: Optional[str] = None) -> Tensor:
     """2-D SUMMA ``Y = X A`` (``A = W^T``) over a q x q grid, q pipelined steps: step ``l``
@@ -533,6 +541,7 @@ def linear_2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], row_group: str,
     return _call("linear_2d", x, weight, bias, row_group, col_group, depth_group)
 
 
+@guarded
 def linear_3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], input_group: str,
               batch_group: str, hidden_group: str,
               chunks: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
@@ -552,12 +561,14 @@ def linear_3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], input_group: st
     return _call("linear_3d", x, weight, bias, input_group, batch_group, hidden_group, chunks)
 
 
+@guarded
 def mesh_all_reduce(x: Tensor, group: str) -> Tensor:
     """Out-of-place sum of ``x`` over the group named ``group``: ``P -> R``."""
     _mesh_groups("mesh_all_reduce", (group,), (x,))
     return _call("mesh_all_reduce", x, group)
 
 
+@guarded
 def mesh_all_gather(x: Tensor, group: str) -> Tensor:
     """Every rank's ``x`` stacked in rank order: ``[world, *x.shape]``."""
     _mesh_groups("mesh_all_gather", (group,), (x,))

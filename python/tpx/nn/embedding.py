@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd  # also registers the backward of every op
 from .. import ops
+from ..comm_groups import guarded
 from ..checks import check_values
 from .dtensor_io import Replicate, local_input
 from ..sharding import KeepsParamSharding, describe_params
@@ -136,6 +137,7 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         return cls(group=group, src_rank=src_rank, **_embedding_kwargs(cls, embedding, kwargs),
                    **kwargs)
 
+    @guarded
     def forward(self, ids: Tensor) -> Tensor:
         ids = local_input(ids, Replicate(), self.group, "VocabParallelEmbedding")
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -244,6 +246,7 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         return cls(group=group, src_rank=src_rank, **_embedding_kwargs(cls, embedding, kwargs),
                    **kwargs)
 
+    @guarded
     def forward(self, ids: Tensor) -> Tensor:
         ids = local_input(ids, Replicate(), self.group, "ColumnParallelEmbedding")
         y = torch.nn.functional.embedding(ids, self.weight, self.padding_idx)

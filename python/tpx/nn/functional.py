@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
 from .. import ops
+from ..comm_groups import guarded
 from ..amp import loss_dtype
 from ..checks import check_values
 from ..group import GroupLike, resolve_group, vocab_layout
@@ -59,6 +60,7 @@ def _reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str
     return (total / (target != ignore_index).sum()).to(dtype)
 
 
+@guarded
 def vocab_parallel_cross_entropy(
     logits: Tensor,
     target: Tensor,
@@ -168,6 +170,7 @@ def default_chunk_size(vocab_size: int, world_size: int) -> int:
     return max(1, (1 << 24) // max(widest, 1))
 
 
+@guarded
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from .. import ops
+from ..comm_groups import guarded
 from ..amp import autocast_casts
 from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
                      resolve_group, shard_sizes)
@@ -276,6 +277,7 @@ class ColumnParallelLinear(_ParallelLinear):
         arguments of the constructor (``gather_output``, ``sequence_parallel``, ...)."""
         return cls._from_linear(linear, group, src_rank, kwargs)
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         # A DTensor input is redistributed to R (S(sequence_dim) with sequence parallelism).
         x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
@@ -386,6 +388,7 @@ class RowParallelLinear(_ParallelLinear):
         checked)."""
         return cls._from_linear(linear, group, src_rank, kwargs)
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         # A DTensor input is redistributed to S(-1) (R with input_is_parallel=False).
         x = local_input(x, Shard(-1) if self.input_is_parallel else Replicate(), self.group,

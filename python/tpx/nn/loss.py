@@ -7,6 +7,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from ..group import GroupLike, SharesGroupOnCopy, resolve_group
+from ..comm_groups import guarded
 from .functional import vocab_parallel_cross_entropy
 
 __all__ = ["VocabParallelCrossEntropyLoss"]
@@ -29,6 +30,7 @@ class VocabParallelCrossEntropyLoss(SharesGroupOnCopy, nn.Module):
         self.label_smoothing, self.inplace_backward = label_smoothing, inplace_backward
         self.vocab_size = vocab_size
 
+    @guarded
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(
             logits, target, group=self.group, ignore_index=self.ignore_index,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
+from ..comm_groups import guarded
 from ..group import shard_sizes, _range
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
@@ -55,6 +56,7 @@ def _local_out(use_local_output) -> bool:
     return use_local_output is None or bool(use_local_output)
 
 
+@guarded
 def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh=None):
     """Changes the placement of a tensor from ``src`` to ``dst`` (R <-> S(d)).
 

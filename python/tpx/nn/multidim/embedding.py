@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from ...comm_groups import guarded
 from torch import Tensor, nn
 
 from ...mesh import check_mesh
@@ -20,11 +21,13 @@ class _SumGradOver(torch.autograd.Function):
     sums its gradient over them (each rank saw only its batch block)."""
 
     @staticmethod
+    @guarded
     def forward(ctx, w, groups):
         ctx.groups = groups
         return w.view_as(w)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         return _sum_over(grad.contiguous(), ctx.groups), None
 
@@ -113,6 +116,7 @@ class Embedding2D(_MeshParams, nn.Module):
         return dict(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
                     padding_idx=self.padding_idx, hidden_mesh_dim=self.hidden_mesh_dim)
 
+    @guarded
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.is_floating_point():
             raise TypeError(f"tpx.{type(self).__name__}: `ids` must be an integer Tensor")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from ...comm_groups import guarded
 from torch import Tensor
 
 from ...mesh import MeshInfo
@@ -162,6 +163,7 @@ class _SplitInput(torch.autograd.Function):
     """R -> the layout's blocks; backward all-gathers the gradient blocks back to R."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, info, bdims, hdims):
         ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
         bi, bn = _block(info, bdims)
@@ -170,6 +172,7 @@ class _SplitInput(torch.autograd.Function):
         return x.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous()
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         g = _gather_dim(grad.contiguous(), ctx.info, grad.dim() - 1, ctx.hdims)
         g = _gather_dim(g, ctx.info, 0, ctx.bdims)
@@ -180,6 +183,7 @@ class _GatherOutput(torch.autograd.Function):
     """The layout's blocks -> R; backward keeps this rank's block of the replicated gradient."""
 
     @staticmethod
+    @guarded
     def forward(ctx, y, info, bdims, hdims):
         ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
         ctx.shape = y.shape
@@ -187,6 +191,7 @@ class _GatherOutput(torch.autograd.Function):
         return _gather_dim(g, info, 0, bdims)
 
     @staticmethod
+    @guarded
     def backward(ctx, grad):
         bi, _ = _block(ctx.info, ctx.bdims)
         hi, _ = _block(ctx.info, ctx.hdims)
@@ -194,6 +199,7 @@ class _GatherOutput(torch.autograd.Function):
         return grad.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous(), None, None, None
 
 
+@guarded
 def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Tensor:
     """This rank's block of a full (replicated) activation ``x [B, ..., H]`` in the input
     placement of the mesh's layout (differentiable: the backward all-gathers the gradient).
@@ -243,6 +249,7 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
     return _mark(_SplitInput.apply(x, info, bdims, hdims), _layout_of(info, hidden_mesh_dim))
 
 
+@guarded
 def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Tensor:
     """The full tensor ``[B, ..., H]`` (R) from every rank's block ``y`` in the mesh's layout
     (the inverse of :func:`split_input`, same placements). Differentiable: the backward keeps

@@ -7,6 +7,7 @@ from typing import List, Optional
 from torch import Tensor, nn
 
 from ... import ops
+from ...comm_groups import guarded
 from ...amp import autocast_casts
 from ...mesh import check_mesh
 from ..linear import _full_linear_init
@@ -138,6 +139,7 @@ class Linear2D(_MultiDimLinear):
     def _weight_splits(self):
         return ("col",), ("row",)
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         _check_layout(type(self).__name__, x, self._in_layout)
@@ -218,6 +220,7 @@ class Linear3D(_MultiDimLinear):
     def _weight_splits(self):
         return (self.output_mesh_dim, "input"), (self.hidden_mesh_dim,)
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         _check_layout(type(self).__name__, x, self._in_layout, linear=True)

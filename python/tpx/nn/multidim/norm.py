@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import ops
+from ...comm_groups import guarded
 from ...amp import norm_input
 from ...mesh import MeshInfo, check_mesh
 from .blocks import (BlockSpec, _MeshParams, _block, _check_divides, _check_hidden_dim,
@@ -40,6 +41,7 @@ class _LayerNormFn(torch.autograd.Function):
     all-reduce; the weight and bias gradients are summed over the batch-splitting groups."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, weight, bias, eps, features, hidden_group, batch_groups):
         xf = x.float()
         h = x.shape[-1]
@@ -60,6 +62,7 @@ class _LayerNormFn(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @guarded
     def backward(ctx, dy):
         xhat, rstd, weight = ctx.saved_tensors
         features, hidden_group, batch_groups, has_bias = ctx.args
@@ -93,6 +96,7 @@ class _RMSNormFn(torch.autograd.Function):
     weight gradient is summed over the batch-splitting groups."""
 
     @staticmethod
+    @guarded
     def forward(ctx, x, weight, eps, features, hidden_group, batch_groups):
         xf = x.float()
         ss = ops.mesh_all_reduce(xf.square().sum(-1, keepdim=True), hidden_group)
@@ -106,6 +110,7 @@ class _RMSNormFn(torch.autograd.Function):
         return weight * xn.to(x.dtype)
 
     @staticmethod
+    @guarded
     def backward(ctx, dy):
         xf, rstd, weight = ctx.saved_tensors
         features, hidden_group, batch_groups = ctx.args
@@ -231,6 +236,7 @@ class LayerNorm2D(_MultiDimNorm):
                                  hidden_mesh_dim=hidden_mesh_dim, dtype=str(_param_dtype(ln))),
             configure, {"weight": ln.weight, "bias": ln.bias})
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         _check_layout(type(self).__name__, x, self._in_layout)
@@ -335,6 +341,7 @@ class RMSNorm2D(_MultiDimNorm):
                                  dtype=str(None if weight is None else weight.dtype)),
             configure, {"weight": weight})
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         _check_layout(type(self).__name__, x, self._in_layout)
