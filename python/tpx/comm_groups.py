@@ -160,6 +160,10 @@ def own(pg: dist.ProcessGroup) -> None:
         s.pop("id")
     differ = {k: [s[k] for s in everyone] for k in mine if any(s[k] != mine[k] for s in everyone)}
     if differ:
+        # The pause lets gloo's threads free the exchange's tensors first: torch before 2.8
+        # destroys a group holding the GIL, which those threads need (the deadlock that
+        # tpx.end_run sidesteps the same way).
+        time.sleep(0.2)
         dist.destroy_process_group(owned)
         raise ValueError(
             f"tpx: the ranks of process group '{name}' run with different settings that shape "
@@ -287,9 +291,9 @@ def _tracing() -> bool:
 
 def _close(pg: dist.ProcessGroup) -> None:
     """Closes this rank's connections of ``pg`` (tpx's own gloo group), so that a peer
-    blocked in a collective on it raises at once. Gloo closes every connection of a group
-    when a receive times out; a receive that is never sent, waited on for a millisecond, does
-    that."""
+    blocked in a collective on it raises at once. Gloo closes the connections of a group
+    when a receive times out; a receive from each peer that is never sent, waited on for a
+    millisecond, does that."""
     me = pg.rank()
     for peer in range(pg.size()):
         if peer == me:
@@ -302,7 +306,9 @@ def _close(pg: dist.ProcessGroup) -> None:
             work.wait(timedelta(milliseconds=1))
         except Exception:
             pass
-        return
+        # Newer gloo closes every connection of the group on the first timeout (the next
+        # posts raise); with torch 2.5's gloo one receive did not reach every peer of a
+        # four-rank group, so every peer gets its own.
 
 
 def _first_line(exc: BaseException) -> str:
