@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
@@ -54,8 +55,16 @@ def _excess_wire(model, sp, p):
 
 
 def _check_1d(tmp_path, p):
-    rows = bench_bytes.main(["--tp", str(p), "--models", "transformer", "decoder", "llama",
-                             "--out", str(tmp_path)] + SMALL)
+    models = ["transformer", "decoder", "llama"]
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+        # torch 2.5's DTensor carries state from one model's row-wise embedding into the next
+        # model's in the same process (PyTorch's TP alone fails there: an embedding gradient
+        # of the previous model's vocabulary); one process per model keeps them apart.
+        rows = [r for m in models for r in bench_bytes.main(
+            ["--tp", str(p), "--models", m, "--out", str(tmp_path / m)] + SMALL)]
+    else:
+        rows = bench_bytes.main(["--tp", str(p), "--models", *models,
+                                 "--out", str(tmp_path)] + SMALL)
     by = {(MODEL[r["model"]], r["sequence_parallel"], r["library"]): r for r in rows}
     assert len(by) == 7, sorted(by)
     for (model, sp), libs in EXCESS.items():
