@@ -98,7 +98,7 @@ def test_llama_gqa(world):
     run_ranks(_check_family, world, "llama", False, world == 2)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_family_sequence_and_loss_parallel(family):
     run_ranks(_check_family, 4 if family == "llama" else 2, family, True, True)
 

@@ -57,7 +57,7 @@ def _check_decoder(rank, world):
         ref.zero_grad()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_decoder_matches_unsharded(world):
     run_ranks(_check_decoder, world)
 
