@@ -347,6 +347,13 @@ def measure(meter: Meter, cfg: dict, spec: dict, layout: str, sp: bool, depth, m
             world: int, rank: int, ref: tuple, ids, labels) -> dict:
     """The phases of the module docstring for one configuration on this rank; the losses are
     checked against ``ref`` on every rank before the numbers are kept."""
+    if layout == "1d" and world > 1:
+        # The TP mesh of the group (a DeviceMesh holds a small tensor of its ranks) exists
+        # before the model is built, as in a PyTorch TP script: it is not the parameters.
+        from tpx.nn.dtensor_io import mesh_for_group
+
+        mesh_for_group(dist.group.WORLD, meter.device.type if hasattr(meter.device, "type")
+                       else str(meter.device))
     base = meter.now()
     model = build_model(cfg, layout, sp, mesh, world, meter.device)
     params_meas = meter.now() - base

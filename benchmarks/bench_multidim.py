@@ -457,6 +457,8 @@ def expected_param_grads(ref: Block, blk: Block, layout: str, mesh) -> list:
 
 
 def _nbytes(t) -> int:
+    """Bytes this rank stores (the local part of a DTensor)."""
+    t = getattr(t, "_local_tensor", t)
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
@@ -481,12 +483,12 @@ class SavedBytes:
     """Bytes autograd keeps for the backward, beyond the parameters (unique storages)."""
 
     def __init__(self, params) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.skip = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in params}
         self.seen = {}
 
     def pack(self, t):
         try:
-            st = t.untyped_storage()
+            st = getattr(t, "_local_tensor", t).untyped_storage()
             if st.data_ptr() not in self.skip:
                 self.seen[st.data_ptr()] = st.nbytes()
         except (RuntimeError, NotImplementedError):
@@ -553,6 +555,7 @@ def measure_case(layout: str, depth, block: str, mesh, shape: dict, *, chunks=No
         try:
             if got is None:
                 raise AssertionError("it is None")
+            got = getattr(got, "_local_tensor", got)  # a DTensor parameter's gradient: its part
             torch.testing.assert_close(got.detach(), want.detach(), **TOL)
         except AssertionError as e:
             errors.append(f"the {what} differs from the unsharded block: {e}")

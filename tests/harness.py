@@ -142,8 +142,9 @@ def assert_like_unsharded(model, ref, what, *, grad=False, rtol=1e-5, atol=1e-6,
     """Every parameter of the sharded ``model`` (its gradient with ``grad=True``) equals this
     rank's part of the same-named parameter of the unsharded ``ref``: the block the parameter's
     layout gives it (``tpx.checkpoint``'s description of a sharded parameter) or the whole
-    tensor. ``local`` maps the compared tensor of ``model`` first (``DTensor.full_tensor``
-    under FSDP2). Both models have the same parameter names; a gradient missing on one side
+    tensor (a replicated one, or the full tensor that ``local`` gathered). ``local`` maps the
+    compared tensor of ``model`` first (``DTensor.full_tensor`` under FSDP2); a ``DTensor``
+    left is compared by its local part. Both models have the same parameter names; a gradient missing on one side
     must be missing on the other; at least one tensor is compared."""
     import torch
     import tpx.checkpoint
@@ -163,15 +164,33 @@ def assert_like_unsharded(model, ref, what, *, grad=False, rtol=1e-5, atol=1e-6,
                     f"{'has one' if expected is not None else 'none'}, sharded "
                     f"{'has one' if got is not None else 'none'}")
                 continue
-        if key in sharded:
-            expected = sharded[key].slice_of(expected)
         if local is not None:
             got = local(got)
+        got = local_vs(got, expected)
+        if key in sharded and tuple(got.shape) != tuple(expected.shape):
+            expected = sharded[key].slice_of(expected)  # this rank's part
         torch.testing.assert_close(
             got.detach(), expected.detach(), rtol=rtol, atol=atol,
             msg=lambda m, key=key: f"{what}: {'gradient of ' if grad else ''}{key}: {m}")
         compared += 1
     assert compared, f"{what}: nothing compared"
+
+
+def local_part(t):
+    """A tpx parameter (a ``DTensor``) as this rank stores it: its local part."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_vs(actual, expected):
+    """``actual`` as compared with ``expected``: a ``DTensor`` (a tpx parameter, its gradient)
+    set against a plain tensor (this rank's slice of the unsharded one) is its local part."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(actual, DTensor) and not isinstance(expected, DTensor):
+        return actual.to_local()
+    return actual
 
 
 def comm_counts(stats) -> dict:

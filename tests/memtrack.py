@@ -22,6 +22,13 @@ def _key(t: torch.Tensor):
     return st, (st.data_ptr(), st.nbytes())
 
 
+def _plain_cpu(t) -> bool:
+    """A plain CPU tensor (a wrapper subclass such as ``DTensor`` has no storage of its own: the
+    storage of its local tensor is seen where that tensor is made)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and not t.is_meta)
+
+
 class PeakMemory(TorchDispatchMode):
     """``with PeakMemory() as m: ...`` then ``m.peak`` (bytes) and ``m.sizes`` (every new
     storage's size, in order of allocation)."""
@@ -42,14 +49,14 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+            if _plain_cpu(t):
                 st, key = _key(t)
                 if key not in self._ours and key not in self._known:
                     self._known.add(key)
                     weakref.finalize(st, self._known.discard, key)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+            if _plain_cpu(t):
                 st, key = _key(t)
                 if key[1] == 0 or key in self._ours or key in self._known:
                     continue

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_vs
 
 BF16 = torch.bfloat16
 
@@ -29,6 +29,7 @@ def _autocast(dtype=BF16):
 def close_lowp(actual, lowp, ref64, what, factor=4.0):
     """``actual`` (tpx under autocast) has the dtype of ``lowp`` (torch under autocast), and its
     error against the float64 ``ref64`` is at most ``factor`` times torch's own."""
+    actual = local_vs(actual, lowp)
     assert actual.dtype == lowp.dtype, f"{what}: dtype {actual.dtype}, torch gives {lowp.dtype}"
     assert actual.shape == lowp.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(lowp.shape)}"
     ref = ref64.double()
@@ -41,6 +42,7 @@ def close_lowp(actual, lowp, ref64, what, factor=4.0):
 
 
 def close(actual, expected, what, **tol):
+    actual = local_vs(actual, expected)
     torch.testing.assert_close(actual, expected, **(tol or dict(rtol=1e-5, atol=1e-5)),
                                msg=lambda m: f"{what}: {m}")
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import tpx
 import tpx.checkpoint
-from harness import assert_like_unsharded, run_ranks
+from harness import assert_like_unsharded, run_ranks, local_part
 from torch_compat import fully_shard, needs_fsdp2_on_cpu, get_total_norm
 
 V = 13  # uneven over 2 and 3 ranks
@@ -92,6 +92,7 @@ def _check_state(model, ref, what):
     world = dist.get_world_size()
     for name, p in model.named_parameters():
         if tpx.sharding.sharding_of(p) is None:
+            p = local_part(p)  # a replicated DTensor (a row layer's bias): the whole tensor
             copies = [torch.empty_like(p) for _ in range(world)]
             dist.all_gather(copies, p.detach().contiguous())
             for r, c in enumerate(copies):
@@ -121,9 +122,13 @@ def _check_tp(rank, world):
             total = tpx.get_total_norm([p.grad for p in params], norm_type, parameters=params)
         assert stats.calls() == 1 and stats.calls(pg, "all_reduce") == 1, (what, stats)
         _close(total, expected, f"get_total_norm ({what})")
-        # What torch's function sees on a rank: its own shards only, less than the full norm
-        # (under the inf-norm, the rank holding the largest entry happens to get it right).
-        local = get_total_norm([p.grad for p in params], norm_type)
+        # torch's function on this mix of DTensor gradients (the tpx layers') and plain ones
+        # (norms, which PyTorch's TP leaves plain too) refuses, as under PyTorch's TP; on the
+        # local tensors alone it sees this rank's shards only: less than the full norm (under
+        # the inf-norm, the rank holding the largest entry happens to get it right).
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            get_total_norm([p.grad for p in params], norm_type)
+        local = get_total_norm([local_part(p.grad) for p in params], norm_type)
         if norm_type != math.inf:
             assert local < expected * (1 - 1e-3), (what, float(local), float(expected))
 
@@ -234,7 +239,7 @@ def _check_nonfinite(rank, world):
         row = torch.tensor([model.w1.out_start])  # the first row rank `bad_rank` holds
         dist.broadcast(row, src=bad_rank)
         if rank == bad_rank:
-            model.w1.weight.grad[0, 1] = value
+            local_part(model.w1.weight.grad)[0, 1] = value  # this rank's first row
         ref.w1.weight.grad[int(row), 1] = value
         saved = [p.grad.clone() for p in model.parameters()]
         with pytest.raises(RuntimeError, match="non-finite"):

@@ -16,12 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_vs
 
 TIMEOUT = 90
 
 
 def close(actual, expected, what, tol=1e-5):
+    actual = local_vs(actual, expected)
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 

@@ -16,11 +16,12 @@ import torch.nn as nn
 
 import tpx
 import tpx.checkpoint
-from harness import assert_like_unsharded, run_ranks
+from harness import assert_like_unsharded, run_ranks, local_vs
 from tpx.parallel import compat
 
 
 def close(a, b, what):
+    a = local_vs(a, b)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 

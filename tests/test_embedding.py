@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_part
 
 V, D = 1003, 8
 
@@ -34,7 +34,7 @@ def _check_embedding(rank, world):
             y_ref, gy = y_ref.narrow(seq_dim, rank * s, s), gy.narrow(seq_dim, rank * s, s)
         torch.testing.assert_close(y, y_ref.detach(), rtol=0, atol=0, msg=case)
         (y * gy).sum().backward()
-        torch.testing.assert_close(emb.weight.grad, ref.weight.grad[emb.vocab_start:emb.vocab_end],
+        torch.testing.assert_close(local_part(emb.weight.grad), ref.weight.grad[emb.vocab_start:emb.vocab_end],
                                    rtol=1e-5, atol=1e-5, msg=case)
 
 
@@ -48,7 +48,7 @@ def _check_init_and_errors(rank, world):
     ref = nn.Embedding(V, D, padding_idx=3)
     torch.manual_seed(8)
     emb = tpx.VocabParallelEmbedding(V, D, padding_idx=3)
-    assert torch.equal(emb.weight, ref.weight[emb.vocab_start:emb.vocab_end].detach())
+    assert torch.equal(local_part(emb.weight), ref.weight[emb.vocab_start:emb.vocab_end].detach())
     for bad in (V, -1):
         with pytest.raises(ValueError, match=f"id {bad} is outside the table"):
             emb(torch.tensor([[0, bad]]))
@@ -107,14 +107,14 @@ def _check_column_embedding(rank, world):
         y = emb(ids)
         torch.testing.assert_close(y, y_ref if gather else y_ref[..., start:end].contiguous())
         (y * (g if gather else g[..., start:end])).sum().backward()
-        torch.testing.assert_close(emb.weight.grad, ref.weight.grad[:, start:end])
+        torch.testing.assert_close(local_part(emb.weight.grad), ref.weight.grad[:, start:end])
         full = tpx.checkpoint.full_state_dict(model)
         torch.testing.assert_close(full["0.weight"], ref.weight.detach())
     # Seeded construction equals nn.Embedding's initialisation.
     torch.manual_seed(4)
     built = tpx.ColumnParallelEmbedding(V, D, padding_idx=2)
     torch.manual_seed(4)
-    torch.testing.assert_close(built.weight, nn.Embedding(V, D, padding_idx=2).weight[:, start:end])
+    torch.testing.assert_close(local_part(built.weight), nn.Embedding(V, D, padding_idx=2).weight[:, start:end])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

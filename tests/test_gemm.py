@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import tpx
-from harness import run_ranks
+from harness import local_part, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["aten", "auto"]
@@ -183,10 +183,10 @@ def _mlp_both_backends(rank, world, backend):
             assert col.weight.grad is None and row.weight.grad is None
         else:
             c0, c1 = col.out_start, col.out_end
-            torch.testing.assert_close(col.weight.grad, ref1.weight.grad[c0:c1], **tol)
-            torch.testing.assert_close(col.bias.grad, ref1.bias.grad[c0:c1], **tol)
-            torch.testing.assert_close(row.weight.grad, ref2.weight.grad[:, c0:c1], **tol)
-            torch.testing.assert_close(row.bias.grad, ref2.bias.grad, **tol)
+            torch.testing.assert_close(local_part(col.weight.grad), ref1.weight.grad[c0:c1], **tol)
+            torch.testing.assert_close(local_part(col.bias.grad), ref1.bias.grad[c0:c1], **tol)
+            torch.testing.assert_close(local_part(row.weight.grad), ref2.weight.grad[:, c0:c1], **tol)
+            torch.testing.assert_close(local_part(row.bias.grad), ref2.bias.grad, **tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_vs
 
 COMBOS = list(itertools.product((True, False), repeat=3))  # (input, weight, bias)
 
 
 def close(actual, expected, what):
+    actual = local_vs(actual, expected)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 

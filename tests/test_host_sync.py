@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_part
 
 _READS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist")
 
@@ -79,7 +79,7 @@ def _errors_still_clear(rank, world):
         emb(torch.tensor([[1, 11]]))
     with pytest.raises(ValueError, match="id -3 is outside the table"):
         emb(torch.tensor([[-3, 2]]))
-    logits = torch.randn(2, emb.weight.shape[0])
+    logits = torch.randn(2, local_part(emb.weight).shape[0])  # this rank's vocabulary rows
     with pytest.raises(ValueError, match="target id 12 is outside the vocabulary"):
         tpx.vocab_parallel_cross_entropy(logits, torch.tensor([0, 12]), vocab_size=V)
     os.environ["TPX_INPUT_CHECKS"] = "sync"

@@ -14,11 +14,12 @@ from torch import nn
 
 import tpx
 import tpx.checkpoint
-from harness import assert_like_unsharded, from_rank, run_ranks
+from harness import assert_like_unsharded, from_rank, run_ranks, local_vs, local_part
 from memtrack import PeakMemory
 
 
 def close(a, b, what):
+    a = local_vs(a, b)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
@@ -44,10 +45,10 @@ def _check_layers(rank, world):
     torch.manual_seed(100 + rank)
     col = tpx.ColumnParallelLinear(d_in, h)
     row = tpx.RowParallelLinear(h, d_out)
-    assert torch.equal(col.weight, ref[0].weight[col.out_start:col.out_end])
-    assert torch.equal(col.bias, ref[0].bias[col.out_start:col.out_end])
-    assert torch.equal(row.weight, ref[2].weight[:, row.in_start:row.in_end])
-    assert torch.equal(row.bias, ref[2].bias)  # replicated: identical on every rank
+    assert torch.equal(local_part(col.weight), ref[0].weight[col.out_start:col.out_end])
+    assert torch.equal(local_part(col.bias), ref[0].bias[col.out_start:col.out_end])
+    assert torch.equal(local_part(row.weight), ref[2].weight[:, row.in_start:row.in_end])
+    assert torch.equal(local_part(row.bias), ref[2].bias)  # replicated: identical on every rank
 
     x_full = torch.randn(4, d_in, generator=gen)
     x, xr = x_full.clone().requires_grad_(True), x_full.clone().requires_grad_(True)
@@ -85,7 +86,7 @@ def _check_layers(rank, world):
     ref_l = from_rank(lin)
     fused = tpx.ColumnParallelLinear.from_linear(lin, out_rows=out_rows)
     expect = torch.cat([ref_l.weight[s:e] for s, e in out_rows[rank]])
-    assert torch.equal(fused.weight, expect)
+    assert torch.equal(local_part(fused.weight), expect)
 
     # Embeddings, built directly and from nn.Embedding, with a padding row.
     V, D = 4 * world + 1, 2 * world + 1
@@ -94,10 +95,10 @@ def _check_layers(rank, world):
     emb_ref = from_rank(emb_local)
     torch.manual_seed(400 + rank)
     vocab = tpx.VocabParallelEmbedding(V, D, padding_idx=2)
-    assert torch.equal(vocab.weight, emb_ref.weight[vocab.vocab_start:vocab.vocab_end])
+    assert torch.equal(local_part(vocab.weight), emb_ref.weight[vocab.vocab_start:vocab.vocab_end])
     torch.manual_seed(400 + rank)
     colemb = tpx.ColumnParallelEmbedding(V, D, padding_idx=2)
-    assert torch.equal(colemb.weight, emb_ref.weight[:, colemb.dim_start:colemb.dim_end])
+    assert torch.equal(local_part(colemb.weight), emb_ref.weight[:, colemb.dim_start:colemb.dim_end])
     ids = torch.randint(0, V, (3, 4), generator=gen)
     for m, what in ((vocab, "vocab"), (colemb, "column")):
         emb_ref.zero_grad()
@@ -123,7 +124,7 @@ def _check_layers(rank, world):
     full = from_rank(nn.Linear(d_in, h))
     torch.manual_seed(600 + rank)
     col.reset_parameters()
-    assert torch.equal(col.weight, full.weight[col.out_start:col.out_end])
+    assert torch.equal(local_part(col.weight), full.weight[col.out_start:col.out_end])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -170,19 +171,21 @@ def _check_parallelize(rank, world):
     (out_ref * g).sum().backward()
     _grads_match(model, ref, "parallelize")
 
-    # The sharded layers keep the Parameter objects they replace (an optimizer built before
-    # still steps them) and their requires_grad (a frozen weight stays frozen).
+    # An optimizer built before parallelize_module steps the sharded parameters (the DTensors
+    # that took the place of the plain ones), and requires_grad is kept (a frozen weight stays
+    # frozen).
     torch.manual_seed(800 + rank)
     small = _Small()
     small.fc1.weight.requires_grad_(False)
-    params = dict(small.named_parameters())
+    opt = torch.optim.SGD(small.parameters(), lr=0.1)
     tpx.parallelize_module(small, None, {"fc1": tpx.ColwiseParallel(),
                                          "fc2": tpx.RowwiseParallel()})
     assert isinstance(small.fc1, tpx.ColumnParallelLinear)
-    for key, p in small.named_parameters():
-        assert p is params[key], key
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert [id(p) for p in held] == [id(p) for p in small.parameters()]
     assert not small.fc1.weight.requires_grad and small.fc1.bias.requires_grad
-    assert small.fc1.weight.shape == (small.fc1.out_end - small.fc1.out_start, 6)
+    assert local_part(small.fc1.weight).shape == (small.fc1.out_end - small.fc1.out_start, 6)
+    assert small.fc1.weight.shape == (small.fc1.out_features, 6)  # the global shape
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -212,7 +215,7 @@ def _check_opt_out_and_errors(rank, world):
     ref = nn.Linear(8, 7)
     torch.manual_seed(5)
     col = tpx.ColumnParallelLinear(8, 7, src_rank=None)
-    assert torch.equal(col.weight, ref.weight[col.out_start:col.out_end])
+    assert torch.equal(local_part(col.weight), ref.weight[col.out_start:col.out_end])
     # Arguments are still compared with the default src_rank, before any weight moves.
     _raises(ValueError, "different arguments", tpx.ColumnParallelLinear, 8 + rank, 6)
     _raises(ValueError, "different arguments", tpx.RowParallelLinear, 8, 6, src_rank=rank)
@@ -244,8 +247,8 @@ def _check_same_seed(rank, world):
     col = tpx.ColumnParallelLinear(6, 4 * world + 1)
     vocab = tpx.VocabParallelEmbedding(5 * world, 3)
     after = torch.randn(5)
-    assert torch.equal(col.weight, ref.weight[col.out_start:col.out_end])
-    assert torch.equal(vocab.weight, emb.weight[vocab.vocab_start:vocab.vocab_end])
+    assert torch.equal(local_part(col.weight), ref.weight[col.out_start:col.out_end])
+    assert torch.equal(local_part(vocab.weight), emb.weight[vocab.vocab_start:vocab.vocab_end])
     assert torch.equal(after, after_ref), "generator not in step with one device"
 
 
@@ -277,7 +280,7 @@ def _check_peak_memory(rank, world):
             assert m.peak <= bound, (cls.__name__, rank, m.peak, bound)
             assert m.peak < full_bytes // 2 + (8 << 10), (cls.__name__, m.peak)
             # every step's receive buffer stays within the piece (at least one row)
-            steps = [s for s in m.sizes if s not in (layer.weight.numel() * 4,)]
+            steps = [s for s in m.sizes if s not in (local_part(layer.weight).numel() * 4,)]
             assert max(steps, default=0) <= max(piece, in_f * 4), (cls.__name__, m.sizes)
         del layer
     torch.manual_seed(0)

@@ -10,10 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_vs, local_part
 
 
 def close(actual, expected, what):
+    actual = local_vs(actual, expected)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
@@ -127,15 +128,15 @@ def _check_seeded_init(rank, world):
         ref_col = nn.Linear(6, 5 * world + 1, bias=bias)
         torch.manual_seed(1234)
         col = tpx.ColumnParallelLinear(6, 5 * world + 1, bias=bias)
-        assert torch.equal(col.weight, ref_col.weight[col.out_start:col.out_end])
+        assert torch.equal(local_part(col.weight), ref_col.weight[col.out_start:col.out_end])
         torch.manual_seed(77)
         ref_row = nn.Linear(3 * world + 2, 4, bias=bias)
         torch.manual_seed(77)
         row = tpx.RowParallelLinear(3 * world + 2, 4, bias=bias)
-        assert torch.equal(row.weight, ref_row.weight[:, row.in_start:row.in_end])
+        assert torch.equal(local_part(row.weight), ref_row.weight[:, row.in_start:row.in_end])
         if bias:
-            assert torch.equal(col.bias, ref_col.bias[col.out_start:col.out_end])
-            assert torch.equal(row.bias, ref_row.bias)
+            assert torch.equal(local_part(col.bias), ref_col.bias[col.out_start:col.out_end])
+            assert torch.equal(local_part(row.bias), ref_row.bias)
     # dtype and device arguments are honoured.
     m = tpx.ColumnParallelLinear(4, 8, dtype=torch.float64)
     assert m.weight.dtype == torch.float64 and m.bias.dtype == torch.float64
@@ -146,7 +147,8 @@ def _check_seeded_init(rank, world):
 
     col = tpx.ColumnParallelLinear(6, 5, gather_output=True)
     twin = copy.deepcopy(col)
-    assert twin.group is col.group and twin.weight.data_ptr() != col.weight.data_ptr()
+    assert (twin.group is col.group
+            and local_part(twin.weight).data_ptr() != local_part(col.weight).data_ptr())
     x = torch.randn(3, 6)
     torch.testing.assert_close(twin(x), col(x))
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_part
 
 V = 1003
 
@@ -374,9 +374,9 @@ def _check_dtensor_logits(rank, world):
             (loss.sum() if reduction == "none" else loss).backward()
             (want.sum() if reduction == "none" else want).backward()
             lo, hi = tpx.shard_range(V)
-            torch.testing.assert_close(model[1].weight.grad, ref[1].weight.grad[lo:hi],
+            torch.testing.assert_close(local_part(model[1].weight.grad), ref[1].weight.grad[lo:hi],
                                        rtol=1e-5, atol=1e-5, msg=case)
-            torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5,
+            torch.testing.assert_close(local_part(model[0].weight.grad), ref[0].weight.grad, rtol=1e-5,
                                        atol=1e-5, msg=case)
 
 

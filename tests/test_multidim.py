@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 import tpx
-from harness import from_rank, run_ranks
+from harness import from_rank, run_ranks, local_vs
 
 
 def close(actual, expected, what):
+    actual = local_vs(actual, expected)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{what}: {m}")
 

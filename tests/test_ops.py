@@ -9,13 +9,14 @@ import torch
 import torch.distributed as dist
 
 import tpx
-from harness import run_ranks
+from harness import run_ranks, local_vs
 
 WORLD_SIZES = [1, 2, 3, 4]
 CHUNKS = [1, 2, 4, None]
 
 
 def close(actual, expected, what):
+    actual = local_vs(actual, expected)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 

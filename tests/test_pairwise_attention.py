@@ -29,12 +29,13 @@ import torch.nn as nn
 
 import tpx
 import tpx.checkpoint
-from harness import assert_like_unsharded, from_rank, run_ranks
+from harness import assert_like_unsharded, from_rank, run_ranks, local_vs
 from torch_compat import get_total_norm
 from tpx.parallel import compat
 
 
 def close(a, b, what, rtol=1e-5, atol=1e-5):
+    a = local_vs(a, b)
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -294,14 +295,14 @@ def _check_containers(rank, world, heads, kinds, ckpt_dir):
         torch.manual_seed(2000 + rank)
         model = _model(kind, d, heads)
         ref = from_rank(model)
-        # The optimizer is built before parallelize_module, as the older examples do: the
-        # sharded modules keep the Parameter objects.
+        # The optimizer is built before parallelize_module, as the older examples do: it
+        # steps the sharded parameters (the DTensors that took the plain ones' places).
         opt, ref_opt = adam(model.parameters()), adam(ref.parameters())
-        ids_before = {id(p) for p in model.parameters()}
         attn = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
         out = tpx.parallelize_module(model, None, pairwise())
         assert out is model
-        assert {id(p) for p in model.parameters()} == ids_before, kind
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        assert {id(p) for p in model.parameters()} == held, kind
         # Every attention was changed in place, every feed-forward pair split.
         assert all(type(m) is compat.ParallelMultiheadAttention for m in attn), kind
         for m in model.modules():

@@ -35,6 +35,8 @@ from torch import Tensor, nn
 
 from .autograd import gather_dim
 from .nn.multidim import BlockSpec, _block_specs
+from .nn.dtensor_io import DTensor
+from .sharding import MeshSharding, local_of, raw_state_dict
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "save", "load",
            "is_complete",
@@ -55,8 +57,11 @@ class _Sharded:
     def rank(self) -> int:
         return dist.get_rank(self.module.group)
 
-    def local(self) -> Tensor:
+    def param(self) -> Tensor:
         return getattr(self.module, self.name)
+
+    def local(self) -> Tensor:
+        return local_of(self.param())
 
     def full_size(self) -> int:
         return max(e for r in self.rows for _, e in r)
@@ -102,7 +107,7 @@ class _MeshSharded:
         return self.module.mesh_info
 
     def local(self) -> Tensor:
-        return getattr(self.module, self.spec.name)
+        return local_of(getattr(self.module, self.spec.name))
 
     def gather(self) -> Tensor:
         return self.spec.gather(self.local(), self.info)
@@ -129,48 +134,11 @@ def _mesh_params(model: nn.Module) -> Iterator[_MeshSharded]:
             yield _MeshSharded(pre + spec.name, mod, spec)
 
 
-_DCP_MESHES: Dict[tuple, tuple] = {}
-
-
 def _mesh_dtensor(sh: _MeshSharded, local: Optional[Tensor] = None) -> Tensor:
     """The block (``local``: a tensor of the block's shape in its place, by default the
-    parameter itself) as a ``DTensor`` of the full shape over the layer's mesh: mesh dimension ``m``
-    is ``Shard(d)`` when it splits dim ``d``, else ``Replicate()``. A dim split by several
-    mesh dimensions needs them in its order, outermost first (DTensor shards left to right):
-    when the mesh's own order differs (3-D weight rows, split by the output dimension then
-    "input"), the DTensor lives on the same ranks and process groups with its dimensions
-    permuted."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    info, spec = sh.info, sh.spec
-    names = list(info.names)
-    order = names
-    for dims in spec.splits:
-        if [names.index(d) for d in dims] != sorted(names.index(d) for d in dims):
-            lead = [d for dims_ in spec.splits for d in dims_]
-            order = lead + [n for n in names if n not in lead]
-            break
-    local = (sh.local() if local is None else local).detach()
-    key = (info.ranks, tuple(order), local.device.type)
-    world = dist.group.WORLD
-    cached = _DCP_MESHES.get(key)
-    if cached is not None and cached[0] is world:
-        mesh = cached[1]
-    else:
-        perm = [names.index(n) for n in order]
-        ranks = torch.tensor(info.ranks, dtype=torch.int).view(info.shape).permute(perm)
-        mesh = DeviceMesh.from_group([info.groups[n] for n in order], local.device.type,
-                                     mesh=ranks.contiguous(), mesh_dim_names=tuple(order))
-        _DCP_MESHES[key] = (world, mesh)
-    placements = []
-    for n in order:
-        dims = [d for d, split in enumerate(spec.splits) if n in split]
-        placements.append(Shard(dims[0]) if dims else Replicate())
-    shape = torch.Size(spec.full_shape)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False,
-                              shape=shape, stride=stride)
+    parameter itself) as a ``DTensor`` of the full shape over the layer's mesh
+    (:meth:`tpx.sharding.MeshSharding.dtensor`)."""
+    return MeshSharding(sh.spec, sh.info).dtensor(sh.local() if local is None else local)
 
 
 def _gather_full(sh: _Sharded, local: Optional[Tensor] = None) -> Tensor:
@@ -202,11 +170,15 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
     others return ``{}`` but must still call). The parameters of the multi-dimensional
     layers are all-gathered over the mesh dimensions that split them (``nn.Linear`` weight
     ``[out, in]``, bias ``[out]``, norm weight ``[H]``, embedding ``[V, D]``). Collective."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    with raw_state_dict():
+        state = {k: v.detach() for k, v in model.state_dict().items()}
     for sh in _sharded_params(model):
         state[sh.key] = _gather_full(sh)
     for ms in _mesh_params(model):
         state[ms.key] = ms.gather()
+    for key, value in state.items():
+        if isinstance(value, DTensor):  # a replicated parameter of a tpx layer, a PyTorch style's
+            state[key] = value.full_tensor()
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return state
@@ -236,7 +208,21 @@ def load_full_state_dict(model: nn.Module, state_dict: Dict[str, Tensor],
             continue
         ms.check_full_shape("load_full_state_dict", local[ms.key].shape)
         local[ms.key] = ms.slice_of(local[ms.key])
-    model.load_state_dict(local, strict=strict)
+    with raw_state_dict():
+        own = model.state_dict(keep_vars=True)
+        for key, value in local.items():
+            if key in own and isinstance(value, Tensor):
+                local[key] = _as_stored(own[key], value)
+        model.load_state_dict(local, strict=strict)
+
+
+def _as_stored(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` (this rank's part, in the parameter's local orientation) in the parameter's
+    form: a ``DTensor`` with its placements when it is one."""
+    if isinstance(param, DTensor) and not isinstance(local, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +321,8 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
 
     sharded = {sh.key: sh for sh in _sharded_params(model)}
     blocks = {ms.key: ms for ms in _mesh_params(model)}
-    targets = dict(model.state_dict(keep_vars=True))
+    with raw_state_dict():
+        targets = dict(model.state_dict(keep_vars=True))
     rename = _hf_key_mapping(model)
     # Every file key's name in the model first: nothing changes before the checks below.
     reads: Dict[str, List[Tuple[str, str]]] = {}
@@ -397,6 +384,7 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
                     value = sl[ms.index()]
                 else:
                     value = f.get_tensor(file_key)
+                dst = local_of(dst)
                 if tuple(value.shape) != tuple(dst.shape):
                     raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {file_key} has shape "
                                      f"{tuple(value.shape)} in {file}; the model expects "
@@ -453,7 +441,11 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     mesh, ``Shard(d)`` on each mesh dimension that splits dim ``d`` of the original tensor and
     ``Replicate()`` on the others (one copy of each block is written); everything else is the
     replicated tensor itself. Collective."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    with raw_state_dict():
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+    for key, value in state.items():
+        if isinstance(value, DTensor) and all(p.is_replicate() for p in value.placements):
+            state[key] = value._local_tensor  # a replicated parameter: saved as before
     for sh in _sharded_params(model):
         if sh.key not in state:
             continue
@@ -590,7 +582,8 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
     sharded = {sh.key: sh for sh in _sharded_params(model)}
     blocks = {ms.key: ms for ms in _mesh_params(model)}
-    own = model.state_dict(keep_vars=True)
+    with raw_state_dict():
+        own = model.state_dict(keep_vars=True)
     for key, value in state.items():
         if key in blocks:
             blocks[key].local().copy_(value.to_local())
@@ -602,7 +595,10 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
             else:
                 sh.local().copy_(sh.slice_of(value))
         elif key in own:
-            own[key].copy_(value)
+            if isinstance(own[key], DTensor) and not isinstance(value, DTensor):
+                local_of(own[key]).copy_(value)
+            else:
+                own[key].copy_(value)
     if optim_state is not None:
         optimizer.load_state_dict(optim_state)
 
@@ -622,11 +618,12 @@ class _ParamLayout:
     def __init__(self, fqn: str, param: Tensor, sh: Optional[_Sharded] = None,
                  ms: Optional[_MeshSharded] = None) -> None:
         self.fqn, self.param, self.sh, self.ms = fqn, param, sh, ms
+        self.local = local_of(param)  # what this rank stores
         if ms is not None:
             self.kind, self.full_shape = "mesh", tuple(ms.spec.full_shape)
         elif sh is not None:
             self.kind = "shard" if _is_chunked(sh) else "gather"
-            shape = list(param.shape)
+            shape = list(self.local.shape)
             shape[sh.dim] = sh.full_size()
             self.full_shape = tuple(shape[::-1] if sh.transposed else shape)
         else:
@@ -665,7 +662,7 @@ class _ParamLayout:
     def dest(self, dtype: torch.dtype) -> Tensor:
         """An empty tensor of :meth:`saved`'s form for ``torch.distributed.checkpoint.load``."""
         if self.kind in ("shard", "mesh"):
-            return self.saved(torch.empty(self.param.shape, dtype=dtype,
+            return self.saved(torch.empty(self.local.shape, dtype=dtype,
                                           device=self.param.device))
         return torch.empty(self.full_shape, dtype=dtype, device=self.param.device)
 
@@ -677,7 +674,7 @@ class _ParamLayout:
 
         if isinstance(value, DTensor):
             if self.kind in ("shard", "mesh"):
-                ref = self.saved(self.param)
+                ref = self.saved(self.local)
                 if (tuple(value.placements) == tuple(ref.placements)
                         and value.device_mesh.mesh.tolist() == ref.device_mesh.mesh.tolist()):
                     local = value.to_local()
@@ -696,12 +693,12 @@ class _Params:
     def __init__(self, model: nn.Module) -> None:
         sharded: Dict[int, _Sharded] = {}
         for sh in _sharded_params(model):
-            if sh.local() is not None:
-                sharded.setdefault(id(sh.local()), sh)
+            if sh.param() is not None:
+                sharded.setdefault(id(sh.param()), sh)
         meshed: Dict[int, _MeshSharded] = {}
         for ms in _mesh_params(model):
             if ms.local() is not None:
-                meshed.setdefault(id(ms.local()), ms)
+                meshed.setdefault(id(getattr(ms.module, ms.name)), ms)
         self.by_id: Dict[int, _ParamLayout] = {}
         for fqn, p in model.named_parameters():
             self.by_id[id(p)] = _ParamLayout(fqn, p, sharded.get(id(p)), meshed.get(id(p)))
@@ -734,12 +731,14 @@ def _options(where: str, options) -> Tuple[bool, bool, bool]:
 
 def _export(where: str, lay: _ParamLayout, name: str, value: Any, full: bool) -> Any:
     """One optimizer state entry of ``lay``'s parameter as a state dict holds it."""
+    if isinstance(value, DTensor) and isinstance(lay.param, DTensor):
+        value = local_of(value)  # the state of a DTensor parameter: its local part
     if not isinstance(value, Tensor) or value.dim() == 0 or lay.kind == "replicate":
         return value
-    if tuple(value.shape) != tuple(lay.param.shape):
+    if tuple(value.shape) != tuple(lay.local.shape):
         raise ValueError(f"tpx.checkpoint.{where}: optimizer state {name!r} of parameter "
                          f"{lay.fqn!r} has shape {tuple(value.shape)}, neither a scalar nor the "
-                         f"parameter's local shape {tuple(lay.param.shape)}; tpx cannot tell how "
+                         f"parameter's local shape {tuple(lay.local.shape)}; tpx cannot tell how "
                          "it is sharded (use an optimizer whose state is per element, such as "
                          "Adam, AdamW or SGD)")
     return lay.full(value) if full else lay.saved(value)
@@ -887,6 +886,8 @@ def _to_optimizer_format(where: str, params: _Params, optimizer, optim_state_dic
                     value = value.detach().clone()
                 else:
                     value = lay.local_of(value)
+                if value.dim() > 0:
+                    value = _as_stored(lay.param, value)
             local[name] = value
         state[ids[id(lay.param)]] = local
     return {"state": state, "param_groups": groups}
@@ -989,8 +990,8 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         checked.append((saved_id, lay, entry))
     for saved_id, lay, entry in checked:
         local_state[saved_id] = {  # fresh memory: the optimizer steps it in place
-            k: (v if not isinstance(v, Tensor) else lay.local_of(v) if v.dim() > 0
-                else v.detach().clone()) for k, v in entry.items()}
+            k: (v if not isinstance(v, Tensor) else _as_stored(lay.param, lay.local_of(v))
+                if v.dim() > 0 else v.detach().clone()) for k, v in entry.items()}
     optimizer.load_state_dict({"state": local_state, "param_groups": saved_groups})
 
 

@@ -105,7 +105,7 @@ def _dtensor_layout(t: Tensor, who: str, index: int
             raise ValueError(f"tpx.{who}: tensor {index} is a DTensor with a Partial placement "
                              f"({placements}); its local values are not its values. "
                              "Redistribute it to Shard/Replicate placements first")
-        if pl.is_shard():
+        if not pl.is_replicate():  # Shard, and FSDP2's _StridedShard over a TP Shard
             g = mesh.get_group(i)
             if g.size() > 1:
                 groups.append(g)
@@ -127,6 +127,13 @@ def _pieces(tensors: Sequence[Tensor], descs: Sequence[object], who: str) -> Lis
     for i, (t, desc) in enumerate(zip(tensors, descs)):
         groups: List[dist.ProcessGroup] = []
         offset: Tuple[int, ...] = (0,) * t.dim()
+        if getattr(desc, "in_dtensor", False) and DTensor is not None and isinstance(t, DTensor):
+            if tuple(t.shape) != tuple(desc.full_shape):
+                raise ValueError(
+                    f"tpx.{who}: tensor {i} has global shape {tuple(t.shape)}, but its parameter "
+                    f"is described as a tensor of {tuple(desc.full_shape)} (tpx.sharding); pass "
+                    "the parameters in the same order as their gradients")
+            desc = None  # a DTensor parameter of a tpx layer: its placements say it all
         if desc is not None:
             groups += desc.reduce_groups()
             if tuple(t.shape) != tuple(desc.local_shape):
@@ -145,10 +152,14 @@ def _pieces(tensors: Sequence[Tensor], descs: Sequence[object], who: str) -> Lis
             out.append(_Piece(local, key))
             continue
         d, start, n = desc.dim, offset[desc.dim], local.shape[desc.dim]
+        mine = 0
         for s, e in owned:
             a, b = max(s, start) - start, min(e, start + n) - start
             if b > a:
                 out.append(_Piece(local.narrow(d, a, b - a), key))
+                mine += 1
+        if not mine:  # nothing counts here, but the groups' all-reduces must still match
+            out.append(_Piece(local.new_zeros(1), key))
     return out
 
 

@@ -46,7 +46,11 @@ def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
                 f"tpx: `group` is a {group.ndim}-D DeviceMesh (dims {names}); tensor parallelism "
                 "needs a 1-D mesh. Pass the TP dimension of it, e.g. mesh['tp']."
             )
-        return group.get_group()
+        pg = group.get_group()
+        from .nn.dtensor_io import remember_mesh
+
+        remember_mesh(pg, group)  # the DTensors of layers over pg live on this mesh
+        return pg
     if isinstance(group, dist.ProcessGroup):
         if dist.get_rank(group) < 0:
             raise ValueError(

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .group import GroupLike, resolve_group, tensor_checksum
+from .sharding import local_of
 
 __all__ = ["check_replicas", "ReplicaMismatch", "watch_replicas"]
 
@@ -129,7 +130,7 @@ def check_replicas(model: nn.Module, group: GroupLike = None, *, grads: bool = T
 def _sums(t: torch.Tensor):
     """Two float64 fingerprints of a tensor's values: their sum, and the sum of values plus
     magnitudes (tpx.group.tensor_checksum); neither makes a full-size copy."""
-    t = t.detach()
+    t = local_of(t).detach()  # a replicated DTensor: its local tensor is all of it
     total = float(torch.sum(t, dtype=torch.float64)) if t.numel() else 0.0
     value = tensor_checksum(t)
     return total, float(value if value is not None else 0.0)

@@ -28,9 +28,11 @@ def end_run() -> None:
         return
     dist.barrier()
     from . import comm_groups
+    from . import sharding
     from .nn import dtensor_io
 
     comm_groups._forget_all()
     dtensor_io._MESHES.clear()
+    sharding._BLOCK_MESHES.clear()
     time.sleep(_GLOO_GRACE_S)
     dist.destroy_process_group()

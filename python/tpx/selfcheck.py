@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpx
+from tpx.sharding import local_of
 
 NO_GPU = "no GPU found: CUDA kernels not checked"
 
@@ -95,6 +96,7 @@ class Comparison:
             if (got is None) != (expected is None):
                 self.failed.append(f"{what}: one side is None")
             return
+        got = local_of(got)  # a DTensor parameter's gradient: this rank's part
         if got.shape != expected.shape:
             self.failed.append(f"{what}: shape {tuple(got.shape)} != {tuple(expected.shape)}")
             return

@@ -25,14 +25,19 @@ Two kinds:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from .nn.dtensor_io import DTensor, Replicate, Shard
+
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
-           "KeepsParamSharding"]
+           "KeepsParamSharding", "local_of", "local_params", "raw_state_dict"]
 
 ATTR = "_tpx_sharding"
 
@@ -50,6 +55,20 @@ class GroupSharding:
     rows: Tuple[Ranges, ...]
     full_shape: Tuple[int, ...]
     rank: int
+    in_dtensor: bool = False  # the parameter is a DTensor whose placements say all of this
+
+    @property
+    def chunked(self) -> bool:
+        """Whether every rank holds ``shard_range`` of ``dim``: the layout ``Shard(dim)`` of a
+        ``DTensor`` describes."""
+        world = len(self.rows)
+        full = self.full_shape[self.dim]
+        per = -(-full // world) if full else 0
+        for r, ranges in enumerate(self.rows):
+            start = min(r * per, full)
+            if tuple(ranges) != ((start, min(start + per, full)),):
+                return False
+        return True
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
@@ -131,8 +150,50 @@ class MeshSharding:
                     out.append(g)
         return out
 
+    def dtensor(self, local: torch.Tensor) -> "DTensor":
+        """``local`` (a tensor of the block's shape: the parameter, or an optimizer state of
+        it) as a ``DTensor`` of the full shape over the layer's mesh, sharing ``local``'s
+        storage when it is contiguous: mesh dimension ``m`` is ``Shard(d)`` when it splits
+        dim ``d``, else ``Replicate()``. A dim split by several mesh dimensions needs them in
+        its order, outermost first (DTensor shards left to right): when the mesh's own order
+        differs (3-D weight rows, split by the output dimension then "input"), the DTensor
+        lives on the same ranks and process groups with its dimensions permuted."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        info, spec = self.info, self.spec
+        names = list(info.names)
+        order = names
+        for dims in spec.splits:
+            if [names.index(d) for d in dims] != sorted(names.index(d) for d in dims):
+                lead = [d for dims_ in spec.splits for d in dims_]
+                order = lead + [n for n in names if n not in lead]
+                break
+        local = local_of(local).detach()
+        key = (info.ranks, tuple(order), local.device.type)
+        world = dist.group.WORLD
+        cached = _BLOCK_MESHES.get(key)
+        if cached is not None and cached[0] is world:
+            mesh = cached[1]
+        else:
+            perm = [names.index(n) for n in order]
+            ranks = torch.tensor(info.ranks, dtype=torch.int).view(info.shape).permute(perm)
+            mesh = DeviceMesh.from_group([info.groups[n] for n in order], local.device.type,
+                                         mesh=ranks.contiguous(), mesh_dim_names=tuple(order))
+            _BLOCK_MESHES[key] = (world, mesh)
+        placements = []
+        for n in order:
+            dims = [d for d, split in enumerate(spec.splits) if n in split]
+            placements.append(Shard(dims[0]) if dims else Replicate())
+        shape = torch.Size(spec.full_shape)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False,
+                                  shape=shape, stride=stride)
+
     def __deepcopy__(self, memo) -> "MeshSharding":
         return self
+
+
+_BLOCK_MESHES: dict = {}
 
 
 def sharding_of(param) -> Optional[object]:
@@ -147,7 +208,14 @@ def _attach(param: Optional[nn.Parameter], desc) -> None:
 
 def describe_params(module: nn.Module) -> None:
     """Attaches the description of each parameter ``module`` shards, from the module's own
-    ``_param_splits()`` (multi-dimensional layers) or ``_shards()`` (1-D layers)."""
+    ``_param_splits()`` (multi-dimensional layers) or ``_shards()`` (1-D layers).
+
+    A 1-D layer that computes through :func:`local_params` (``_tpx_dtensor_params``) gets its
+    parameters as ``DTensor`` s where torch's placements say the whole layout: a parameter
+    split with ``shard_range`` becomes ``Shard(dim)`` of its global shape, a replicated one
+    (a row-parallel bias) ``Replicate()``, both on the layer's 1-D mesh. Parameters split
+    another way (segments of a fused projection split separately, rows held by several
+    ranks) stay this rank's plain tensor, described here."""
     if hasattr(module, "_param_splits") and hasattr(module, "mesh_info"):
         for spec in module._param_splits():
             _attach(getattr(module, spec.name, None), MeshSharding(spec, module.mesh_info))
@@ -155,19 +223,138 @@ def describe_params(module: nn.Module) -> None:
     if not hasattr(module, "_shards") or not hasattr(module, "group"):
         return
     rank = dist.get_rank(module.group)
+    as_dtensor = getattr(module, "_tpx_dtensor_params", False)
+    sharded = set()
     for name, dim, rows in module._shards():
         param = getattr(module, name, None)
         if param is None:
             continue
+        sharded.add(name)
         rows_t = tuple(tuple((int(s), int(e)) for s, e in r) for r in rows)
-        full = list(param.shape)
+        full = list(local_of(param).shape)
         full[dim] = max((e for r in rows_t for _, e in r), default=0)
-        _attach(param, GroupSharding(module.group, dim, rows_t, tuple(full), rank))
+        desc = GroupSharding(module.group, dim, rows_t, tuple(full), rank)
+        if as_dtensor and desc.chunked:
+            desc = GroupSharding(module.group, dim, rows_t, tuple(full), rank, in_dtensor=True)
+            if not isinstance(param, DTensor):
+                _set_param(module, name, _dtensor_param(param, module.group, Shard(dim),
+                                                        tuple(full)))
+                param = getattr(module, name)
+        _attach(param, desc)
+    if as_dtensor:
+        for name, param in list(module._parameters.items()):
+            if param is not None and name not in sharded and not isinstance(param, DTensor):
+                _set_param(module, name, _dtensor_param(param, module.group, Replicate(),
+                                                        tuple(param.shape)))
+
+
+def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    module._parameters[name] = param
+
+
+def _as_dtensor(local: torch.Tensor, group, placement, full_shape) -> "DTensor":
+    """``local`` (this rank's part, a plain tensor) as a ``DTensor`` of ``full_shape`` with
+    ``placement`` on the 1-D mesh over ``group``, sharing ``local``'s storage (no copy)."""
+    from .nn.dtensor_io import mesh_for_group
+
+    local = local_of(local).detach()
+    shape = torch.Size(full_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh_for_group(group, local.device.type), [placement],
+                              run_check=False, shape=shape, stride=stride)
+
+
+def _dtensor_param(param: nn.Parameter, group, placement, full_shape) -> nn.Parameter:
+    """``param`` as a ``DTensor`` parameter (:func:`_as_dtensor`), keeping ``requires_grad``
+    and the attributes tpx attached (``_tpx*``)."""
+    out = nn.Parameter(_as_dtensor(param, group, placement, full_shape),
+                       requires_grad=param.requires_grad)
+    for key, value in vars(param).items():
+        if key.startswith("_tpx"):
+            setattr(out, key, value)
+    return out
+
+
+def local_of(t):
+    """The tensor this rank stores: the local tensor of a ``DTensor`` (a view of the same
+    storage, outside autograd), ``t`` itself otherwise."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _ToLocal(torch.autograd.Function):
+    """The local tensors of ``DTensor`` parameters, with their gradients handed back as
+    ``DTensor`` s of the same placements (one autograd node for all of a layer's
+    parameters)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.specs = [p._spec if isinstance(p, DTensor) else None for p in params]
+        return tuple(local_of(p).view_as(local_of(p)) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(g if spec is None or g is None else
+                     DTensor(g.contiguous(), spec, requires_grad=False)
+                     for g, spec in zip(grads, ctx.specs))
+
+
+def local_params(*params):
+    """The tensors a layer computes with, one per parameter (``None`` stays ``None``): the local
+    tensor of a ``DTensor`` parameter, a plain parameter as it is. Where autograd records, the
+    gradient reaching a local tensor lands on its ``DTensor`` parameter as a ``DTensor`` of
+    the same placement; otherwise (``torch.no_grad``, frozen parameters) this is a plain
+    attribute read."""
+    if not torch.is_grad_enabled() or not any(
+            isinstance(p, DTensor) and p.requires_grad for p in params):
+        return tuple(local_of(p) for p in params)
+    if torch.compiler.is_compiling():  # what the compiler traces: DTensor's own to_local
+        return tuple(p.to_local() if isinstance(p, DTensor) else p for p in params)
+    idx = [i for i, p in enumerate(params) if p is not None]
+    outs = _ToLocal.apply(*(params[i] for i in idx))
+    res = list(params)
+    for i, o in zip(idx, outs):
+        res[i] = o
+    return tuple(res)
+
+
+_RAW = threading.local()
+
+
+@contextlib.contextmanager
+def raw_state_dict():
+    """Within this block, ``state_dict()`` of tpx's layers gives each parameter as the layer
+    stores it (a ``DTensor`` in the layer's orientation, or this rank's plain tensor), for tpx's
+    own checkpoint code that reads every layer's layout itself."""
+    before = getattr(_RAW, "on", False)
+    _RAW.on = True
+    try:
+        yield
+    finally:
+        _RAW.on = before
+
+
+def _full_shape_original(module, name: str, desc) -> Tuple[int, ...]:
+    shape = tuple(desc.full_shape)
+    return shape[::-1] if _transposed(module, name) else shape
+
+
+def _transposed(module, name: str) -> bool:
+    return name == "weight" and getattr(module, "_transposed_weight", False)
 
 
 class KeepsParamSharding:
     """Mixin of the tpx layers: a ``Parameter`` assigned to an attribute that holds a
-    described parameter inherits the description (unless it has its own)."""
+    described parameter inherits the description (unless it has its own); ``state_dict()``
+    and ``load_state_dict()`` speak the unsharded model's names, shapes and orientation.
+
+    In ``state_dict()`` a ``DTensor`` parameter is that ``DTensor`` (transposed back for a
+    layer made from a Hugging Face ``Conv1D``: a view, so an in-place
+    ``torch.distributed.checkpoint.load`` still reaches the parameter); a block of a
+    multi-dimensional layer is a ``DTensor`` over its mesh (also a view). A parameter whose
+    layout no ``DTensor`` says (a fused projection's segments split separately, rows held by
+    several ranks) raises: its local tensor under the full name would be a checkpoint that
+    reloads to a different model. ``load_state_dict()`` takes ``DTensor`` s, or FULL tensors
+    (each rank keeps its part; no communication)."""
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, nn.Parameter) and not hasattr(value, ATTR):
@@ -177,3 +364,132 @@ class KeepsParamSharding:
             if desc is not None:
                 setattr(value, ATTR, desc)
         super().__setattr__(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        present_state(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        take_state(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+def present_state(module: nn.Module, destination, prefix: str) -> None:
+    """Rewrites the entries of ``module``'s own parameters in ``destination`` (what
+    ``state_dict()`` gathered) into the unsharded model's shapes and orientation: a
+    ``DTensor`` (a view of the parameter, no communication) wherever one states the layout;
+    raises where none can (see :class:`KeepsParamSharding`)."""
+    if getattr(_RAW, "on", False):
+        return
+    for name, param in module._parameters.items():
+        key = prefix + name
+        if param is None or key not in destination:
+            continue
+        desc = sharding_of(param)
+        value = destination[key]
+        if isinstance(param, DTensor):
+            if _transposed(module, name):
+                destination[key] = value.t()
+        elif isinstance(desc, MeshSharding):
+            destination[key] = desc.dtensor(value)
+        elif isinstance(desc, GroupSharding) and desc.group.size() > 1:
+            if not desc.chunked:
+                raise RuntimeError(
+                    f"tpx: {type(module).__name__}.{name} ({key!r}) is split over its group in "
+                    f"a layout a DTensor cannot state (each rank holds the rows "
+                    f"{list(desc.rows[desc.rank])} of {desc.full_shape[desc.dim]}: segments "
+                    "split separately, or rows held by several ranks), so state_dict() cannot "
+                    "give it under its full name without gathering. Save with "
+                    "tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
+                    "degree on load), or take the full model with "
+                    "tpx.checkpoint.full_state_dict(model, rank0_only=True) (for "
+                    "save_pretrained: pass it as state_dict=)")
+            dt = _as_dtensor(value, desc.group, Shard(desc.dim), desc.full_shape)
+            destination[key] = dt.t() if _transposed(module, name) else dt
+
+
+def take_state(module: nn.Module, state_dict, prefix: str) -> None:
+    """Rewrites, in the (already copied) ``state_dict`` that ``load_state_dict`` hands down,
+    the entries of ``module``'s own parameters into the form each is stored in: a ``DTensor``
+    or a full tensor becomes this rank's part (no communication unless a ``DTensor`` in
+    another layout must be gathered)."""
+    for name, param in module._parameters.items():
+        key = prefix + name
+        if param is None or key not in state_dict:
+            continue
+        value = state_dict[key]
+        if isinstance(value, torch.Tensor):
+            state_dict[key] = _to_stored(module, name, param, value)
+
+
+def guard_state_dict(module: nn.Module) -> None:
+    """Gives a module tpx shards but did not write (a model's experts) the state dict rules of
+    tpx's own layers (:class:`KeepsParamSharding`), as hooks."""
+    if getattr(module, "_tpx_state_hooks", False):
+        return
+    module._register_state_dict_hook(
+        lambda mod, destination, prefix, _meta: present_state(mod, destination, prefix))
+    module._register_load_state_dict_pre_hook(
+        lambda mod, state_dict, prefix, *_: take_state(mod, state_dict, prefix),
+        with_module=True)
+    module._tpx_state_hooks = True
+
+
+def _to_stored(module, name: str, param, value):
+    """``value`` (a full tensor or a ``DTensor`` of the original orientation) in the form the
+    parameter is stored; ``value`` itself when it is already in that form (or cannot be
+    converted: the loader then reports the shape that disagrees)."""
+    desc = sharding_of(param)
+    if _raw_loading():
+        return value
+    if isinstance(param, DTensor):
+        if _transposed(module, name):
+            value = value.t()
+        if isinstance(value, DTensor) or tuple(value.shape) != tuple(param.shape):
+            return value
+        return _cut(value, param)
+    if isinstance(desc, MeshSharding):
+        if isinstance(value, DTensor):
+            mine = desc.dtensor(param.detach())
+            if value._spec == mine._spec:
+                return value._local_tensor
+            value = value.full_tensor()
+        if tuple(value.shape) == tuple(desc.full_shape):
+            return desc.spec.slice_of(value, desc.info)
+        return value
+    if isinstance(desc, GroupSharding):
+        if isinstance(value, DTensor):
+            v = value.t() if _transposed(module, name) else value
+            if (desc.chunked and tuple(v.placements) == (Shard(desc.dim),)
+                    and tuple(v.shape) == tuple(desc.full_shape)
+                    and v.device_mesh.mesh.flatten().tolist()
+                    == dist.get_process_group_ranks(desc.group)):
+                return v._local_tensor  # this rank's rows, as stored
+            value = value.full_tensor()
+        if _transposed(module, name):
+            if tuple(value.shape) != tuple(desc.full_shape)[::-1]:
+                return value
+            value = value.t()
+        if tuple(value.shape) != tuple(desc.full_shape) or desc.group.size() == 1:
+            return value
+        pieces = [value.narrow(desc.dim, s, e - s) for s, e in desc.rows[desc.rank]]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, desc.dim)
+    return value
+
+
+def _raw_loading() -> bool:
+    return getattr(_RAW, "on", False)
+
+
+def _cut(full: torch.Tensor, param) -> torch.Tensor:
+    """This rank's part of the full tensor ``full`` as a ``DTensor`` with ``param``'s
+    placements (no communication)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())

@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - older layout of the same classes
     from torch.distributed._tensor import DTensor, Partial, Placement, Replicate, Shard  # type: ignore
 
 __all__ = ["DTensor", "Partial", "Placement", "Replicate", "Shard", "is_dtensor", "local_input",
-           "mesh_for_group", "wrap_output"]
+           "mesh_for_group", "remember_mesh", "wrap_output"]
 
 
 def is_dtensor(x) -> bool:
@@ -78,17 +78,25 @@ class _ContiguousGrad(torch.autograd.Function):
 _MESHES: Dict[Tuple[str, str], object] = {}
 
 
+def remember_mesh(pg: dist.ProcessGroup, mesh) -> None:
+    """``mesh`` (a 1-D ``DeviceMesh`` whose group is ``pg``, as the user passed it) is the mesh
+    of the ``DTensor`` s tpx builds over ``pg`` from now on (a sub-mesh of a ("dp", "tp") mesh
+    keeps its parent, which FSDP2 needs)."""
+    _MESHES[(pg.group_name, mesh.device_type)] = (pg, mesh)
+
+
 def mesh_for_group(pg: dist.ProcessGroup, device_type: str, mesh=None):
     """The 1-D ``DeviceMesh`` over ``pg`` (``mesh`` itself when it is one over the same ranks)."""
     if mesh is not None and getattr(mesh, "ndim", None) == 1 and mesh.device_type == device_type:
         if tuple(mesh.mesh.flatten().tolist()) == _group_ranks(pg):
             return mesh
     key = (pg.group_name, device_type)
-    if key not in _MESHES:
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not pg:  # a group of the same name made anew
         from torch.distributed.device_mesh import DeviceMesh
 
-        _MESHES[key] = DeviceMesh.from_group(pg, device_type)
-    return _MESHES[key]
+        cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device_type))
+    return cached[1]
 
 
 def wrap_output(y: Tensor, placement: Placement, pg: dist.ProcessGroup, global_shape: Sequence[int],

@@ -12,7 +12,7 @@ from .. import ops
 from ..comm_groups import guarded
 from ..checks import check_values
 from .dtensor_io import Replicate, local_input
-from ..sharding import KeepsParamSharding, describe_params
+from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
 from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
                      resolve_group, shard_sizes)
 
@@ -84,6 +84,8 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     every rank draws and keeps its rows, with no communication (ranks seeded alike, checked).
     """
 
+    _tpx_dtensor_params = True  # the table is a DTensor Shard(dim) parameter
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None, *, group: GroupLike = None,
                  sequence_parallel: bool = False, sequence_dim: int = 1, device=None,
@@ -110,7 +112,7 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
             num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
             padding_idx=self.padding_idx, sequence_parallel=self.sequence_parallel,
             sequence_dim=self.sequence_dim, dtype=str(self.weight.dtype)),
-            [ShardSpec(self.weight, ranges, 0)],
+            [ShardSpec(local_of(self.weight), ranges, 0)],
             lambda: [full_weight if full_weight is not None else _full_embedding_init(
                 self.num_embeddings, self.embedding_dim, self.padding_idx,
                 self.weight.device, self.weight.dtype)],
@@ -170,7 +172,8 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
                     f"tpx.VocabParallelEmbedding: with sequence_parallel=True the sequence "
                     f"dimension (dim {scatter_dim}, size {ids.shape[scatter_dim]}) must divide by "
                     f"the group size {self.world_size}; pad the sequence.")
-        return ops.vocab_parallel_embedding(self.weight, ids.long(), self.vocab_start, self.group,
+        weight, = local_params(self.weight)
+        return ops.vocab_parallel_embedding(weight, ids.long(), self.vocab_start, self.group,
                                             scatter_dim, self._local_padding_idx)
 
     def _shards(self):
@@ -199,6 +202,8 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     :class:`VocabParallelEmbedding` (default 0: rank 0's table, each rank receiving its columns).
     """
 
+    _tpx_dtensor_params = True  # the table is a DTensor Shard(dim) parameter
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None, *, group: GroupLike = None,
                  gather_output: bool = True, device=None, dtype=None,
@@ -224,7 +229,7 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
             num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
             padding_idx=self.padding_idx, gather_output=self.gather_output,
             dtype=str(self.weight.dtype)),
-            [ShardSpec(self.weight, ranges, 1)],
+            [ShardSpec(local_of(self.weight), ranges, 1)],
             lambda: [full_weight if full_weight is not None else _full_embedding_init(
                 self.num_embeddings, self.embedding_dim, self.padding_idx,
                 self.weight.device, self.weight.dtype)],
@@ -249,7 +254,8 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     @guarded
     def forward(self, ids: Tensor) -> Tensor:
         ids = local_input(ids, Replicate(), self.group, "ColumnParallelEmbedding")
-        y = torch.nn.functional.embedding(ids, self.weight, self.padding_idx)
+        weight, = local_params(self.weight)
+        y = torch.nn.functional.embedding(ids, weight, self.padding_idx)
         if self.gather_output:
             y = tpx_autograd.gather_last_dim(y, self.dim_sizes, self.dim_start, self.group)
         return y

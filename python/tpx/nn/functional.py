@@ -14,6 +14,7 @@ from ..amp import loss_dtype
 from ..checks import check_values
 from ..group import GroupLike, resolve_group, vocab_layout
 from .dtensor_io import DTensor, Replicate, Shard
+from ..sharding import local_params
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 
@@ -192,6 +193,9 @@ def linear_cross_entropy(
 
     Placement: ``hidden R [..., d]``, ``weight S(0) [V_local, d]`` (this rank's vocabulary
     rows, ``tpx.shard_range(V)``), ``bias S(0) [V_local]``, ``target R`` -> ``loss R``.
+    ``weight`` (and ``bias``) may be the ``DTensor`` parameters of a column-parallel LM head
+    (``Shard(0)`` of ``[V, d]``): their local rows are used, the vocabulary is their global
+    size, and their gradients come back as ``DTensor`` s.
     Gradients of ``hidden`` (R, summed over the vocabulary shards), ``weight`` and ``bias``
     (this rank's rows) equal those of the unfused computation.
 
@@ -202,6 +206,15 @@ def linear_cross_entropy(
         The others: as in :func:`vocab_parallel_cross_entropy`.
     """
     fn = "linear_cross_entropy"
+    if isinstance(weight, DTensor):
+        if tuple(weight.placements) != (Shard(0),):
+            raise ValueError(f"tpx.{fn}: a DTensor weight must be Shard(0) (vocabulary rows) on "
+                             f"a 1-D mesh; got placements {weight.placements}")
+        if vocab_size is None:
+            vocab_size = weight.shape[0]
+        if group is None:
+            group = weight.device_mesh.get_group()
+        weight, bias = local_params(weight, bias)
     if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
         raise ValueError(f"tpx.{fn}: hidden must be a floating-point Tensor [..., d]")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

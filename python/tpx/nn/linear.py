@@ -36,7 +36,7 @@ from ..amp import autocast_casts
 from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
                      resolve_group, shard_sizes)
 from .dtensor_io import Replicate, Shard, local_input
-from ..sharding import KeepsParamSharding, describe_params
+from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -95,6 +95,8 @@ def _check_out_rows(out_rows, out_features: int, world: int
 class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     """Shared bookkeeping of the two layers: the group, the configuration check across ranks,
     input validation."""
+
+    _tpx_dtensor_params = True  # parameters are DTensors where placements say the layout
 
     def _setup_group(self, group: GroupLike) -> None:
         pg = resolve_group(group)
@@ -157,9 +159,9 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
                                      self.bias is not None, self.weight.device,
                                      self.weight.dtype)
 
-        specs = [ShardSpec(self.weight, *self._weight_layout())]
+        specs = [ShardSpec(local_of(self.weight), *self._weight_layout())]
         if self.bias is not None:
-            specs.append(ShardSpec(self.bias, *self._bias_layout()))
+            specs.append(ShardSpec(local_of(self.bias), *self._bias_layout()))
         load_initial(self.group, type(self).__name__, self._layer_config(), specs, full_fn,
                      src_rank=self.src_rank, drawn=full_weights is None)
         describe_params(self)  # each parameter knows its layout (tpx.sharding)
@@ -283,7 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
         x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
                         self.group, "ColumnParallelLinear")
         self._check_input(x, self.in_features, "in_features")
-        weight, bias = self.weight, self.bias
+        weight, bias = local_params(self.weight, self.bias)
         if self.replicated_rows:
             # Rows held by several ranks (replicated KV heads): each holder saw only its own
             # query heads, so their weight gradients are summed over the holders.
@@ -400,7 +402,8 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "in_features")
             x = tpx_autograd.split_last_dim(x, self.in_sizes, self.in_start, self.group)
-        w_t = self.weight.t()
+        weight, bias = local_params(self.weight, self.bias)
+        w_t = weight.t()
         if self.sequence_parallel:
             d = self._seq_dim(x)
             if x.shape[d] % self.world_size:
@@ -408,8 +411,8 @@ class RowParallelLinear(_ParallelLinear):
                     f"tpx.RowParallelLinear: with sequence_parallel=True the sequence dimension "
                     f"(dim {d}, size {x.shape[d]}) must divide by the group size "
                     f"{self.world_size}; pad the sequence to a multiple of {self.world_size}.")
-            return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=self.bias)
-        return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=self.bias)
+            return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=bias)
+        return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.in_start}:{self.in_end}), "

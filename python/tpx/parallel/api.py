@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ..group import (DeviceMesh, GroupLike, broadcast_, check_same_on_ranks, check_src_rank,
                      resolve_group)
 from ..mesh import mesh_layout
+from ..nn.dtensor_io import DTensor
 from . import style as _style
 from .style import ParallelStyle, apply_style
 
@@ -116,6 +117,7 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     finally:
         _style._MESH_HINT[0] = None
     _keep_parameter_objects(module, before, keep)
+    _guard_save_pretrained(module)
     if src_rank is not None and pg.size() > 1:
         broadcast_(pg, src_rank, _unsharded_tensors(module))
     from ..replicas import watch_enabled, watch_replicas
@@ -167,12 +169,19 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
     (a frozen weight) is kept. Attributes tpx attaches to a new parameter (``_tpx*``) move with
     it. ``keep``: ids of parameters that also belong to a module the call left whole (a tie
     across calls): those stay full, with their owner, and the sharded module keeps its own."""
+    moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]] = {}
     for path, new in list(module.named_parameters(remove_duplicate=False)):
         old = before.get(path)
         owner_name, _, attr = path.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         sharded = hasattr(owner, "_shards") or hasattr(owner, "_param_splits")
         if old is None or old is new or not sharded or id(old) in keep:
+            continue
+        if isinstance(new, DTensor) and not isinstance(old, DTensor):
+            # A plain Parameter cannot become a DTensor in place: the optimizers that hold the
+            # old object are given the new one instead.
+            new.requires_grad_(old.requires_grad)
+            moved[id(old)] = (old, new)
             continue
         if old.data is not new.data:
             requires_grad = old.requires_grad
@@ -184,6 +193,56 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
             if key.startswith("_tpx"):
                 setattr(old, key, value)
         setattr(owner, attr, old)
+    if moved:
+        _rebind_optimizers(moved)
+
+
+def _guard_save_pretrained(module: nn.Module) -> None:
+    """A Hugging Face model sharded by tpx: ``save_pretrained`` without ``state_dict=`` would
+    write each rank's shards (or fail deep inside safetensors), so it raises first, naming the
+    way that writes the full model; with ``state_dict=`` it is transformers' own."""
+    import types
+
+    save = getattr(type(module), "save_pretrained", None)
+    if save is None or "save_pretrained" in vars(module):
+        return
+    if not any(hasattr(m, "_shards") or hasattr(m, "_param_splits") for m in module.modules()):
+        return
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ValueError(
+                "tpx: save_pretrained of a model sharded by tpx needs its full weights: on every "
+                "rank, full = tpx.checkpoint.full_state_dict(model, rank0_only=True); then on "
+                "rank 0, model.save_pretrained(path, state_dict=full). (A sharded checkpoint, "
+                "resumable at any TP degree: tpx.checkpoint.save(model, path).) Nothing was "
+                "written")
+        return save(self, save_directory, *args, state_dict=state_dict, **kwargs)
+
+    module.save_pretrained = types.MethodType(save_pretrained, module)
+
+
+def _rebind_optimizers(moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Every ``torch.optim.Optimizer`` alive that holds a parameter ``parallelize_module``
+    replaced by its ``DTensor`` (an optimizer built before the call, as the examples of
+    earlier PyTorch releases do) steps the ``DTensor`` from now on: the parameter is swapped
+    in its param group (and its state, if any, moves with it)."""
+    import gc
+
+    import torch
+
+    optimizer = torch.optim.Optimizer
+    for obj in gc.get_objects():
+        if optimizer not in type(obj).__mro__:  # type(), not isinstance: no __class__ lookups
+            continue
+        for group in obj.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                pair = moved.get(id(p))
+                if pair is not None and pair[0] is p:
+                    params[i] = pair[1]
+                    if p in obj.state:
+                        obj.state[pair[1]] = obj.state.pop(p)
 
 
 def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Tensor]:

@@ -232,10 +232,11 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
         rp = ref_params.get(name)
         if rp is None or rp.grad is None or p.grad is None:
             continue
-        want = shards[name].slice_of(rp.grad) if name in shards else rp.grad
+        got = _local(p.grad)  # a DTensor's full tensor (collective, in the same order)
+        want = (shards[name].slice_of(rp.grad) if name in shards and got.shape != rp.grad.shape
+                else rp.grad)
         grad_names.append(name)
-        grad_errs.append(_rel(_local(p.grad), want) if want.shape == _local(p.grad).shape
-                         else float("inf"))
+        grad_errs.append(_rel(got, want) if want.shape == got.shape else float("inf"))
     out_err = _rel(_local(_first_tensor(out)), _first_tensor(ref_out))
 
     # One all-reduce (max over ranks) of every number, so every rank reports the same.

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from ..group import ShardSpec, _range, load_initial
-from ..sharding import describe_params
+from ..sharding import describe_params, guard_state_dict
 from .style import ParallelStyle
 
 __all__ = ["ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]
@@ -194,6 +194,7 @@ class ExpertsTensorParallel(ParallelStyle):
         module.group = pg
         module._tpx_experts_group = pg
         describe_params(module)
+        guard_state_dict(module)  # state_dict() speaks the full experts' names and shapes
         self._local_experts(module, lay, world, rank)
         if world > 1:
             self._install_hooks(module, pg, dn_bias)

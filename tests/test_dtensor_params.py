@@ -1,0 +1,231 @@
+"""tpx's sharded parameters are DTensors, so PyTorch's own tools read them right: ``model.
+state_dict()`` with ``torch.distributed.checkpoint`` (saved at one TP degree, loaded at another
+or into the unsharded model), ``get_state_dict`` / ``set_state_dict`` with AdamW's state,
+``torch.nn.utils.clip_grad_norm_``, foreach and fused AdamW; a layout no DTensor states raises
+in ``state_dict()`` instead of writing a shard under a full name."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tpx
+import tpx.checkpoint
+from harness import assert_like_unsharded, run_ranks
+
+transformers = pytest.importorskip("transformers")
+from test_hf import V, tiny  # noqa: E402
+
+
+def _llama(dtype=torch.float32):
+    # 12 heads and 6 KV heads divide by 2 and 3; the vocabulary (1003) and the MLP (88) do not.
+    return tiny("llama", hidden_size=48, num_attention_heads=12,
+                num_key_value_heads=6).to(dtype)
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (2, 10), generator=g)
+
+
+def _train(model, opt, steps, seed0):
+    for i in range(steps):
+        ids = _batch(seed0 + i)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _check_params_are_dtensors(model):
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    # Every projection, the embedding and the LM head (norms stay plain, as under PyTorch's TP).
+    assert len(sharded) == 2 + 7 * len(model.model.layers), sharded
+    for n, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            assert p.shape == model.get_parameter(n).shape
+    ref = _llama()
+    for n, p in ref.named_parameters():
+        assert tuple(model.get_parameter(n).shape) == tuple(p.shape), n
+
+
+def _save_plain_dcp(rank, world, ckpt, full_path):
+    """dcp.save(model.state_dict()) of a TP model, as PyTorch users write it."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = _llama()
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    _check_params_are_dtensors(model)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.5), 1, 0)
+    dcp.save(model.state_dict(), checkpoint_id=ckpt)
+    full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        torch.save(full, full_path)
+    dist.barrier()
+
+
+def _load_plain_dcp(rank, world, ckpt, full_path):
+    import torch.distributed.checkpoint as dcp
+
+    ref = _llama()
+    ref.load_state_dict(torch.load(full_path))
+    torch.manual_seed(7)  # another initialisation: everything must come from the checkpoint
+    model = _llama()
+    if world > 1:
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)  # in place: the DTensors are views of the parameters
+    ids = _batch(99)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    model.load_state_dict(state)  # and through load_state_dict, as the DCP recipes do
+    assert_like_unsharded(model, ref, f"loaded at TP {world}")
+
+
+@pytest.mark.parametrize("save_world,load_worlds", [(2, (3, 1)), pytest.param(
+    3, (2,), marks=pytest.mark.slow)])
+def test_dcp_of_model_state_dict(tmp_path, save_world, load_worlds):
+    ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
+    run_ranks(_save_plain_dcp, save_world, ckpt, full)
+    for w in load_worlds:
+        run_ranks(_load_plain_dcp, w, ckpt, full)
+
+
+def _get_set_state_dict(rank, world, ckpt, phase):
+    """get_state_dict / dcp.save at TP ``world`` after 2 AdamW steps; then, in another world,
+    dcp.load / set_state_dict and 2 more steps equal 4 uninterrupted steps on one device."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # float64: AdamW divides by the root of its second moment, which turns float32 rounding
+    # of tiny gradients into visible differences; the comparison is of the checkpoint path.
+    torch.manual_seed(0)
+    model = _llama(torch.float64)
+    ref = _llama(torch.float64)
+    ref.load_state_dict(model.state_dict())
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    if phase == "save":
+        _train(model, opt, 2, 0)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        return
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    _train(model, opt, 2, 2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    _train(ref, ref_opt, 4, 0)
+    assert_like_unsharded(model, ref, f"4 AdamW steps, resumed at TP {world}", rtol=1e-9,
+                          atol=1e-10)
+
+
+def test_get_set_state_dict_with_adamw_tp2_to_tp3(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_get_set_state_dict, 2, ckpt, "save")
+    run_ranks(_get_set_state_dict, 3, ckpt, "load")
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(24, 70)    # 70 rows: uneven at TP 3 and 4
+        self.down = nn.Linear(70, 24)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+def _torch_tools(rank, world, kind):
+    """torch.nn.utils.clip_grad_norm_ and torch's foreach / fused AdamW over a model whose every
+    parameter is a DTensor (weights Shard, the row layer's bias Replicate), 3 steps."""
+    torch.manual_seed(0)  # float64: AdamW magnifies float32 rounding (see above)
+    ref = _MLP().double()
+    model = _MLP().double()
+    model.load_state_dict(ref.state_dict())
+    tpx.parallelize_module(model, None, {"up": tpx.ColwiseParallel(),
+                                         "down": tpx.RowwiseParallel()})
+    kw = {"foreach": dict(foreach=True), "fused": dict(fused=True),
+          "for-loop": dict(foreach=False)}[kind]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(6, 24, generator=g, dtype=torch.float64)
+        norms = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).sum().backward()
+            # a max_norm below the norm, so that clipping scales
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            o.step()
+            o.zero_grad()
+        tpx_norm, ref_norm = norms
+        if hasattr(tpx_norm, "full_tensor"):
+            tpx_norm = tpx_norm.full_tensor()
+        torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
+        assert ref_norm > 0.5
+    assert_like_unsharded(model, ref, f"3 clipped AdamW steps ({kind})", rtol=1e-10,
+                          atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused", "for-loop"])
+def test_torch_clip_grad_norm_and_adamw(kind):
+    run_ranks(_torch_tools, 3, kind)
+
+
+def _fused_layout_raises(rank, world):
+    """GPT-2's fused c_attn splits q, k and v separately: no DTensor states that layout, so
+    state_dict() raises naming tpx's way; load_state_dict of the full state works."""
+    torch.manual_seed(0)
+    model = tiny("gpt2")
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    with pytest.raises(RuntimeError, match="tpx.checkpoint.save"):
+        model.state_dict()
+    torch.manual_seed(3)
+    other = tiny("gpt2")
+    tpx.parallelize_module(other, None, tpx.plans.auto(other))
+    other.load_state_dict(full)
+    ids = _batch(5)
+    ref = tiny("gpt2")
+    ref.load_state_dict(full)
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layout_state_dict_raises():
+    run_ranks(_fused_layout_raises, 2)
+
+
+def _save_pretrained(rank, world, path):
+    """save_pretrained of a tpx model: without state_dict= a clear error before anything is
+    written; with tpx's full state dict the files are the full model."""
+    torch.manual_seed(0)
+    ref = _llama()
+    model = _llama()
+    model.load_state_dict(ref.state_dict())
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    with pytest.raises(ValueError, match="full_state_dict"):
+        model.save_pretrained(path)
+    assert not os.path.exists(path)
+    full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        model.save_pretrained(path, state_dict=full)
+    dist.barrier()
+    back = transformers.AutoModelForCausalLM.from_pretrained(path)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_save_pretrained(tmp_path):
+    run_ranks(_save_pretrained, 3, str(tmp_path / "hf"))
