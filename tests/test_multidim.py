@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tpx
-from harness import from_rank, run_ranks, local_vs
+from harness import from_rank, run_ranks, local_part, local_vs
 
 
 def close(actual, expected, what):
@@ -170,7 +170,7 @@ def _check_linear(rank, world, layout):
         with tpx.comm_stats() as stats:
             y3 = layer3(torch.randn(nb // (q * q) * q, 3, k // q))
         g = mesh.get_group
-        w_bytes = layer3.weight.numel() * 4
+        w_bytes = local_part(layer3.weight).numel() * 4
         assert stats.calls(g("input"), "all_gather") == 1
         assert stats.bytes(g("input"), "all_gather") == w_bytes
         assert stats.calls(g("weight"), "all_gather") == 2
@@ -184,7 +184,7 @@ def _check_linear(rank, world, layout):
         assert stats.calls(g("col"), "broadcast") == q, stats
         assert stats.bytes(g("col"), "broadcast") == q * xs.numel() * 4
         assert stats.calls(g("row"), "broadcast") == q
-        assert stats.bytes(g("row"), "broadcast") == q * layer.weight.numel() * 4
+        assert stats.bytes(g("row"), "broadcast") == q * local_part(layer.weight).numel() * 4
         assert stats.calls() == 2 * q
 
     # split_input / gather_output: the full gradient arrives on every rank.
@@ -714,9 +714,9 @@ def _check_initial_weights(rank, world, layout):
         lin.from_linear = functools.partial(tpx.Linear3D.from_linear, hidden_mesh_dim="output")
 
     def same_linear(layer, ref, hidden="output"):
-        assert torch.equal(layer.weight, _weight_block(ref.weight.detach(), layout, c, q, hidden))
+        assert torch.equal(local_part(layer.weight), _weight_block(ref.weight.detach(), layout, c, q, hidden))
         if ref.bias is not None:
-            assert torch.equal(layer.bias, _bias_block(ref.bias.detach(), layout, c, q, hidden))
+            assert torch.equal(local_part(layer.bias), _bias_block(ref.bias.detach(), layout, c, q, hidden))
 
     # Constructors, each rank seeded differently: rank 0's draws, in rank 0's order.
     torch.manual_seed(1000 + rank)
@@ -728,10 +728,10 @@ def _check_initial_weights(rank, world, layout):
     ref, ref_table = nn.Linear(k, n), nn.Embedding(V, D, padding_idx=1)
     ref3 = nn.Linear(k, n, bias=False)
     same_linear(layer, ref)
-    assert torch.equal(table.weight, ref_table.weight.detach()[:, _norm_slice(D, layout, c, q)])
+    assert torch.equal(local_part(table.weight), ref_table.weight.detach()[:, _norm_slice(D, layout, c, q)])
     assert layer3.bias is None
     same_linear(layer3, ref3, hid)
-    assert torch.equal(norm.weight, torch.ones(D // q)) and torch.equal(norm.bias,
+    assert torch.equal(local_part(norm.weight), torch.ones(D // q)) and torch.equal(local_part(norm.bias),
                                                                         torch.zeros(D // q))
     x = torch.randn(q * q * depth, 3, k, generator=torch.Generator().manual_seed(5))
     out_kw = dict(hidden_mesh_dim=layer.output_mesh_dim) if layout == "3d" else {}
@@ -752,13 +752,13 @@ def _check_initial_weights(rank, world, layout):
         same_linear(tpx.Linear3D.from_linear(lin_m, mesh, src_rank=src_rank, **mid)
                     if mid else lin.from_linear(lin_m, mesh, src_rank=src_rank), refs[0], hid)
         e = emb.from_embedding(emb_m, mesh, src_rank=src_rank)
-        assert torch.equal(e.weight, refs[1].weight.detach()[:, _norm_slice(D, layout, c, q)])
+        assert torch.equal(local_part(e.weight), refs[1].weight.detach()[:, _norm_slice(D, layout, c, q)])
         nl = ln.from_layernorm(ln_m, mesh, src_rank=src_rank)
         for name in ("weight", "bias"):
-            assert torch.equal(getattr(nl, name), _norm_block(getattr(refs[2], name).detach(),
+            assert torch.equal(local_part(getattr(nl, name)), _norm_block(getattr(refs[2], name).detach(),
                                                               layout, c, q, "output"))
         nr = rms.from_rmsnorm(rms_m, mesh, src_rank=src_rank)
-        assert torch.equal(nr.weight, _norm_block(refs[3].weight.detach(), layout, c, q,
+        assert torch.equal(local_part(nr.weight), _norm_block(refs[3].weight.detach(), layout, c, q,
                                                   "output"))
     # Blocks scattered in many small steps (a few rows per step) arrive the same.
     os.environ["TPX_INIT_CHUNK_BYTES"] = str(16 * world)
@@ -778,7 +778,7 @@ def _check_initial_weights(rank, world, layout):
             big = lin(256, 96, mesh, bias=False)
     finally:
         del os.environ["TPX_INIT_CHUNK_BYTES"]
-    full_bytes, block_bytes = 256 * 96 * 4, big.weight.numel() * 4
+    full_bytes, block_bytes = 256 * 96 * 4, local_part(big.weight).numel() * 4
     if rank == 0:
         assert m.peak >= full_bytes, m.peak
     else:
@@ -796,7 +796,7 @@ def _check_initial_weights(rank, world, layout):
     table = emb(V, D, mesh, src_rank=None)
     assert torch.equal(torch.randn(4), after_ref)
     same_linear(layer, ref)
-    assert torch.equal(table.weight, ref_table.weight.detach()[:, _norm_slice(D, layout, c, q)])
+    assert torch.equal(local_part(table.weight), ref_table.weight.detach()[:, _norm_slice(D, layout, c, q)])
     # ... and with src_rank=0 the source's generator state is handed on.
     torch.manual_seed(3000)
     lin(k, n, mesh)
@@ -830,8 +830,8 @@ def _check_initial_weights(rank, world, layout):
         torch.manual_seed(4000 + 4 * dp)
         ref = nn.Linear(4, 8)
         cs = _coord(sub)
-        assert torch.equal(layer.weight, _weight_block(ref.weight.detach(), "2d", cs, 2))
-        assert torch.equal(layer.bias, _bias_block(ref.bias.detach(), "2d", cs, 2))
+        assert torch.equal(local_part(layer.weight), _weight_block(ref.weight.detach(), "2d", cs, 2))
+        assert torch.equal(local_part(layer.bias), _bias_block(ref.bias.detach(), "2d", cs, 2))
         full = tpx.checkpoint.full_state_dict(layer)
         assert torch.equal(full["weight"], ref.weight) and torch.equal(full["bias"], ref.bias)
     t = torch.ones(1)
@@ -884,7 +884,7 @@ def _check_checkpoint(rank, world, layout, tmp):
     fresh = {k: v.detach().clone() for k, v in _ckpt_decoder(q, 99).state_dict().items()}
     tpx.checkpoint.load_full_state_dict(model, fresh)
     for name, p in model.named_parameters():
-        assert torch.equal(p, _decoder_block(name, fresh[name], layout, c, q)), name
+        assert torch.equal(local_part(p), _decoder_block(name, fresh[name], layout, c, q)), name
     _same_state(tpx.checkpoint.full_state_dict(model), fresh, "round trip")
     with pytest.raises(ValueError, match="tok_embeddings.weight has shape"):
         tpx.checkpoint.load_full_state_dict(
@@ -950,7 +950,7 @@ def _check_checkpoint(rank, world, layout, tmp):
     hf = _shard_decoder(_ckpt_decoder(q, 11), mesh, layout)
     assert tpx.checkpoint.load_hf_checkpoint(hf, path) == []
     for name, p in hf.named_parameters():
-        assert torch.equal(p, _decoder_block(name, fresh[name], layout, c, q)), name
+        assert torch.equal(local_part(p), _decoder_block(name, fresh[name], layout, c, q)), name
 
 
 def _check_ckpt_and_init(rank, world, layout, tmp):

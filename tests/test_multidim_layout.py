@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import tpx
-from harness import run_ranks
+from harness import local_vs, run_ranks
 from tpx.parallel.mesh_styles import MeshInput, MeshParallel
 
 
@@ -84,6 +84,7 @@ def _w2(w, mesh):
 
 
 def _close(actual, expected, what, problems):
+    actual = local_vs(actual, expected)
     try:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     except AssertionError as e:

@@ -1,6 +1,6 @@
 """An optimizer built before ``parallelize_module`` over a 2-D mesh (as scripts written for the
-1-D API do) steps the sharded weights: the parallel layers take over the original
-``Parameter`` objects, so the optimizer's references stay valid."""
+1-D API do) steps the sharded weights: the optimizer is handed the blocks' ``DTensor`` parameters in the
+places of the plain ones."""
 
 import copy
 
@@ -19,10 +19,12 @@ def _optimizer_before(rank, world):
     model = copy.deepcopy(ref)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ids_before = {id(p) for p in model.parameters()}
     mesh = tpx.init_mesh("2d")
     tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout="2d"))
-    assert {id(p) for p in model.parameters()} <= ids_before
+    # The optimizer holds the model's parameters now (the blocks' DTensors in the places of
+    # the plain ones).
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert {id(p) for p in model.parameters()} <= held
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         ids = torch.randint(0, 36, (4, 6), generator=gen)

@@ -41,7 +41,7 @@ from torch.utils._foreach_utils import (_device_has_foreach_support,
 from .comm import count_collective
 from .comm_groups import wire_group
 from .group import _comm_device
-from .sharding import GroupSharding, sharding_of
+from .sharding import GroupSharding, MeshSharding, sharding_of
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 
@@ -134,6 +134,13 @@ def _pieces(tensors: Sequence[Tensor], descs: Sequence[object], who: str) -> Lis
                     f"is described as a tensor of {tuple(desc.full_shape)} (tpx.sharding); pass "
                     "the parameters in the same order as their gradients")
             desc = None  # a DTensor parameter of a tpx layer: its placements say it all
+        elif isinstance(desc, MeshSharding) and DTensor is not None and isinstance(t, DTensor):
+            if tuple(t.shape) != tuple(desc.full_shape):
+                raise ValueError(
+                    f"tpx.{who}: tensor {i} has global shape {tuple(t.shape)}, but its parameter "
+                    f"is described as a tensor of {tuple(desc.full_shape)} (tpx.sharding); pass "
+                    "the parameters in the same order as their gradients")
+            desc = None  # a block of a multi-dimensional layer, as a DTensor over its mesh
         if desc is not None:
             groups += desc.reduce_groups()
             if tuple(t.shape) != tuple(desc.local_shape):

@@ -218,7 +218,17 @@ def describe_params(module: nn.Module) -> None:
     ranks) stay this rank's plain tensor, described here."""
     if hasattr(module, "_param_splits") and hasattr(module, "mesh_info"):
         for spec in module._param_splits():
-            _attach(getattr(module, spec.name, None), MeshSharding(spec, module.mesh_info))
+            param = getattr(module, spec.name, None)
+            desc = MeshSharding(spec, module.mesh_info)
+            if (param is not None and getattr(module, "_tpx_dtensor_params", False)
+                    and not isinstance(param, DTensor)):
+                out = nn.Parameter(desc.dtensor(param), requires_grad=param.requires_grad)
+                for key, value in vars(param).items():
+                    if key.startswith("_tpx"):
+                        setattr(out, key, value)
+                _set_param(module, spec.name, out)
+                param = out
+            _attach(param, desc)
         return
     if not hasattr(module, "_shards") or not hasattr(module, "group"):
         return

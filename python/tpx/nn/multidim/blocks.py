@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ... import ops
 from ...group import ShardSpec, check_same_on_ranks, load_initial
 from ...mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
-from ...sharding import KeepsParamSharding, describe_params
+from ...sharding import KeepsParamSharding, describe_params, local_of
 
 
 _HIDDEN_3D = ("output", "weight")
@@ -144,6 +144,8 @@ class _MeshParams(KeepsParamSharding):
     tensors, with no communication of weights (the ranks' tensors must then agree: a checksum
     is compared)."""
 
+    _tpx_dtensor_params = True  # each block is a DTensor over the layer's mesh
+
     def _begin(self, mesh, who: str, args: dict, src_rank) -> MeshInfo:
         info = check_mesh(mesh, self._layout, who)
         pg = _mesh_group(info)
@@ -193,7 +195,7 @@ class _MeshParams(KeepsParamSharding):
             return
         ranks = [dist.get_global_rank(pg, g) for g in range(pg.size())]
         coords = [info.coord_of(info.ranks.index(r)) for r in ranks]
-        shard_specs = [ShardSpec(getattr(self, s.name),
+        shard_specs = [ShardSpec(local_of(getattr(self, s.name)),
                                  blocks=[s.ranges(info, c) for c in coords]) for s in specs]
         src = self.src_rank
         if src is not None:

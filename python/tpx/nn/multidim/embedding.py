@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import torch
 from ...comm_groups import guarded
+from ...sharding import local_params
 from torch import Tensor, nn
 
 from ...mesh import check_mesh
@@ -121,8 +122,8 @@ class Embedding2D(_MeshParams, nn.Module):
         if not isinstance(ids, Tensor) or ids.is_floating_point():
             raise TypeError(f"tpx.{type(self).__name__}: `ids` must be an integer Tensor")
         _check_layout(type(self).__name__, ids, self._ids_layout)
-        w = _SumGradOver.apply(self.weight, self._batch_groups) if self.weight.requires_grad \
-            else self.weight
+        w, = local_params(self.weight)
+        w = _SumGradOver.apply(w, self._batch_groups) if w.requires_grad else w
         return _mark(nn.functional.embedding(ids, w, self.padding_idx), self._out_layout)
 
 

@@ -10,6 +10,7 @@ from ... import ops
 from ...comm_groups import guarded
 from ...amp import autocast_casts
 from ...mesh import check_mesh
+from ...sharding import local_of, local_params
 from ..linear import _full_linear_init
 from .blocks import (BlockSpec, _MeshParams, _check_divides, _check_hidden_dim, _other_3d)
 from .layout import _check_layout, _layout_of, _mark
@@ -84,10 +85,11 @@ class _MultiDimLinear(_MeshParams, nn.Module):
         who = type(self).__name__
         if not isinstance(x, Tensor):
             raise TypeError(f"tpx.{who}: input must be a Tensor; got {type(x).__name__}")
-        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
+        local_in = local_of(self.weight).shape[1]
+        if x.dim() < 2 or x.shape[-1] != local_in:
             raise ValueError(f"tpx.{who}: input must be this rank's block [batch, ..., "
-                             f"{self.weight.shape[1]}] ({self.in_features} input features "
-                             f"split {self.in_features // self.weight.shape[1]} ways); got "
+                             f"{local_in}] ({self.in_features} input features "
+                             f"split {self.in_features // local_in} ways); got "
                              f"shape {tuple(x.shape)}. Use tpx.split_input(x, mesh).")
         if x.dtype != self.weight.dtype and not autocast_casts(x, self.weight):
             raise ValueError(f"tpx.{who}: input dtype {x.dtype} differs from the weight dtype "
@@ -143,7 +145,8 @@ class Linear2D(_MultiDimLinear):
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         _check_layout(type(self).__name__, x, self._in_layout)
-        return _mark(ops.linear_2d(x, self.weight, self.bias, *self._groups), self._out_layout)
+        weight, bias = local_params(self.weight, self.bias)
+        return _mark(ops.linear_2d(x, weight, bias, *self._groups), self._out_layout)
 
 
 class Linear2p5D(Linear2D):
@@ -224,7 +227,8 @@ class Linear3D(_MultiDimLinear):
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         _check_layout(type(self).__name__, x, self._in_layout, linear=True)
-        y = ops.linear_3d(x, self.weight, self.bias, *self._groups, self.chunks)[0]
+        weight, bias = local_params(self.weight, self.bias)
+        y = ops.linear_3d(x, weight, bias, *self._groups, self.chunks)[0]
         return _mark(y, self._out_layout)
 
     def extra_repr(self) -> str:

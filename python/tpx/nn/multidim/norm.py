@@ -12,6 +12,7 @@ from ... import ops
 from ...comm_groups import guarded
 from ...amp import norm_input
 from ...mesh import MeshInfo, check_mesh
+from ...sharding import local_params
 from .blocks import (BlockSpec, _MeshParams, _block, _check_divides, _check_hidden_dim,
                      _splits)
 from .layout import _check_layout, _layout_of, _mark
@@ -242,7 +243,8 @@ class LayerNorm2D(_MultiDimNorm):
         _check_layout(type(self).__name__, x, self._in_layout)
         x = norm_input(x)  # fp32 where torch's autocast lists layer_norm as fp32 (tpx.amp)
         hidden, batch = self._groups
-        y = _LayerNormFn.apply(x, self.weight, self.bias, self.eps, self.normalized_shape[0],
+        weight, bias = local_params(self.weight, self.bias)
+        y = _LayerNormFn.apply(x, weight, bias, self.eps, self.normalized_shape[0],
                                hidden, batch)
         return _mark(y, self._in_layout)
 
@@ -348,7 +350,8 @@ class RMSNorm2D(_MultiDimNorm):
         x = norm_input(x)  # fp32 where torch's autocast lists rms_norm as fp32 (tpx.amp)
         hidden, batch = self._groups
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y = _RMSNormFn.apply(x, self.weight, eps, self.normalized_shape[0], hidden, batch)
+        weight, = local_params(self.weight)
+        y = _RMSNormFn.apply(x, weight, eps, self.normalized_shape[0], hidden, batch)
         return _mark(y, self._in_layout)
 
 class RMSNorm2p5D(RMSNorm2D):
