@@ -97,6 +97,22 @@ def test_dcp_of_model_state_dict(tmp_path, save_world, load_worlds):
         run_ranks(_load_plain_dcp, w, ckpt, full)
 
 
+def _pytorch_checkpoint(model, opt, ckpt, phase):
+    """PyTorch's own recipe: get_state_dict + dcp.save, or get_state_dict + dcp.load (in
+    place) + set_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if phase == "save":
+        dcp.save(state, checkpoint_id=ckpt)
+        return
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
 def _get_set_state_dict(rank, world, ckpt, phase):
     """get_state_dict / dcp.save at TP ``world`` after 2 AdamW steps; then, in another world,
     dcp.load / set_state_dict and 2 more steps equal 4 uninterrupted steps on one device."""
@@ -113,14 +129,9 @@ def _get_set_state_dict(rank, world, ckpt, phase):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     if phase == "save":
         _train(model, opt, 2, 0)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        _pytorch_checkpoint(model, opt, ckpt, "save")
         return
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    _pytorch_checkpoint(model, opt, ckpt, "load")
     _train(model, opt, 2, 2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     _train(ref, ref_opt, 4, 0)
@@ -235,8 +246,6 @@ def _mesh_resume(rank, world, ckpt, phase):
     """PyTorch's get_state_dict / set_state_dict across layouts: saved from 1-D TP 2 after two
     AdamW steps, resumed over a 2-D (2 x 2) mesh, where the parameters are DTensors over the
     mesh; two more steps equal four on one device."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from tiny_llama import Decoder
 
     torch.manual_seed(0)
@@ -260,14 +269,9 @@ def _mesh_resume(rank, world, ckpt, phase):
 
     if phase == "save":
         steps(model, opt, 2, 0)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        _pytorch_checkpoint(model, opt, ckpt, "save")
         return
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    _pytorch_checkpoint(model, opt, ckpt, "load")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     steps(ref, ref_opt, 2, 0)
     # What was loaded is one device's state after two steps: weights and AdamW's moments.

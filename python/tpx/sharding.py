@@ -222,12 +222,7 @@ def describe_params(module: nn.Module) -> None:
             desc = MeshSharding(spec, module.mesh_info)
             if (param is not None and getattr(module, "_tpx_dtensor_params", False)
                     and not isinstance(param, DTensor)):
-                out = nn.Parameter(desc.dtensor(param), requires_grad=param.requires_grad)
-                for key, value in vars(param).items():
-                    if key.startswith("_tpx"):
-                        setattr(out, key, value)
-                _set_param(module, spec.name, out)
-                param = out
+                param = _replace_param(module, spec.name, desc.dtensor(param))
             _attach(param, desc)
         return
     if not hasattr(module, "_shards") or not hasattr(module, "group"):
@@ -247,19 +242,26 @@ def describe_params(module: nn.Module) -> None:
         if as_dtensor and desc.chunked:
             desc = GroupSharding(module.group, dim, rows_t, tuple(full), rank, in_dtensor=True)
             if not isinstance(param, DTensor):
-                _set_param(module, name, _dtensor_param(param, module.group, Shard(dim),
-                                                        tuple(full)))
-                param = getattr(module, name)
+                param = _replace_param(module, name, _as_dtensor(param, module.group,
+                                                                 Shard(dim), tuple(full)))
         _attach(param, desc)
     if as_dtensor:
         for name, param in list(module._parameters.items()):
             if param is not None and name not in sharded and not isinstance(param, DTensor):
-                _set_param(module, name, _dtensor_param(param, module.group, Replicate(),
-                                                        tuple(param.shape)))
+                _replace_param(module, name, _as_dtensor(param, module.group, Replicate(),
+                                                         tuple(param.shape)))
 
 
-def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    module._parameters[name] = param
+def _replace_param(module: nn.Module, name: str, dt: "DTensor") -> nn.Parameter:
+    """Puts ``dt`` (the ``DTensor`` of parameter ``name``, sharing its storage) in its place as
+    a parameter, keeping ``requires_grad`` and the attributes tpx attached (``_tpx*``)."""
+    old = module._parameters[name]
+    new = nn.Parameter(dt, requires_grad=old.requires_grad)
+    for key, value in vars(old).items():
+        if key.startswith("_tpx"):
+            setattr(new, key, value)
+    module._parameters[name] = new
+    return new
 
 
 def _as_dtensor(local: torch.Tensor, group, placement, full_shape) -> "DTensor":
@@ -272,17 +274,6 @@ def _as_dtensor(local: torch.Tensor, group, placement, full_shape) -> "DTensor":
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh_for_group(group, local.device.type), [placement],
                               run_check=False, shape=shape, stride=stride)
-
-
-def _dtensor_param(param: nn.Parameter, group, placement, full_shape) -> nn.Parameter:
-    """``param`` as a ``DTensor`` parameter (:func:`_as_dtensor`), keeping ``requires_grad``
-    and the attributes tpx attached (``_tpx*``)."""
-    out = nn.Parameter(_as_dtensor(param, group, placement, full_shape),
-                       requires_grad=param.requires_grad)
-    for key, value in vars(param).items():
-        if key.startswith("_tpx"):
-            setattr(out, key, value)
-    return out
 
 
 def local_of(t):
