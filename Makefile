@@ -59,7 +59,7 @@ bench: $(STAMP)
 $(VENV)/.deps-installed-5:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools wheel pybind11 ninja pytest \
-	    numpy tqdm matplotlib safetensors "transformers==5.23.0" expecttest tyro
+	    numpy tqdm matplotlib safetensors "transformers==5.24.0" expecttest tyro
 	$(VENV)/bin/python -m pip install --quiet --no-deps "torchtitan==0.2.2" "torchdata==0.11.0"
 	touch $@
 
@@ -152,7 +152,7 @@ TT_VENV := .venv-torch-$(TT_VERSION)
 TT_PY := $(TT_VENV)/bin/python
 TT_DEPS := $(TT_VENV)/.deps-installed-1
 TT_BUILD := build/torch-$(TT_VERSION)
-TT_TRANSFORMERS ?= $(if $(filter 2.5.%,$(TT_VERSION)),transformers==5.18.0,transformers==5.23.0)
+TT_TRANSFORMERS ?= $(if $(filter 2.5.%,$(TT_VERSION)),transformers==5.18.0,transformers==5.24.0)
 TT_BUILD_JOBS ?= 2
 TT_PIP := PIP_CONFIG_FILE=/dev/null nice -n 10 $(TT_PY) -m pip
 

@@ -47,12 +47,14 @@ def _worker(fn, rank, world_size, init_file, results, args, backend):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
-              backend: str = "gloo", crashes: tuple = ()) -> None:
+              backend: str = "gloo", crashes: tuple = (), rank_env=None) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; raises ``AssertionError``
     naming the failing rank (or ``TimeoutError`` naming the stuck ones).
 
     ``crashes``: ranks that must die with a non-zero exit code (a process abort the test
-    expects) instead of finishing; every other rank must still finish without error."""
+    expects) instead of finishing; every other rank must still finish without error.
+    ``rank_env(rank) -> dict``: environment variables of that rank's process, set before its
+    interpreter starts (``PYTHONHASHSEED``, as separate launches give each process its own)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="tpx_pg_")
@@ -61,8 +63,18 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, init_file, results, args, backend))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    for r, p in enumerate(procs):
+        extra = rank_env(r) if rank_env is not None else {}
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update({k: str(v) for k, v in extra.items()})
+        try:
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     name = getattr(fn, "__qualname__", repr(fn))
     done: set = set()
     deadline = _now() + timeout

@@ -182,3 +182,52 @@ def _check_replicas_and_grad_sum(rank, world):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_replicas_and_grad_sum(world):
     run_ranks(_check_replicas_and_grad_sum, world)
+
+
+class _SetOrderedBuffers(torch.nn.Module):
+    """Registers its buffers in a set's iteration order (as some transformers models register
+    their rotary buffers): the order follows the process's hash seed."""
+
+    KINDS = ("full", "sliding", "chunked", "local", "global", "linear", "window", "mixed")
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 24)
+        self.out = torch.nn.Linear(24, 16)
+        for kind in set(self.KINDS):
+            self.register_buffer(f"table_{kind}", torch.randn(4))
+
+    def forward(self, x):
+        scale = sum(getattr(self, f"table_{k}").sum() for k in self.KINDS)
+        return self.out(torch.relu(self.proj(x))) * scale
+
+
+def _check_hash_seed_independent(rank, world):
+    """Ranks whose interpreters started with different PYTHONHASHSEED (as separate torchrun
+    launches do) register the buffers in different orders; parallelize_module still agrees
+    across ranks, and every buffer is rank 0's, by name (no buffer takes another's values)."""
+    import torch.distributed as dist
+
+    from tpx.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    ref = _SetOrderedBuffers()
+    gen = torch.Generator().manual_seed(1)
+    for kind in ref.KINDS:  # by name: the same on every rank
+        getattr(ref, f"table_{kind}").copy_(torch.randn(4, generator=gen))
+    model = copy.deepcopy(ref)
+    if rank:  # other values elsewhere: parallelize_module takes rank 0's
+        for buf in model.buffers():
+            buf.normal_()
+    orders = [None] * world
+    dist.all_gather_object(orders, [n for n, _ in model.named_buffers()])
+    assert len({tuple(o) for o in orders}) > 1, f"the hash seeds gave one order: {orders}"
+    tpx.parallelize_module(model, None, {"proj": ColwiseParallel(), "out": RowwiseParallel()})
+    for name, buf in ref.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), buf, rtol=0, atol=0)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_hash_seed_independent():
+    run_ranks(_check_hash_seed_independent, 2, rank_env=lambda r: {"PYTHONHASHSEED": 11 + r})

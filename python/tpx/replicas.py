@@ -48,12 +48,13 @@ class ReplicaMismatch:
 
 
 def _replicated(model: nn.Module):
-    """(name, parameter) of every parameter no tpx layer shards, in module order."""
+    """(name, parameter) of every parameter no tpx layer shards, ordered by name (the same on
+    every rank whatever order the model registered them in)."""
     from .checkpoint import _mesh_params, _sharded_params
 
     sharded = {sh.key for sh in _sharded_params(model)} | {ms.key for ms in _mesh_params(model)}
     seen = set()
-    for name, p in model.named_parameters():
+    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
         if name in sharded or id(p) in seen:
             continue
         seen.add(id(p))

@@ -45,7 +45,9 @@ def _tp_group(device_mesh: GroupLike, tp_mesh_dim: Optional[int]) -> dist.Proces
 def _structure(module: nn.Module) -> str:
     """A digest of the names, shapes and dtypes of a module's parameters and buffers. The
     parameters of layers sharded already (whose local shapes differ across ranks when a size
-    does not divide) count by their layer's type and dtype only."""
+    does not divide) count by their layer's type and dtype only. Sorted by name: the order in
+    which a model registers its tensors may follow a set's iteration order, which differs
+    between processes with different hash seeds."""
     sharded = {id(p) for m in module.modules()
                if hasattr(m, "_shards") or hasattr(m, "_param_splits") for p in m.parameters()}
 
@@ -53,7 +55,7 @@ def _structure(module: nn.Module) -> str:
         return "sharded" if id(t) in sharded else tuple(t.shape)
     parts = [(n, shape(t), str(t.dtype)) for n, t in module.named_parameters()]
     parts += [(n, tuple(t.shape), str(t.dtype)) for n, t in module.named_buffers()]
-    return hashlib.sha1(repr(parts).encode()).hexdigest()
+    return hashlib.sha1(repr(sorted(parts)).encode()).hexdigest()
 
 
 def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
@@ -247,23 +249,26 @@ def _rebind_optimizers(moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]]) -> N
 
 def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Tensor]:
     """Parameters and buffers of ``module`` outside tpx's sharded modules (whose weights came
-    from the source rank when they were built), each once, in a fixed order."""
+    from the source rank when they were built), each once, ordered by name: every rank lists
+    them in the same order whatever order the model registered them in (a model may register
+    buffers in a set's iteration order, which follows each process's hash seed)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
         DTensor = ()  # type: ignore[assignment,misc]
     skip = {id(p) for m in module.modules() if hasattr(m, skip_attr) for p in m.parameters()}
-    out: List[Tensor] = []
-    for m in module.modules():
+    found: List[Tuple[str, Tensor]] = []
+    for prefix, m in module.named_modules():
         if hasattr(m, skip_attr):
             continue
-        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+        named = list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+        for name, t in named:
             if (t is None or id(t) in skip or t.device.type == "meta"
                     or (DTensor and isinstance(t, DTensor))):
                 continue
             skip.add(id(t))
-            out.append(t)
-    return out
+            found.append((f"{prefix}.{name}" if prefix else name, t))
+    return [t for _, t in sorted(found, key=lambda item: item[0])]
 
 
 def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, ParallelStyle],
