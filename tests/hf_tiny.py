@@ -2,30 +2,40 @@
 
 ``zoo_types()`` lists the ``AutoModelForCausalLM`` model types whose default config builds and
 has a non-empty ``base_model_tp_plan``. ``tiny_config(mt)`` starts from that default config and
-shrinks it with generic rules keyed on field names; ``tiny(mt)`` builds the float32 model.
+shrinks it with generic rules keyed on field names and values; ``tiny(mt)`` builds the model
+in float32 (random weights, nothing downloaded, no seed set).
 
-Rules (a field is only touched when the default config has it):
+Rules (a field is only touched when the default config has it; only changed fields are passed
+back to the config class, so whatever it derives in ``__post_init__`` is derived again):
 
-* sizes: hidden 64, MLP 88, MoE / shared-expert MLP 40, 8 query heads of dim 8, 2 KV heads
-  (GQA; MQA stays MQA), vocabulary 1003 (divisible by neither 2 nor 4), 64 positions, windows
-  and chunks 8, MLA ranks kv 16 / q 24 with nope 8 + rope 4 = qk 12 and v 8; linear-attention,
-  Mamba, indexer and low-rank fields shrink alike (Mamba heads times head dim = expand * hidden).
-  Counts that are already small (experts per token 1, one shared expert, one group) are kept:
-  most rules are ``min(default, target)``.
-* experts: 4 routed experts, 2 per token, at most 1 shared expert, at most 2 expert groups.
+* sizes (``FIXED``, or ``AT_MOST`` where ``None``, 0 and already small counts are kept):
+  hidden 64, MLP 88, MoE / shared-expert MLP 40, vocabulary 1003 (divisible by neither 2 nor
+  4), 64 positions, sliding windows, chunks and blocks 8; linear-attention, Mamba, indexer and
+  low-rank fields shrink alike, with Mamba heads * head dim = expand * hidden.
+* attention: 8 query heads of dim 8; multi-head attention becomes GQA with 2 KV heads (fewer
+  stays fewer), except MLA (``kv_lora_rank``), whose latent is expanded to every query head, so
+  KV heads = query heads = 8; MLA ranks kv 16 / q 24, nope 8 + rope 4 = qk 12, v 8, and
+  ``head_dim`` keeps its ratio to the rotary part (usually it *is* the rotary part).
+* experts: 4 routed experts, 2 per token (1 stays 1), at most 1 shared expert, at most 2 groups.
 * layers: every per-layer description (lists as long as the layer count, lists of layer indices,
-  ``per_layer_config``, "the first k layers are dense", "the last k layers share KV", ...) gives
-  each default layer a kind; the tiny model keeps the first layer of every kind, in order, and
-  at least 2 layers, and all those descriptions are rewritten for the kept layers.
-* no dropout or jitter, token ids inside the vocabulary, eager attention and experts (float64
-  runs; grouped GEMM does not take it), ``tie_word_embeddings`` as in the default config.
-* ``TYPES`` holds the few per-type settings no rule can guess; ``**overrides`` are applied last.
+  ``per_layer_config``, "the first k layers are dense", "the last k layers share KV", period and
+  offset, MoE start / end / interval) gives each default layer a kind; the tiny model keeps the
+  first layer of each kind, in order, and at least 2 layers, and every description is rewritten
+  for the kept layers (per-layer overrides scaled like the field they override). Where every
+  layer is MoE but the MLP has a dense form (``mlp_only_layers``, ``mlp_layer_types``), the
+  first layer is made dense so that the plan's dense-MLP entries are exercised too.
+* no dropout or jitter noise, no KV cache (``use_cache=False``), out-of-vocabulary pad / bos /
+  eos ids become 0 / 1 / 2 (the random inputs are 3..1002) and other special ids wrap into the
+  vocabulary, eager attention and experts (float64 runs: grouped GEMM does not take it),
+  ``tie_word_embeddings`` as in the default config; sub-configs are shrunk the same way.
+* ``TYPES`` holds the few per-type settings no rule can guess (default layouts without an
+  attention layer, unset experts or indexers, loops); ``**overrides`` are applied last (a new
+  layer count needs its per-layer lists overridden with it).
 
 ``python tests/hf_tiny.py [type ...]`` builds each model and runs forward and backward in
-float32 and float64.
+float32 and in float64, one line per type, then the counts.
 """
 
-import math
 import sys
 import time
 import warnings
@@ -35,44 +45,93 @@ import transformers
 
 V = 1003  # does not divide by 2 or 4
 
-# Sizes set outright (the default is ignored).
+# Sizes set outright (ints, and lists of them).
 FIXED = dict(
     vocab_size=V, vocab_size_per_layer_input=V, hidden_size=64, n_embd=64,
     intermediate_size=88, ffn_hidden_size=88, intermediate_size_mlp=88,
     dense_intermediate_size=88, num_attention_heads=8, n_head=8, swa_num_attention_heads=8,
     head_dim=8, swa_head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64,
 )
-# Sizes shrunk to at most the target (None, 0 and small counts stay as they are).
+# Sizes shrunk to at most the target (None, 0 and smaller values stay as they are).
 AT_MOST = dict(
-    unpadded_vocab_size=V, prefix_dense_intermediate_size=88, n_inner=88,
-    moe_intermediate_size=40, expert_ffn_hidden_size=40, shared_expert_intermediate_size=40,
+    # MLPs, vocabulary, positions
+    n_inner=88, prefix_dense_intermediate_size=88, moe_intermediate_size=40,
+    expert_ffn_hidden_size=40, shared_expert_intermediate_size=40,
     moe_shared_expert_intermediate_size=40, shared_experts_intermediate_size=40,
-    shared_intermediate_size=40, num_key_value_heads=2, swa_num_key_value_heads=2,
-    kv_lora_rank=16, q_lora_rank=24, o_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
-    v_head_dim=8, qk_head_dim=12, rotary_dim=4, original_max_position_embeddings=64,
-    model_max_length=64, sliding_window=8, sliding_window_size=8, attention_chunk_size=8,
-    block_size=8, keep_window_size=8, rel_extent=8, d_rel=8,
+    shared_intermediate_size=40, block_multiple_of=8, unpadded_vocab_size=V,
+    original_max_position_embeddings=64, model_max_length=64,
+    # attention: KV heads, MLA, rotary, windows, chunks, scales that start at a position
+    num_key_value_heads=2, swa_num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24,
+    o_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, qk_head_dim=12,
+    rotary_dim=4, query_pre_attn_scalar=8, sliding_window=8, sliding_window_size=8,
+    attention_chunk_size=8, block_size=8, keep_window_size=8, rel_extent=8, d_rel=8,
+    log_scaling_n_floor=8, floor_scale=8, n_layers_per_attn_res_block=2,
+    # sparse-attention indexers
+    index_topk=8, index_head_dim=8, index_n_heads=4, index_block_size=4, index_topk_blocks=2,
+    # experts
     n_routed_experts=4, num_experts=4, num_local_experts=4, moe_num_experts=4,
     num_experts_per_tok=2, num_experts_per_token=2, moe_topk=2, moe_k=2, top_k_experts=2,
     n_shared_experts=1, num_shared_experts=1, moe_num_shared_experts=1, zero_expert_num=2,
     n_group=2, num_expert_group=2, topk_group=1,
-    index_topk=8, index_head_dim=8, index_n_heads=4, index_block_size=4, index_topk_blocks=2,
+    # linear attention and Mamba
     linear_head_dim=8, linear_num_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
     mamba_n_heads=8, mamba_num_heads=8, mamba_d_state=8, ssm_state_size=8, mamba_chunk_size=8,
     chunk_size=8, mamba_dt_rank=8, n_groups=2, mamba_n_groups=2,
+    # low-rank and per-layer-input widths
     hidden_size_per_layer_input=8, laurel_rank=8, hc_lowrank=8, loop_gate_rank=8,
     gated_norm_rank=8,
 )
+# Out-of-vocabulary special tokens go to the ids that the random inputs (3..V-1) never use.
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
 # Lists of layer indices (the other per-layer lists have one entry per layer).
 INDEX_LISTS = ("moe_layers", "mlp_only_layers", "full_attn_idxs", "local_layer_ids",
-               "ple_layer_ids", "attn_layer_indices")
+               "attn_layer_indices")
 # "The first k layers" / "the last k layers" counts.
 FIRST_K = ("first_k_dense_replace", "num_dense_layers")
 LAST_K = ("num_kv_shared_layers",)
 
-# What no rule can guess, per model type.
+# What no rule can guess, per model type (nested configs are looked up by their own type).
 TYPES = {
+    # no attention (or conv) layer in the default layout: the second layer gets one
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # experts unset or single by default; make the first layer dense where the plan covers both
+    "deepseek_v2": dict(num_experts_per_tok=2, first_k_dense_replace=1),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  first_k_dense_replace=1),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
+    "llama4_text": dict(moe_layers=[1]),
+    # MoE switched off by default (doge: one switch for all layers; gemma4: a block beside the MLP)
+    "doge": dict(is_moe=True),
+    "gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=40),
+    # one input, one recurrent (looped) and one output layer
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # two layers before the loop, two looped layers run twice (loop bounds are whole blocks)
+    "inkling2_loop_text": dict(num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid"] * 2,
+                               loop_layer_index_start=2, loop_layer_index_end=4,
+                               loop_num_passes=2),
+    # compression by 2 and 4 (not 4 and 128): 16 tokens make several compressed entries
+    "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 2,
+                                        "heavily_compressed_attention": 4},
+                        o_groups=2, index_topk=4),
+    # the indexer of the indexed attention is unset by default; one n-gram embedding layer
+    "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8,
+                           indexer_budget=8, indexer_compress_ratio=2, ple_layer_ids=[1],
+                           heads_per_ngram=2, ngram_vocab_size_base=100,
+                           make_ngram_vocab_size_divisible_by=4, eos_token_id=2),
+    # no RoPE parameters by default: sliding layers with RoPE, full layers without
+    "cohere_compass_text": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": None}),
+    # the audio encoder of phi4_multimodal is built with its causal LM
+    "phi4_multimodal_audio": dict(num_blocks=1, ext_pw_out_channel=64, nemo_conv_channels=64,
+                                  depthwise_separable_out_channel=64),
 }
 
 
@@ -92,7 +151,15 @@ def zoo_types() -> list[str]:
 
 def _fields(cfg) -> dict:
     """The config's serialised fields with their live values (``to_dict`` may re-encode)."""
-    return {k: getattr(cfg, k, v) for k, v in cfg.to_dict().items()}
+    out = {}
+    for k, v in cfg.to_dict().items():
+        try:
+            live = getattr(cfg, k, v)
+        except Exception:  # a per-layer attribute that may differ between layers
+            live = v
+        plain = (int, float, str, list, tuple, dict, type(None), transformers.PretrainedConfig)
+        out[k] = live if isinstance(live, plain) else v
+    return out
 
 
 def _is_int(v) -> bool:
@@ -110,17 +177,21 @@ def _sizes(d: dict) -> dict:
         elif ("dropout" in k or "pdrop" in k or "jitter" in k) and isinstance(v, float):
             c[k] = 0.0
         elif k.endswith(("token_id", "token_index")) and _is_int(v) and v >= V:
-            c[k] = v % V
+            c[k] = SPECIAL.get(k, v % V)
         elif k.endswith("token_id") and isinstance(v, list):
-            c[k] = [t % V for t in v]
-    if d.get("num_key_value_heads") == d.get("num_attention_heads") and "num_key_value_heads" in c:
+            c[k] = [t if t < V else SPECIAL.get(k, t % V) for t in v]
+    if "kv_lora_rank" in d and "num_key_value_heads" in d:
+        c["num_key_value_heads"] = 8  # MLA: one latent, expanded to every query head
+    elif d.get("num_key_value_heads", 0) in (None, d.get("num_attention_heads")):
         c["num_key_value_heads"] = 2  # multi-head attention becomes GQA
-    if "qk_rope_head_dim" in d and d.get("head_dim") == d["qk_rope_head_dim"]:
-        c["head_dim"] = c["qk_rope_head_dim"]  # MLA: head_dim names the rotary part
+    for k in ("head_dim", "n_inner"):  # None: derived from the hidden size
+        if k in d and d[k] is None:
+            c[k] = FIXED.get(k, AT_MOST.get(k))
+    if _is_int(d.get("qk_rope_head_dim")) and _is_int(d.get("head_dim")):
+        # rotary part sized apart (MLA): head_dim keeps its ratio to it (often it *is* it)
+        c["head_dim"] = max(1, c["qk_rope_head_dim"] * d["head_dim"] // d["qk_rope_head_dim"])
     if "qk_head_dim" in c:
         c["qk_head_dim"] = c.get("qk_nope_head_dim", 8) + c.get("qk_rope_head_dim", 4)
-    if d.get("n_group", 0) and "topk_group" in d and c.get("n_group") == 1:
-        c["topk_group"] = 1
     # linear attention: 4 key heads, value heads in the default ratio
     if _is_int(d.get("linear_num_key_heads")):
         c["linear_num_key_heads"] = 4
@@ -135,10 +206,30 @@ def _sizes(d: dict) -> dict:
                 c[k] = dim
         if "mamba_d_ssm" in d:
             c["mamba_d_ssm"] = heads * dim
-    for k in ("use_mamba_kernels",):
-        if d.get(k):
-            c[k] = False
+    if "original_max_position_embeddings" in repr(d.get("rope_parameters")):
+        c["rope_parameters"] = _rope(d["rope_parameters"])
+    if d.get("use_cache"):
+        c["use_cache"] = False  # training only: no KV / state caches
     return c
+
+
+def _rope(p):
+    """RoPE parameters whose scaled context (``original_max_position_embeddings * factor``)
+    fits the 64 positions."""
+    if not isinstance(p, dict):
+        return p
+    p = {k: _rope(v) for k, v in p.items()}
+    if _is_int(p.get("original_max_position_embeddings")):
+        p["original_max_position_embeddings"] = max(1, int(64 // (p.get("factor") or 1)))
+    if _is_int(p.get("max_position_embeddings")):
+        p["max_position_embeddings"] = 64
+    return p
+
+
+def _periods(d: dict) -> list:
+    """``(x_period, x_offset)`` pairs: layer ``i`` is an x layer when ``i % period == offset``."""
+    return [(k, k[:-6] + "offset") for k, v in d.items()
+            if k.endswith("_period") and _is_int(v) and _is_int(d.get(k[:-6] + "offset"))]
 
 
 def _kinds(d: dict, n: int) -> list:
@@ -152,6 +243,7 @@ def _kinds(d: dict, n: int) -> list:
         kind = [repr(d[k][i]) for k in per] + [i in d[k] for k in idx] + [plc.get(i)]
         kind += [_is_int(d.get(k)) and i < d[k] for k in FIRST_K]
         kind += [_is_int(d.get(k)) and i >= n - d[k] for k in LAST_K]
+        kind += [i % d[p] == d[o] for p, o in _periods(d)]
         if _is_int(d.get("moe_layer_start_index")):
             lo, hi = d["moe_layer_start_index"], d.get("moe_layer_end_index") or n - 1
             kind.append(lo <= i <= hi and (i - lo) % (d.get("moe_layer_interval") or 1) == 0)
@@ -181,16 +273,25 @@ def _layers(d: dict, c: dict, keep_at_least: int = 2) -> dict:
                 new = [FIXED[k]] * m
             elif k == "num_attention_heads_per_layer":
                 new = [max(1, 8 * h // d["num_attention_heads"]) for h in new]
+            elif k == "mlp_layer_types" and set(new) == {"sparse"}:
+                new[0] = "dense"  # MoE everywhere by default: the dense MLP is covered too
             out[k] = new
     for k in INDEX_LISTS:
         if isinstance(d.get(k), list):
             out[k] = [j for j, i in enumerate(keep) if i in d[k]]
+    if d.get("mlp_only_layers") == []:
+        out["mlp_only_layers"] = [0]  # MoE everywhere by default: the dense MLP is covered too
     for k in FIRST_K:
         if _is_int(d.get(k)):
             out[k] = sum(i < d[k] for i in keep)
     for k in LAST_K:
         if _is_int(d.get(k)):
             out[k] = sum(i >= n - d[k] for i in keep)
+    for p, o in _periods(d):  # the smallest period and offset that give the kept layers
+        hits = [j for j, i in enumerate(keep) if i % d[p] == d[o]]
+        fits = [(q, r) for q in range(1, m + 1) for r in range(q)
+                if [j for j in range(m) if j % q == r] == hits]
+        out[p], out[o] = fits[0] if fits else (d[p], d[o])
     if _is_int(d.get("moe_layer_start_index")):
         moe = [j for j, kind in enumerate(kinds[i] for i in keep) if kind[-1]]
         out.update(moe_layer_start_index=moe[0], moe_layer_end_index=moe[-1],
@@ -234,43 +335,45 @@ def tiny_config(mt: str, **overrides):
 
 
 def tiny(mt: str, **overrides):
-    """A tiny randomly initialised float32 causal LM of model type ``mt``."""
+    """A tiny randomly initialised float32 causal LM of model type ``mt`` (seed left alone)."""
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(mt, **overrides))
     return model.float()
 
 
-def check(mt: str) -> tuple[int, float]:
-    """Build ``mt`` and run forward and backward in float32 and float64."""
-    t = time.perf_counter()
-    torch.manual_seed(0)
-    model = tiny(mt)
-    params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(3, V, (2, 16))
-    for dtype in (torch.float32, torch.float64):
-        model.to(dtype).train()
-        model.zero_grad()
-        out = model(input_ids=ids, labels=ids)
-        if not torch.isfinite(out.logits).all():
-            raise RuntimeError(f"non-finite logits in {dtype}")
-        out.loss.backward()
-    return params, time.perf_counter() - t
+def check(mt: str) -> int:
+    """Build ``mt``, run forward and backward in float32 and in float64; the parameter count."""
+    stage = "build"
+    try:
+        model = tiny(mt)
+        ids = torch.randint(3, V, (2, 16))
+        for stage, convert in (("float32", model.float), ("float64", model.double)):
+            convert()
+            model.zero_grad()
+            out = model(input_ids=ids, labels=ids)
+            if not torch.isfinite(out.logits).all():
+                raise FloatingPointError("non-finite logits")
+            out.loss.backward()
+    except Exception as e:
+        line = (str(e).strip().splitlines() or [""])[0][:140]
+        raise RuntimeError(f"{stage}: {type(e).__name__}: {line}") from e
+    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
+    torch.manual_seed(0)
     types = sys.argv[1:] or zoo_types()
-    ok, start = 0, time.perf_counter()
+    counts, start = [], time.perf_counter()
     for mt in types:
         t = time.perf_counter()
         try:
-            params, secs = check(mt)
-            ok += 1
-            print(f"{mt:24s} {params:9,d} {secs:6.2f}s OK", flush=True)
-        except Exception as e:
-            msg = (str(e).strip().splitlines() or [""])[0][:150]
-            print(f"{mt:24s} {'':9s} {time.perf_counter() - t:6.2f}s {type(e).__name__}: {msg}",
-                  flush=True)
-    print(f"{ok}/{len(types)} OK, {len(types) - ok} failed, "
+            counts.append(check(mt))
+            result = f"{counts[-1]:9,d} {time.perf_counter() - t:6.2f}s OK"
+        except RuntimeError as e:
+            result = f"{'':9s} {time.perf_counter() - t:6.2f}s {e}"
+        print(f"{mt:24s} {result}", flush=True)
+    span = f", {min(counts):,d} to {max(counts):,d} parameters" if counts else ""
+    print(f"{len(counts)}/{len(types)} OK, {len(types) - len(counts)} failed{span}, "
           f"{time.perf_counter() - start:.1f}s")

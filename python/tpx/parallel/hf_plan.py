@@ -433,13 +433,18 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     for key, name in mod_entries.items():
         parent, child = _parent(key)
         children.setdefault(parent, {})[child] = name
-    attn_parents = []
+    attn_parents: Dict[str, List[str]] = {}  # pattern -> the plan keys of its attention style
     for parent, kids in children.items():
         sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
         if not (sharded & {*_Q, *_K, *_V, _FUSED_QKV, _PER_HEAD_QKV}):
             continue
-        attn_parents.append(parent)
-        _shard_attention(model, plan, parent, kids, first(parent), cfg, mod_entries)
+        keys = _holding(modules, names, parent, sharded, "the projections the plan splits by "
+                        "heads")
+        attn_parents[parent] = keys
+        _shard_attention(model, plan, parent, keys, kids, cfg, mod_entries)
+    for parent, kids in children.items():
+        if parent not in attn_parents:
+            _partial_grad_params(modules, names, plan, parent, kids)
     for parent, kids in children.items():
         # A fused [gate | up] the plan gathers only to split it again before down_proj.
         if kids.get("gate_up_proj") == "colwise_gather_output":
@@ -468,17 +473,103 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     # the TP size is the error a user sees first.
     ordered: Plan = {}
     for key, st in plan.items():
-        for parent in attn_parents:
-            if key.startswith(parent + ".") and parent not in ordered:
-                ordered[parent] = plan[parent]
+        for parent, keys in attn_parents.items():
+            if key.startswith(parent + "."):
+                for k in keys:
+                    ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
     return _plans._with_generate(ordered, model, head, loss_parallel)
 
 
-def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn: nn.Module,
+def _holding(modules: Dict[str, nn.Module], names: List[str], parent: str, kids,
+             what: str) -> List[str]:
+    """The plan keys for a style on the modules matching ``parent`` that hold every child in
+    ``kids``: ``[parent]`` when every match does; the names of those that do when some match
+    holds none of them (MiniMax's linear-attention layers beside its softmax attention under
+    one ``layers.*.self_attn``); ``ValueError`` for a module holding only some."""
+    matches = [n for n in names if fnmatch.fnmatchcase(n, parent)]
+    holding, without = [], []
+    for n in matches:
+        have = {c for c in kids if hasattr(modules[n], c)
+                and isinstance(getattr(modules[n], c), nn.Module)}
+        if have and have != set(kids):
+            raise ValueError(
+                f"tpx.hf_plan: {n} ({type(modules[n]).__name__}) holds {sorted(have)} but not "
+                f"{sorted(set(kids) - have)} of {what}; write the plan for it by hand")
+        (holding if have else without).append(n)
+    return [parent] if not without else holding
+
+
+class _PartialGradParams(ReplicatedWithGradAllReduce):
+    """A module with parameters between the column- and the row-parallel projections of a
+    block, not named by the plan: an activation with its own parameters (Apertus' xIELU
+    ``alpha_p`` / ``alpha_n``). It sees only this rank's features, so its gradient is a
+    partial sum: summed over the group (:class:`ReplicatedWithGradAllReduce`). Each call checks
+    that its input is this rank's block of a column-parallel sibling's output (or one half of
+    a packed [gate | up] output); a module that sees the whole activation raises instead of
+    training on a gradient summed ``world`` times."""
+
+    def __init__(self, name: str, block: nn.Module, columns: List[str]) -> None:
+        self.name, self.block, self.columns = name, block, list(columns)
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        module = super().apply(module, pg)
+        if pg.size() > 1:
+            module.register_forward_pre_hook(self._check)
+        return module
+
+    def _check(self, module, args):
+        x = next((a for a in args if isinstance(a, Tensor)), None)
+        if x is None or not x.dim():
+            return
+        from ..sharding import local_of
+
+        widths = set()
+        for c in self.columns:
+            w = getattr(self.block.get_submodule(c), "weight", None)
+            if isinstance(w, Tensor):
+                rows = local_of(w).shape[0]
+                widths.update({rows, rows // 2})
+        if x.shape[-1] not in widths:
+            raise ValueError(
+                f"tpx.hf_plan: {self.name} ({type(module).__name__}) has parameters and sits in "
+                f"a block whose {self.columns} are column-parallel, so tpx sums its gradient "
+                f"over the group; but its input has {x.shape[-1]} features, not this rank's "
+                f"{sorted(widths)}: it sees the whole activation. Give it a style in the plan")
+
+    def __repr__(self) -> str:
+        return f"ReplicatedWithGradAllReduce() (checked: inside {self.columns} sharded)"
+
+
+def _partial_grad_params(modules: Dict[str, nn.Module], names: List[str], plan: Plan,
+                         parent: str, kids: Dict[str, str]) -> None:
+    """In a block whose plan splits features column-parallel and joins them row-parallel
+    (an MLP), each child with parameters the plan does not name gets its gradient summed
+    (:class:`_PartialGradParams`)."""
+    cols = [c for c, s in kids.items() if s in ("colwise", "packed_colwise")]
+    rows = [c for c, s in kids.items() if s == "rowwise"]
+    if not cols or not rows:
+        return
+    for n in _holding(modules, names, parent, cols + rows, "the block's projections"):
+        for m in ([modules[x] for x in names if fnmatch.fnmatchcase(x, n)]):
+            for child, sub in m.named_children():
+                key = f"{n}.{child}"
+                if (child in kids or not any(True for _ in sub.parameters())
+                        or any(fnmatch.fnmatchcase(key, k) or fnmatch.fnmatchcase(k, key)
+                               for k in plan)):
+                    continue
+                plan[key] = _PartialGradParams(key, m, cols)
+            break  # the first module of a pattern stands for all: same children
+
+
+def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict[str, str],
                      cfg, entries: Dict[str, str]) -> None:
     """q/k/v (or a fused projection) column-parallel in whole heads, KV heads replicated when
-    they do not divide the TP size; the attention module told its local head counts."""
+    they do not divide the TP size; the attention module told its local head counts.
+    ``keys``: the plan keys of the attention modules (``parent`` or the names of the modules
+    under it that hold the projections)."""
+    attn = model.get_submodule(next(n for n, _ in model.named_modules()
+                                    if any(fnmatch.fnmatchcase(n, k) for k in keys)))
     heads = getattr(cfg, "num_attention_heads", None)
     if not heads:
         raise ValueError(f"tpx.hf_plan: {parent!r}: the plan splits its projections by heads, "
@@ -486,7 +577,8 @@ def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = (getattr(attn, "head_dim", None) or getattr(attn, "head_size", None)
                 or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
+    sharded = [c for c, s in kids.items() if s in _COLWISE_OUT]  # the plan's order
+    update = _local_heads_update
     if _reads_config_heads(attn):
         raise ValueError(
             f"tpx.hf_plan: {parent!r} ({type(attn).__name__}) reads config.num_attention_heads "
@@ -501,6 +593,16 @@ def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn:
         elif c in _K + _V:
             expected = kv * head_dim
             st = ColwiseParallel(head_size=head_dim, replicate_heads=True)
+        elif c == _FUSED_QKV and isinstance(getattr(attn, "mp_num", None), int):
+            # CodeGen: mp_num blocks, each [q | v | k] of heads / mp_num heads; the forward
+            # reads however many whole blocks its input holds.
+            blocks = attn.mp_num
+            if heads % blocks or kv != heads:
+                raise ValueError(f"tpx.hf_plan: {parent}.{c}: {blocks} interleaved blocks of "
+                                 f"{heads} heads ({kv} KV heads) do not split in whole heads")
+            expected = 3 * heads * head_dim
+            st = ColwiseParallel(head_size=expected // blocks)
+            update = _blocks_update(blocks, heads)
         elif c == _FUSED_QKV:
             expected = (heads + 2 * kv) * head_dim
             st = ColwiseParallel(segments=(heads * head_dim, kv * head_dim, kv * head_dim),
@@ -532,11 +634,26 @@ def _shard_attention(model, plan: Plan, parent: str, kids: Dict[str, str], attn:
             "inside attention split by heads, but the plan does not name it: each rank would "
             "train it on its heads only. Add it to the plan ('replicated_with_grad_allreduce' "
             "for a norm shared by the heads) or write the plan by hand")
-    plan[parent] = ShardedAttention(heads, kv, out_proj=outs[0], update=_local_heads_update)
+    for key in keys:
+        plan[key] = ShardedAttention(heads, kv, out_proj=outs[0], update=update)
+
+
+def _blocks_update(blocks: int, heads: int):
+    """``update`` of an attention whose fused projection is ``blocks`` interleaved blocks
+    (CodeGen's ``mp_num``): each rank must hold whole blocks."""
+    def update(module: nn.Module, local_heads: int, local_kv_heads: int) -> None:
+        world = heads // local_heads
+        if blocks % world:
+            raise ValueError(
+                f"tpx.hf_plan: {type(module).__name__}'s fused qkv_proj is {blocks} interleaved "
+                f"[q | v | k] blocks; TP size {world} does not divide them: use a TP size that "
+                f"divides {blocks}")
+        _local_heads_update(module, local_heads, local_kv_heads)
+    return update
 
 
 def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
-                       attn_parents: List[str], model_type) -> None:
+                       attn_parents: Dict[str, List[str]], model_type) -> None:
     """Sequence parallelism layered on the translated plan, as for the Llama family: the
     decoder layers run on this rank's block of the sequence (padded to a multiple of the TP
     size), their norms on the block; attention gathers the sequence before it (trimmed to
@@ -561,6 +678,8 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         block = key[len(pre):].split(".")[0]
         blocks.setdefault(block, []).append(key)
     attn = [p for p in attn_parents if p.startswith(pre)]
+    if any(attn_parents[p] != [p] for p in attn):
+        raise fail("not every decoder layer has the attention the plan splits by heads")
     if len(attn) != 1 or any(len(v) != 1 for v in blocks.values()) or len(blocks) != 2:
         raise fail("the decoder layer is not one attention and one MLP, each ending in one "
                    "row-parallel projection")
