@@ -1,9 +1,10 @@
 """The Hugging Face zoo under tensor parallelism, tpx's plans and transformers' own: which
 architectures run, at which TP size, and whether they compute what one device computes.
 
-For every architecture of ``tests/test_hf_zoo.py`` (tiny random configs, nothing downloaded)
-plus a few without a TP plan or with MoE experts, and every TP size asked for, the ranks
-(gloo, CPU) build the same unsharded model from the same seed and a copy sharded by
+For every causal-LM model type of transformers whose config carries a TP plan
+(``base_model_tp_plan``; listed from transformers' own registry by ``tests/hf_tiny.py``, tiny
+random configs, nothing downloaded) and every TP size asked for, the ranks (gloo, CPU) build
+the same unsharded model from the same seed and a copy sharded by
 
 * ``tpx``: ``tpx.parallelize_module(model, None, tpx.plans.auto(model))``;
 * ``hf``: transformers' own tensor parallelism applied to the built model
@@ -20,10 +21,11 @@ near zero into differences of a parameter near the tolerances below, e.g. Gemma 
 embedding, which float64 shows to be rounding: 1e-10 there). A case is ``pass``
 (within the tests' tolerances: ``|sharded - unsharded| <= 2e-5 + 1e-4 * |unsharded|`` for
 logits and parameters, ``1e-5 + 1e-5 * |unsharded|`` for the loss), ``wrong`` (it runs, the
-numbers differ: the first tensor out of tolerance is named), or ``error`` (the exception's
-first line).
+numbers differ: the first tensor out of tolerance is named), ``refused`` (an error from
+the library that says it does not take the model, before training) or ``crash`` (any other
+exception, a hang or a dead rank; the exception's first line).
 
-    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...]
+    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf]
 
 prints the table and writes ``benchmarks/results/hf_zoo.json``.
 """
@@ -50,45 +52,12 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from common import environment, format_table, write_json  # noqa: E402
 
-# Beyond the test's architectures: one without a base_model_tp_plan, and mixtures of experts
-# (tests/test_moe.py trains them too).
-EXTRA = {
-    "stablelm": dict(vocab_size=1003, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    "mixtral": dict(vocab_size=1003, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
-                    tie_word_embeddings=False, max_position_embeddings=64),
-    "qwen3_moe": dict(vocab_size=1003, hidden_size=64, intermediate_size=88,
-                      moe_intermediate_size=40, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                      tie_word_embeddings=False, max_position_embeddings=64),
-    "qwen2_moe": dict(vocab_size=1003, hidden_size=64, intermediate_size=88,
-                      moe_intermediate_size=40, shared_expert_intermediate_size=56,
-                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                      num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-                      max_position_embeddings=64),
-    "deepseek_v3": dict(vocab_size=1003, hidden_size=64, intermediate_size=88,
-                        moe_intermediate_size=40, num_hidden_layers=2, num_attention_heads=8,
-                        num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
-                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-                        qk_rope_head_dim=4, v_head_dim=8, tie_word_embeddings=False,
-                        max_position_embeddings=64),
-}
-# Mixture-of-experts models run their experts with the eager loop: Hugging Face's default
-# grouped GEMM takes no float64.
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 STEPS = 2
 
 
 def tiny(arch: str):
-    import transformers
-
-    if arch in EXTRA:
-        cfg = transformers.AutoConfig.for_model(arch, **EXTRA[arch])
-        if arch in MOE:
-            cfg._experts_implementation = "eager"
-        return transformers.AutoModelForCausalLM.from_config(cfg)
+    """The tests' tiny model of ``arch`` (``tests/test_hf_zoo.py``'s configs where it has
+    one, ``tests/hf_tiny.py``'s generic one for the rest)."""
     import test_hf_zoo
 
     return test_hf_zoo.tiny(arch)
@@ -130,9 +99,23 @@ def _full_state(impl: str, model):
     return {k: _full(v) for k, v in model.state_dict().items()}
 
 
+def _runs_in(model, dtype: torch.dtype) -> bool:
+    """Whether the unsharded ``model`` runs in ``dtype`` (a few compute a part in float32 on
+    purpose, e.g. a router whose weight is made float32: those run in float32)."""
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model).to(dtype)(input_ids=torch.randint(3, 1003, (1, 4)))
+        return True
+    except RuntimeError:
+        return False
+
+
 def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    ref = tiny(arch).to(dtype)
+    ref = tiny(arch)
+    if not _runs_in(ref, dtype):
+        dtype = torch.float32
+    ref = ref.to(dtype)
     model = copy.deepcopy(ref)
     _shard(impl, model, world)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
@@ -163,10 +146,21 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
                                                f"difference {diff:.1e}")
         worst = max(worst, (diff, key))
     return dict(status="pass", detail=f"largest difference of a parameter {worst[0]:.1e} "
-                                      f"({worst[1]})")
+                                      f"({worst[1]}; {str(dtype)[6:]})")
 
 
-def _rank(rank: int, world: int, archs, impls, init: str, out_dir: str, dtype) -> None:
+def _status_of_error(e: BaseException) -> str:
+    """``refused``: tpx (or transformers) declined the model with an error that says so
+    before training (a ``ValueError`` / ``NotImplementedError`` whose message names the
+    library); ``crash``: anything else (a shape error deep in a forward, ...)."""
+    text = str(e).strip()
+    if isinstance(e, (ValueError, NotImplementedError, TypeError)) and text.startswith(
+            ("tpx", "tpx.")):
+        return "refused"
+    return "crash"
+
+
+def _rank(rank: int, world: int, cases, init: str, out_dir: str, dtype) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -177,84 +171,103 @@ def _rank(rank: int, world: int, archs, impls, init: str, out_dir: str, dtype) -
     import transformers
 
     transformers.logging.set_verbosity_error()
-    rows = []
-    for arch in archs:
-        for impl in impls:
-            t = time.perf_counter()
-            try:
-                r = _case(impl, arch, world, dtype)
-            except Exception as e:  # noqa: BLE001 - recorded
-                line = (str(e).strip().splitlines() or [""])[0]
-                r = dict(status="error", detail=f"{type(e).__name__}: {line}"[:300])
-                if os.environ.get("HF_ZOO_TRACE"):
-                    traceback.print_exc()
-            r.update(arch=arch, impl=impl, tp=world, seconds=round(time.perf_counter() - t, 1))
-            rows.append(r)
-            dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(rows, f)
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    for arch, impl in cases:
+        t = time.perf_counter()
+        try:
+            r = _case(impl, arch, world, dtype)
+        except Exception as e:  # noqa: BLE001 - recorded
+            line = (str(e).strip().splitlines() or [""])[0]
+            r = dict(status=_status_of_error(e), detail=f"{type(e).__name__}: {line}"[:300])
+            if os.environ.get("HF_ZOO_TRACE"):
+                traceback.print_exc()
+        r.update(arch=arch, impl=impl, tp=world, seconds=round(time.perf_counter() - t, 1))
+        with open(path, "a") as f:  # case by case: a hang loses only its own case
+            f.write(json.dumps(r) + "\n")
+        dist.barrier()
 
 
-def run(archs, world: int, impls, timeout: float, dtype: torch.dtype) -> list:
-    """One group of ``world`` ranks per architecture (an error in one cannot stall the
-    next); the rows of rank 0, or an error row when the ranks did not finish."""
+def run(archs, world: int, impls, timeout: float, dtype: torch.dtype, chunk: int = 24) -> list:
+    """Groups of ``world`` ranks, each running up to ``chunk`` cases (torch and transformers
+    imported once per group). A case that does not finish within ``timeout`` seconds is
+    recorded as a crash (a hang or a dead rank), its group killed, and the cases after it
+    run in a new group. The rows of rank 0."""
     ctx = mp.get_context("spawn")
-    rows = []
-    for arch in archs:
+    rows: list = []
+    todo = [(a, i) for a in archs for i in impls]
+    while todo:
+        batch = todo[:chunk]
         tmp = tempfile.mkdtemp(prefix="hf_zoo_")
         init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_rank, args=(r, world, [arch], impls, init, tmp, dtype))
+        procs = [ctx.Process(target=_rank, args=(r, world, batch, init, tmp, dtype))
                  for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        path = os.path.join(tmp, "rank0.jsonl")
+
+        def read():
+            return ([json.loads(x) for x in open(path).read().splitlines()]
+                    if os.path.exists(path) else [])
+        seen, last = 0, time.monotonic()
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.5)
+            n = len(read())
+            if n > seen:
+                seen, last = n, time.monotonic()
+            elif time.monotonic() - last > timeout:
+                break
         for p in procs:
             if p.is_alive():
                 p.kill()
-                p.join()
-        path = os.path.join(tmp, "rank0.json")
-        if os.path.exists(path):
-            got = json.load(open(path))
-        else:
-            got = [dict(arch=arch, impl=i, tp=world, status="error",
-                        detail=f"the ranks did not finish within {timeout:.0f} s "
-                               f"(exit codes {[p.exitcode for p in procs]})")
-                   for i in impls]
+            p.join()
+        got = read()
+        if len(got) < len(batch):
+            arch, impl = batch[len(got)]
+            got.append(dict(arch=arch, impl=impl, tp=world, status="crash",
+                            detail=f"did not finish within {timeout:.0f} s (a hang or a dead "
+                                   f"rank; exit codes {[p.exitcode for p in procs]})"))
         for r in got:
-            print(f"  {r['arch']:<12} tpx={r['impl'] == 'tpx'} TP {world}: {r['status']:<5} "
+            print(f"  {r['arch']:<22} {r['impl']:<3} TP {world}: {r['status']:<7} "
                   f"{r['detail']}", flush=True)
         rows += got
+        todo = todo[len(got):]
     return rows
 
 
 def main() -> None:
-    import test_hf_zoo
+    import hf_tiny
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--archs", default=",".join(list(test_hf_zoo.ARCHS) + list(EXTRA)))
+    parser.add_argument("--archs", default=None, help="default: every zoo type")
+    parser.add_argument("--impls", default="tpx,hf")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--out", default=str(HERE / "results" / "hf_zoo.json"))
     args = parser.parse_args()
-    archs = args.archs.split(",")
+    archs = args.archs.split(",") if args.archs else hf_tiny.zoo_types()
+    impls = args.impls.split(",")
     accelerate = importlib.util.find_spec("accelerate") is not None
     rows = []
     for world in args.tp:
         print(f"TP {world}:", flush=True)
-        rows += run(archs, world, ["tpx", "hf"], args.timeout, getattr(torch, args.dtype))
+        rows += run(archs, world, impls, args.timeout, getattr(torch, args.dtype))
     table = []
     for arch in archs:
         cells = [arch]
-        for impl in ("tpx", "hf"):
+        for impl in impls:
             for world in args.tp:
                 r = next(x for x in rows if (x["arch"], x["impl"], x["tp"]) == (arch, impl, world))
                 cells.append(r["status"])
         table.append(cells)
-    headers = ["model_type"] + [f"{impl} TP {w}" for impl in ("tpx", "hf") for w in args.tp]
+    headers = ["model_type"] + [f"{impl} TP {w}" for impl in impls for w in args.tp]
     print(format_table(headers, table, text_columns=len(headers)))
+    for impl in impls:
+        for world in args.tp:
+            mine = [r for r in rows if (r["impl"], r["tp"]) == (impl, world)]
+            counts = {k: sum(r["status"] == k for r in mine)
+                      for k in ("pass", "refused", "crash", "wrong")}
+            print(f"{impl} TP {world}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     if not accelerate:
         print("from_pretrained(..., tp_plan / distributed_config=...) itself: needs accelerate, "
               "which is not installed")
