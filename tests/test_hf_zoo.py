@@ -145,8 +145,12 @@ def test_zoo_tp2_slow(arch):
 # mp_num interleaved [q | v | k] blocks (split as [q | k | v]: logits off by 0.5); Apertus'
 # xIELU activation has parameters inside the column-sharded MLP (their gradients were this
 # rank's part only); MiniMax's linear-attention layers share `layers.*.self_attn` with the
-# softmax attention the plan splits (tpx halved their heads: a crash in a reshape).
-CAUSES = ["codegen", "apertus", "minimax"]
+# softmax attention the plan splits (tpx halved their heads: a crash in a reshape);
+# attention sinks and a gate's bias named by the plan as bare parameters (refused); MiMo's
+# sliding-window layers with twice the config's KV heads (a crash); DeepSeek-V2's
+# kv_a_layernorm, a norm on a whole input inside a block of column-parallel projections.
+CAUSES = ["codegen", "apertus", "minimax", "granite_swa", "beam", "mimo_v2_flash",
+          "deepseek_v2"]
 
 
 @pytest.mark.parametrize("arch", CAUSES)
@@ -234,30 +238,21 @@ class _ScaledSiLU(torch.nn.Module):
 
 
 def _check_activation_parameters(rank, world):
-    """A parameter inside a column-sharded MLP gets its gradient summed (equal to one
-    device); one that would see the whole activation (the plan gathers gate_proj) raises
-    naming it instead of summing a full gradient ``world`` times."""
+    """A parameter inside a column-sharded MLP the plan does not name gets its gradient
+    summed: equal to one device. (One that sees a whole input in such a block, an MLA
+    attention's kv_a_layernorm, keeps its whole gradient: deepseek_v2 of CAUSES.)"""
     torch.manual_seed(0)
     ref = tiny("llama")
     for layer in ref.model.layers:
         layer.mlp.act_fn = _ScaledSiLU()
     model = copy.deepcopy(ref)
     plan = tpx.plans.auto(model)
-    assert "model.layers.*.mlp.act_fn" in plan, list(plan)
+    assert {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"} <= set(plan), list(plan)
     tpx.parallelize_module(model, None, plan)
     ids, labels = _batch(0)
     ref(input_ids=ids, labels=labels).loss.backward()
     model(input_ids=ids, labels=labels).loss.backward()
     assert_like_unsharded(model, ref, "act_fn.alpha", grad=True, rtol=1e-4, atol=2e-5)
-    gathered = copy.deepcopy(ref)
-    from tpx.parallel import hf_plan
-
-    hf = hf_plan.hf_tp_plan(gathered)
-    hf["model.layers.*.mlp.gate_proj"] = "colwise_gather_output"
-    tpx.parallelize_module(gathered, None, hf_plan.translate(gathered, tp_plan=hf))
-    with pytest.raises(ValueError, match=r"model\.layers\.\*\.mlp\.act_fn \(_ScaledSiLU\).*"
-                                         r"sees the whole activation"):
-        gathered(input_ids=ids, labels=labels)
 
 
 def test_activation_parameters():

@@ -48,8 +48,8 @@ def _structure(module: nn.Module) -> str:
     does not divide) count by their layer's type and dtype only. Sorted by name: the order in
     which a model registers its tensors may follow a set's iteration order, which differs
     between processes with different hash seeds."""
-    sharded = {id(p) for m in module.modules()
-               if hasattr(m, "_shards") or hasattr(m, "_param_splits") for p in m.parameters()}
+    sharded = {id(p) for m in module.modules() for p in _sharded_by(m, "_shards")
+               + _sharded_by(m, "_param_splits")}
 
     def shape(t):
         return "sharded" if id(t) in sharded else tuple(t.shape)
@@ -247,6 +247,18 @@ def _rebind_optimizers(moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]]) -> N
                         obj.state[pair[1]] = obj.state.pop(p)
 
 
+def _sharded_by(m: nn.Module, attr: str) -> List[Tensor]:
+    """The parameters module ``m`` shards itself (``_shards()`` of a 1-D layout, all of a
+    multi-dimensional layer's): tpx's layers, a model's experts, an attention's per-head
+    parameters. A model's module keeps its other parameters (a norm inside) unsharded."""
+    if not hasattr(m, attr):
+        return []
+    if attr == "_shards" and not type(m).__module__.startswith("tpx."):
+        return [p for p in (getattr(m, n, None) for n, _, _ in m._shards())
+                if isinstance(p, Tensor)]
+    return list(m.parameters())
+
+
 def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Tensor]:
     """Parameters and buffers of ``module`` outside tpx's sharded modules (whose weights came
     from the source rank when they were built), each once, ordered by name: every rank lists
@@ -256,11 +268,11 @@ def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Te
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
         DTensor = ()  # type: ignore[assignment,misc]
-    skip = {id(p) for m in module.modules() if hasattr(m, skip_attr) for p in m.parameters()}
+    skip = {id(p) for m in module.modules() for p in _sharded_by(m, skip_attr)}
     found: List[Tuple[str, Tensor]] = []
     for prefix, m in module.named_modules():
-        if hasattr(m, skip_attr):
-            continue
+        if hasattr(m, skip_attr) and type(m).__module__.startswith("tpx."):
+            continue  # tpx's own layer: its tensors came from the source rank already
         named = list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
         for name, t in named:
             if (t is None or id(t) in skip or t.device.type == "meta"

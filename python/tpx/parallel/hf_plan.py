@@ -408,15 +408,13 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
             param_entries[key] = name
     experts = {k for k, s in mod_entries.items() if s == "moe_tp_experts"}
     under: Dict[str, Dict[str, str]] = {k: {} for k in experts}
+    bare: Dict[str, Dict[str, str]] = {}  # owner -> {parameter: style}, outside experts
     for key, name in param_entries.items():
         owner, attr = _parent(key)
-        if owner not in experts:
-            raise ValueError(
-                f"tpx.hf_plan.translate: the plan entry {key!r}: {name!r} names the parameter "
-                f"{attr!r} of {owner!r}, not a module. tpx shards a parameter through its "
-                "module's style and reads parameter entries only under a 'moe_tp_experts' "
-                "module; give the module a style in the plan instead")
-        under[owner][attr] = name
+        if owner in experts:
+            under[owner][attr] = name
+        else:
+            bare.setdefault(owner, {})[attr] = name
 
     def first(key):
         return modules[next(n for n in names if fnmatch.fnmatchcase(n, key))]
@@ -438,13 +436,14 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
         sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
         if not (sharded & {*_Q, *_K, *_V, _FUSED_QKV, _PER_HEAD_QKV}):
             continue
-        keys = _holding(modules, names, parent, sharded, "the projections the plan splits by "
-                        "heads")
+        keys = _holding(modules, names, parent, sharded)
         attn_parents[parent] = keys
         _shard_attention(model, plan, parent, keys, kids, cfg, mod_entries)
     for parent, kids in children.items():
         if parent not in attn_parents:
             _partial_grad_params(modules, names, plan, parent, kids)
+    for owner, params in bare.items():
+        _head_params(model, plan, owner, params, attn_parents, cfg)
     for parent, kids in children.items():
         # A fused [gate | up] the plan gathers only to split it again before down_proj.
         if kids.get("gate_up_proj") == "colwise_gather_output":
@@ -481,64 +480,66 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     return _plans._with_generate(ordered, model, head, loss_parallel)
 
 
-def _holding(modules: Dict[str, nn.Module], names: List[str], parent: str, kids,
-             what: str) -> List[str]:
-    """The plan keys for a style on the modules matching ``parent`` that hold every child in
-    ``kids``: ``[parent]`` when every match does; the names of those that do when some match
-    holds none of them (MiniMax's linear-attention layers beside its softmax attention under
-    one ``layers.*.self_attn``); ``ValueError`` for a module holding only some."""
+def _holding(modules: Dict[str, nn.Module], names: List[str], parent: str,
+             kids) -> List[str]:
+    """The plan keys for a style on the modules matching ``parent`` that hold any child in
+    ``kids``: ``[parent]`` when every match does; else the names of those that do (MiniMax's
+    linear-attention layers hold none of the projections of its softmax attention under one
+    ``layers.*.self_attn``; Gemma 3n's KV-sharing layers hold the query projection only and
+    read the keys and values of an earlier layer, split alike)."""
     matches = [n for n in names if fnmatch.fnmatchcase(n, parent)]
-    holding, without = [], []
-    for n in matches:
-        have = {c for c in kids if hasattr(modules[n], c)
-                and isinstance(getattr(modules[n], c), nn.Module)}
-        if have and have != set(kids):
-            raise ValueError(
-                f"tpx.hf_plan: {n} ({type(modules[n]).__name__}) holds {sorted(have)} but not "
-                f"{sorted(set(kids) - have)} of {what}; write the plan for it by hand")
-        (holding if have else without).append(n)
-    return [parent] if not without else holding
+    holding = [n for n in matches
+               if any(isinstance(getattr(modules[n], c, None), nn.Module) for c in kids)]
+    return [parent] if len(holding) == len(matches) else holding
 
 
-class _PartialGradParams(ReplicatedWithGradAllReduce):
-    """A module with parameters between the column- and the row-parallel projections of a
-    block, not named by the plan: an activation with its own parameters (Apertus' xIELU
-    ``alpha_p`` / ``alpha_n``). It sees only this rank's features, so its gradient is a
-    partial sum: summed over the group (:class:`ReplicatedWithGradAllReduce`). Each call checks
-    that its input is this rank's block of a column-parallel sibling's output (or one half of
-    a packed [gate | up] output); a module that sees the whole activation raises instead of
-    training on a gradient summed ``world`` times."""
+def _storage(t) -> Optional[int]:
+    return t.untyped_storage().data_ptr() if isinstance(t, Tensor) else None
+
+
+class _PartialGradParams(ParallelStyle):
+    """A module with parameters in a block whose plan splits features column-parallel and
+    joins them row-parallel, not named by the plan. Where it sees only this rank's features
+    (an activation with its own parameters between the projections: Apertus' xIELU
+    ``alpha_p`` / ``alpha_n``) its gradient is a partial sum and is summed over the group, as
+    :class:`ReplicatedWithGradAllReduce` does; where it sees a whole (replicated) input (a norm
+    before the projections: an MLA attention's ``kv_a_layernorm``) its gradient is whole and
+    left alone. Which of the two, each call tells from its input: a column-parallel sibling's
+    output of this call of the block (or a view of it: one half of a packed [gate | up]
+    output), or anything else."""
 
     def __init__(self, name: str, block: nn.Module, columns: List[str]) -> None:
         self.name, self.block, self.columns = name, block, list(columns)
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        module = super().apply(module, pg)
-        if pg.size() > 1:
-            module.register_forward_pre_hook(self._check)
+        if pg.size() == 1:
+            return module
+        state = {"partial": False, "outputs": set(), "hooked": set()}
+        self.block.register_forward_pre_hook(lambda mod, args: self._start(state))
+        module.register_forward_pre_hook(lambda mod, args: self._see(state, args))
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g, pg=pg: tpx_autograd.sum_over_group(g, pg)
+                                if state["partial"] else g)
         return module
 
-    def _check(self, module, args):
-        x = next((a for a in args if isinstance(a, Tensor)), None)
-        if x is None or not x.dim():
-            return
-        from ..sharding import local_of
-
-        widths = set()
+    def _start(self, state) -> None:
+        """At each call of the block: forget the last call's outputs; hook the column-parallel
+        siblings (the layers parallelize_module put in their place) to record theirs."""
+        state["outputs"].clear()
         for c in self.columns:
-            w = getattr(self.block.get_submodule(c), "weight", None)
-            if isinstance(w, Tensor):
-                rows = local_of(w).shape[0]
-                widths.update({rows, rows // 2})
-        if x.shape[-1] not in widths:
-            raise ValueError(
-                f"tpx.hf_plan: {self.name} ({type(module).__name__}) has parameters and sits in "
-                f"a block whose {self.columns} are column-parallel, so tpx sums its gradient "
-                f"over the group; but its input has {x.shape[-1]} features, not this rank's "
-                f"{sorted(widths)}: it sees the whole activation. Give it a style in the plan")
+            sub = self.block.get_submodule(c)
+            if id(sub) not in state["hooked"]:
+                state["hooked"].add(id(sub))
+                sub.register_forward_hook(
+                    lambda mod, args, out: state["outputs"].add(_storage(out)))
+
+    def _see(self, state, args) -> None:
+        x = next((a for a in args if isinstance(a, Tensor)), None)
+        state["partial"] = x is not None and _storage(x) in state["outputs"]
 
     def __repr__(self) -> str:
-        return f"ReplicatedWithGradAllReduce() (checked: inside {self.columns} sharded)"
+        return f"gradient summed where it sees {self.columns}' local features"
 
 
 def _partial_grad_params(modules: Dict[str, nn.Module], names: List[str], plan: Plan,
@@ -550,16 +551,14 @@ def _partial_grad_params(modules: Dict[str, nn.Module], names: List[str], plan: 
     rows = [c for c, s in kids.items() if s == "rowwise"]
     if not cols or not rows:
         return
-    for n in _holding(modules, names, parent, cols + rows, "the block's projections"):
-        for m in ([modules[x] for x in names if fnmatch.fnmatchcase(x, n)]):
-            for child, sub in m.named_children():
-                key = f"{n}.{child}"
+    for n in _holding(modules, names, parent, cols + rows):
+        for x in [x for x in names if fnmatch.fnmatchcase(x, n)]:  # one style per block
+            for child, sub in modules[x].named_children():
+                key = f"{x}.{child}"
                 if (child in kids or not any(True for _ in sub.parameters())
-                        or any(fnmatch.fnmatchcase(key, k) or fnmatch.fnmatchcase(k, key)
-                               for k in plan)):
+                        or any(fnmatch.fnmatchcase(key, k) for k in plan)):
                     continue
-                plan[key] = _PartialGradParams(key, m, cols)
-            break  # the first module of a pattern stands for all: same children
+                plan[key] = _PartialGradParams(key, modules[x], cols)
 
 
 def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict[str, str],
@@ -590,9 +589,13 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
         out = getattr(proj, "out_features", None)
         if c in _Q:
             expected, st = heads * head_dim, ColwiseParallel(head_size=head_dim)
-        elif c in _K + _V:
+        elif c in _K:
             expected = kv * head_dim
             st = ColwiseParallel(head_size=head_dim, replicate_heads=True)
+        elif c in _V:
+            v_dim = getattr(attn, "v_head_dim", None) or head_dim
+            expected = kv * v_dim
+            st = ColwiseParallel(head_size=v_dim, replicate_heads=True)
         elif c == _FUSED_QKV and isinstance(getattr(attn, "mp_num", None), int):
             # CodeGen: mp_num blocks, each [q | v | k] of heads / mp_num heads; the forward
             # reads however many whole blocks its input holds.
@@ -634,8 +637,116 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
             "inside attention split by heads, but the plan does not name it: each rank would "
             "train it on its heads only. Add it to the plan ('replicated_with_grad_allreduce' "
             "for a norm shared by the heads) or write the plan by hand")
+    # Layers whose KV heads differ from the config's (MiMo's sliding-window layers have twice
+    # as many): each such module gets its own counts.
+    k_name = next((c for c in sharded if c in _K), None)
+    own_kv = {}
+    if k_name is not None:
+        for n, m in model.named_modules():
+            if any(fnmatch.fnmatchcase(n, k) for k in keys):
+                out_k = getattr(getattr(m, k_name, None), "out_features", None)
+                if out_k:
+                    own_kv[n] = out_k // head_dim
+    if own_kv and set(own_kv.values()) != {kv}:
+        for n, kv_n in own_kv.items():
+            plan[n] = ShardedAttention(heads, kv_n, out_proj=outs[0], update=update)
+        keys[:] = list(own_kv)
+        return
     for key in keys:
         plan[key] = ShardedAttention(heads, kv, out_proj=outs[0], update=update)
+
+
+def _head_params(model: nn.Module, plan: Plan, owner: str, params: Dict[str, str],
+                 attn_parents: Dict[str, List[str]], cfg) -> None:
+    """Parameter entries outside experts: a per-head parameter of attention the plan splits
+    by heads (attention sinks, a gate's bias: ``[num_heads, ...]``, ``'colwise'``) is split in
+    the same whole heads as the queries (:class:`HeadParams`); anything else raises."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    for attr, name in params.items():
+        key = f"{owner}.{attr}"
+        if owner not in attn_parents or name != "colwise":
+            raise ValueError(
+                f"tpx.hf_plan.translate: the plan entry {key!r}: {name!r} names the parameter "
+                f"{attr!r} of {owner!r}, not a module. tpx reads such entries under a "
+                "'moe_tp_experts' module and for a per-head parameter ('colwise') of attention "
+                "split by heads; give the module a style in the plan instead")
+        for mod in [m for n, m in model.named_modules()
+                    if any(fnmatch.fnmatchcase(n, k) for k in attn_parents[owner])]:
+            p = getattr(mod, attr, None)
+            if p is None:  # not in this layer (sinks of the sliding-window layers only)
+                continue
+            if not isinstance(p, nn.Parameter) or not p.dim() or p.shape[0] != heads:
+                raise ValueError(
+                    f"tpx.hf_plan.translate: the plan entry {key!r}: 'colwise' on a parameter "
+                    f"of attention split by heads needs one row per query head ({heads}); got "
+                    f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+    from .plans import _Chain
+
+    for k in attn_parents[owner] if owner in attn_parents else ():
+        plan[k] = _Chain(plan[k], HeadParams(tuple(params), heads))
+
+
+class HeadParams(ParallelStyle):
+    """Bare per-head parameters of an attention module split by heads (attention sinks,
+    ``[num_heads]``): each rank keeps the rows of its query heads (``num_heads`` must divide
+    by the TP size, as the queries' split needs). The parameters become ``DTensor`` s,
+    ``Shard(0)`` of their full shape on the TP mesh (state dicts, DCP and optimizers see the
+    whole); the module's forward reads their local tensors (Hugging Face's ``local_params``),
+    and their gradients land as ``DTensor`` s. Values from ``src_rank``."""
+
+    def __init__(self, names: Tuple[str, ...], num_heads: int) -> None:
+        self.names, self.num_heads = tuple(names), int(num_heads)
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup, src_rank: Optional[int] = 0):
+        from torch.distributed.tensor import DTensor
+
+        from ..group import broadcast_
+        from ..sharding import describe_params
+
+        world, rank = pg.size(), dist.get_rank(pg)
+        if self.num_heads % world:
+            raise ValueError(f"tpx.HeadParams: {self.num_heads} heads do not divide by the TP "
+                             f"size {world}")
+        names = tuple(n for n in self.names if getattr(module, n, None) is not None)
+        params = [getattr(module, n) for n in names]
+        if not params:
+            return module
+        if src_rank is not None and world > 1:
+            with torch.no_grad():
+                broadcast_(pg, src_rank, [p.data for p in params])
+        per = self.num_heads // world
+        rows = tuple(((r * per, (r + 1) * per),) for r in range(world))
+        with torch.no_grad():
+            for p in params:
+                p.data = p.detach()[rank * per:(rank + 1) * per].clone()
+        # Described as a tpx layer's parameters are: tpx.checkpoint, clipping and the checks
+        # read the layout; describe_params makes them DTensors (Shard(0), full shape).
+        module._shards = lambda names=names, rows=rows: [(n, 0, rows) for n in names]
+        module.group = pg
+        module._tpx_dtensor_params = True
+        describe_params(module)
+        saved: Dict[int, Dict[str, nn.Parameter]] = {}
+
+        def to_local(mod, args):
+            dts = [n for n, p in mod._parameters.items() if isinstance(p, DTensor)]
+            saved[id(mod)] = {n: mod._parameters[n] for n in dts}
+            for n in dts:
+                dt = mod._parameters[n]
+                mod._parameters[n] = dt.to_local() if torch.is_grad_enabled() else \
+                    dt._local_tensor
+            return None
+
+        def restore(mod, args, out):
+            for n, p in saved.pop(id(mod), {}).items():
+                mod._parameters[n] = p
+            return None
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"HeadParams({list(self.names)}, num_heads={self.num_heads})"
 
 
 def _blocks_update(blocks: int, heads: int):
