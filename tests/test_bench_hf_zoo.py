@@ -1,0 +1,48 @@
+"""benchmarks/hf_zoo.py: tpx's plans and transformers' own TP over the zoo of causal LMs that
+ship a TP plan (``hf_tiny.zoo_types()``: transformers' registry). ``make test`` runs a cheap
+subset (two layouts tpx once read wrong, one it could not take, and Llama); ``make test-slow``
+runs tpx over the whole zoo at TP 2 and requires that no type is silently wrong or crashes:
+each trains equal to one device or is refused by tpx with an error that says so."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import run_command
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _zoo(tmp_path, *args, timeout):
+    out = tmp_path / "zoo.json"
+    r = run_command([sys.executable, str(ROOT / "benchmarks" / "hf_zoo.py"), *args,
+                     "--out", str(out)], timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text())["results"]
+
+
+def test_zoo_subset(tmp_path):
+    archs = ["llama", "codegen", "apertus", "granite_swa"]
+    rows = _zoo(tmp_path, "--tp", "2", "--archs", ",".join(archs), "--timeout", "240",
+                timeout=900)
+    got = {(r["arch"], r["impl"]): r for r in rows}
+    assert set(got) == {(a, i) for a in archs for i in ("tpx", "hf")}
+    for a in archs:
+        assert got[(a, "tpx")]["status"] == "pass", got[(a, "tpx")]
+    # transformers' own TP trains Apertus' activation parameters on each rank's half only.
+    assert got[("apertus", "hf")]["status"] == "wrong", got[("apertus", "hf")]
+
+
+@pytest.mark.slow
+def test_whole_zoo_never_silently_wrong(tmp_path):
+    import hf_tiny
+
+    rows = _zoo(tmp_path, "--tp", "2", "--impls", "tpx", "--timeout", "300", timeout=3600)
+    assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.zoo_types())
+    bad = [r for r in rows if r["status"] not in ("pass", "refused")]
+    assert not bad, json.dumps(bad, indent=1)
+    assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
+               if r["status"] == "refused")
