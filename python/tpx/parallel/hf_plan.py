@@ -645,8 +645,8 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
         for n, m in model.named_modules():
             if any(fnmatch.fnmatchcase(n, k) for k in keys):
                 out_k = getattr(getattr(m, k_name, None), "out_features", None)
-                if out_k:
-                    own_kv[n] = out_k // head_dim
+                if out_k:  # in the module's own head_dim (Gemma 4's layers differ)
+                    own_kv[n] = out_k // (getattr(m, "head_dim", None) or head_dim)
     if own_kv and set(own_kv.values()) != {kv}:
         for n, kv_n in own_kv.items():
             plan[n] = ShardedAttention(heads, kv_n, out_proj=outs[0], update=update)
