@@ -494,6 +494,16 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
         loss_parallel=loss_parallel, input_kwargs=())
 
 
+def _peft_base_model(model: nn.Module) -> Optional[nn.Module]:
+    """The model a peft model (``PeftModel``, a tuner model) wraps; ``None`` for any other."""
+    if not any(c.__module__.split(".")[0] == "peft" for c in type(model).__mro__):
+        return None
+    get = getattr(model, "get_base_model", None) or getattr(getattr(model, "model", None),
+                                                              "get_base_model", None)
+    inner = get() if callable(get) else getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) and inner is not model else None
+
+
 def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
          loss_parallel: bool = False, experts: str = "tp") -> Plan:
     """The TP plan for ``model``: a Hugging Face model from its own ``base_model_tp_plan``
@@ -516,6 +526,18 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
     if layout not in ("1d", "2d", "2.5d", "3d"):
         raise ValueError(f"tpx.plans.auto: `layout` must be '1d', '2d', '2.5d' or '3d'; got "
                          f"{layout!r}")
+    inner = _peft_base_model(model)
+    if inner is not None:
+        # A peft model (LoRA): the plan of the model it wraps, under its name there; the
+        # column and row styles shard peft's layers with the projections they wrap.
+        if layout != "1d":
+            raise ValueError(f"tpx.plans.auto: LoRA (a peft model) is sharded with layout='1d' "
+                             f"only; got layout={layout!r}")
+        prefix = next(n for n, m in model.named_modules() if m is inner)
+        plan = auto(inner, layout=layout, sequence_parallel=sequence_parallel,
+                    loss_parallel=loss_parallel, experts=experts)
+        return {(f"{prefix}.{k}" if k else prefix) if prefix else k: v
+                for k, v in plan.items()}
     if layout != "1d":
         if sequence_parallel:
             raise ValueError(f"tpx.plans.auto: sequence_parallel=True is for layout='1d'; the "

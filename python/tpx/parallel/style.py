@@ -117,6 +117,37 @@ def _is_conv1d(module: nn.Module) -> bool:
             and tuple(module.weight.shape) == (module.nx, module.nf))
 
 
+def _is_peft_layer(module: nn.Module) -> bool:
+    """A layer one of peft's tuners put in place of a model's module (read without importing
+    peft)."""
+    return any(c.__module__.split(".")[0] == "peft" for c in type(module).__mro__)
+
+
+def _shard_peft_layer(style: "ParallelStyle", module: nn.Module, pg: dist.ProcessGroup,
+                      src_rank: Optional[int]) -> nn.Module:
+    """The column or row style applied to a peft layer (LoRA on the projection it names): the
+    base layer sharded by the style, the adapters with it (:mod:`tpx.nn.lora`)."""
+    import copy
+
+    from ..nn.lora import shard_lora_layer
+
+    local = copy.copy(style)
+    local.use_local_output = True
+    new = shard_lora_layer(local, module, pg, src_rank)
+    if not style.use_local_output:
+        if isinstance(style, ColwiseParallel):
+            base = new.base_layer
+            if base.out_rows != [[_range(base.out_features, r, pg.size())]
+                                 for r in range(pg.size())]:
+                raise ValueError("tpx.ColwiseParallel: use_local_output=False needs the "
+                                 "contiguous split of the output features that Shard(-1) "
+                                 "describes (keep use_local_output=True)")
+            style._wrap(new, pg, base.out_features)
+        else:
+            style._wrap(new, pg)
+    return new
+
+
 def _check_plain(module: nn.Module, base: type, style: str) -> None:
     """A subclass with its own ``forward`` would lose it when tpx's layer takes its place."""
     if type(module).forward is not base.forward:
@@ -246,6 +277,8 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup,
               src_rank: Optional[int] = 0) -> nn.Module:
+        if _is_peft_layer(module):
+            return _shard_peft_layer(self, module, pg, src_rank)
         sp = isinstance(self.input_layouts, Shard)
         gather = isinstance(self.output_layouts, Replicate)
         if isinstance(module, nn.Embedding):
@@ -324,6 +357,8 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup,
               src_rank: Optional[int] = 0) -> nn.Module:
+        if _is_peft_layer(module):
+            return _shard_peft_layer(self, module, pg, src_rank)
         sp = isinstance(self.output_layouts, Shard)
         seq_dim = self.output_layouts.dim if sp else 1
         if isinstance(module, nn.Embedding):

@@ -1,0 +1,415 @@
+"""LoRA adapters (peft) on tpx's column- and row-parallel linear layers.
+
+A LoRA layer adds ``scaling * B(A(dropout(x)))`` to a linear layer's output (``A``: ``[r, in]``,
+``B``: ``[out, r]``). Under tensor parallelism the two factors follow the base layer:
+
+=================  ====================  =====================  ===============================
+base layer         ``A`` ``[r, in]``     ``B`` ``[out, r]``     the one collective
+=================  ====================  =====================  ===============================
+column-parallel    ``Replicate()``       ``Shard(0)`` (the      backward all-reduce of the input
+(x R -> y S(-1))                         base's output rows)    gradient, which also carries the
+                                                                partial gradient of ``A(x)``
+row-parallel       ``Shard(1)`` (the     ``Replicate()``        forward all-reduce of the partial
+(x S(-1) -> y R)   base's input columns)                        output, which also carries the
+                                                                partial sums ``A_r x_r``
+=================  ====================  =====================  ===============================
+
+so the LoRA branch adds ``r`` columns to the base layer's collective and no collective of its
+own, and ``B @ A`` (what ``merge`` adds) is already the base weight's local block.
+
+Both orders work:
+
+* **peft first**: ``tpx.plans.auto(peft_model)`` names the wrapped projections; the column and
+  row styles shard peft's ``lora.Linear`` by sharding its ``base_layer`` and its adapters, and
+  the layer becomes a :class:`ColumnParallelLoraLinear` / :class:`RowParallelLoraLinear` (still
+  a peft ``lora.Linear``: ``merge``, ``unmerge``, ``set_adapter``, ``disable_adapter`` and
+  ``merge_and_unload`` are peft's own).
+* **tpx first**: :func:`register` adds tpx's layers to a ``LoraConfig`` through peft's
+  custom-module API, so ``get_peft_model`` wraps them with the same classes.
+
+Adapters are created full-sized (as on one device, from the same random stream) and each rank
+keeps its part of the base layer's ``src_rank``'s draw, as tpx's layers are initialised.
+Parameters are ``DTensor`` s with the placements above (a fused projection whose segments are
+split separately keeps plain local tensors, described for ``tpx.checkpoint``), and
+``state_dict()`` / ``load_state_dict()`` speak the unsharded adapter's names and shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    from peft.tuners.lora import LoraConfig
+    from peft.tuners.lora.layer import Linear as _PeftLoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+except ImportError as e:  # pragma: no cover - only imported when peft is in use
+    raise ImportError("tpx.nn.lora needs peft (pip install peft)") from e
+
+from .. import autograd as tpx_autograd
+from .. import random as tpx_random
+from ..comm_groups import guarded
+from ..group import SharesGroupOnCopy, ShardSpec, _range, load_initial
+from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
+from .dtensor_io import DTensor, Replicate, Shard, local_input
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear", "register", "shard_lora_layer",
+           "is_peft_layer"]
+
+
+def is_peft_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer one of peft's tuners put in place of a model's module."""
+    return isinstance(module, BaseTunerLayer)
+
+
+class _LoraFactor(KeepsParamSharding, SharesGroupOnCopy, nn.Linear):
+    """One factor (``lora_A`` or ``lora_B``) of one adapter, holding this rank's part: an
+    ``nn.Linear`` (as peft expects) whose parameters are laid out as ``_shards()`` says and
+    which is never called itself (the LoRA layer computes with its local tensors)."""
+
+    _tpx_dtensor_params = True
+
+    def __init__(self, like: nn.Linear, local_shape, layout, group, full_shape) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = full_shape[1], full_shape[0]
+        factory = {"device": like.weight.device, "dtype": like.weight.dtype}
+        self.weight = nn.Parameter(torch.empty(local_shape, **factory),
+                                   requires_grad=like.weight.requires_grad)
+        if like.bias is not None:
+            n = local_shape[0]
+            self.bias = nn.Parameter(torch.empty(n, **factory),
+                                     requires_grad=like.bias.requires_grad)
+        else:
+            self.register_parameter("bias", None)
+        self.group = group
+        self._layout = layout  # [(name, dim, rows per rank)]: the sharded parameters
+
+    def _shards(self):
+        for name, dim, rows in self._layout:
+            if getattr(self, name, None) is not None:
+                yield name, dim, rows
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise RuntimeError("tpx: a sharded LoRA factor is not called on its own; the LoRA layer "
+                           "that holds it computes the adapter")
+
+
+def _full(lin: nn.Linear):
+    return (local_of(lin.weight).detach(),
+            None if lin.bias is None else local_of(lin.bias).detach())
+
+
+class _ParallelLora:
+    """What the column- and row-parallel LoRA layers share: checks of what tpx supports, the
+    sharding of one adapter, and peft's forward protocol."""
+
+    _kind = ""
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _tpx_check_adapter(self, adapter: str) -> None:
+        if adapter in getattr(self, "lora_variant", {}) or self.use_dora.get(adapter, False):
+            variant = type(self.lora_variant.get(adapter)).__name__ if adapter in \
+                self.lora_variant else "DoRA"
+            raise NotImplementedError(
+                f"tpx: the LoRA variant {variant} (adapter {adapter!r}) is not supported under "
+                "tensor parallelism; tpx shards plain LoRA (use_dora=False, no other variant "
+                "option). Nothing was changed")
+
+    def _tpx_shard_adapter(self, adapter: str, src_rank: Optional[int]) -> None:
+        """Replaces the full-sized factors of ``adapter`` (every rank's own, of which rank
+        ``src_rank``'s are kept) by this rank's parts."""
+        self._tpx_check_adapter(adapter)
+        base = self.base_layer
+        pg, world, rank = base.group, base.world_size, base.rank
+        A, B = self.lora_A[adapter], self.lora_B[adapter]
+        r = A.weight.shape[0]
+        a_full, b_full = (r, base.in_features), (base.out_features, r)
+        if tuple(local_of(A.weight).shape) != a_full or tuple(local_of(B.weight).shape) != b_full:
+            raise ValueError(f"tpx: the LoRA factors of adapter {adapter!r} have the shapes "
+                             f"{tuple(A.weight.shape)} and {tuple(B.weight.shape)}, not the "
+                             f"full {a_full} and {b_full} of the base layer")
+        if self._kind == "column":
+            rows = base.out_rows
+            local_b = sum(e - s for s, e in rows[rank])
+            new_a = _LoraFactor(A, a_full, [], pg, a_full)
+            new_b = _LoraFactor(B, (local_b, r), [("weight", 0, rows), ("bias", 0, rows)], pg,
+                                b_full)
+            specs = [ShardSpec(new_a.weight), ShardSpec(new_b.weight, rows, 0)]
+            if new_b.bias is not None:
+                specs.append(ShardSpec(new_b.bias, rows, 0))
+        else:
+            cols = [[_range(base.in_features, q, world)] for q in range(world)]
+            s, e = cols[rank][0]
+            new_a = _LoraFactor(A, (r, e - s), [("weight", 1, cols)], pg, a_full)
+            new_b = _LoraFactor(B, b_full, [], pg, b_full)
+            specs = [ShardSpec(new_a.weight, cols, 1), ShardSpec(new_b.weight)]
+            if new_b.bias is not None:
+                specs.append(ShardSpec(new_b.bias))
+        fulls = [_full(A)[0], *[t for t in _full(B) if t is not None]]
+        config = dict(adapter=adapter, kind=self._kind, r=r, in_features=base.in_features,
+                      out_features=base.out_features, lora_bias=B.bias is not None,
+                      dtype=str(A.weight.dtype))
+        load_initial(pg, f"LoRA adapter {adapter!r}", config, specs, lambda: fulls,
+                     src_rank=src_rank, drawn=False)
+        for f in (new_a, new_b):
+            describe_params(f)
+        self.lora_A[adapter], self.lora_B[adapter] = new_a, new_b
+
+    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        """peft's ``update_layer`` (a new adapter: drawn full-sized, as on one device), then
+        this rank keeps its part of the base layer's source rank's draw."""
+        if config.use_dora or self.resolve_lora_variant(config=config) is not None:
+            raise NotImplementedError(
+                "tpx: this LoraConfig asks for a LoRA variant (DoRA or another) that is not "
+                "supported under tensor parallelism; tpx shards plain LoRA. Nothing was changed")
+        super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+        self._tpx_shard_adapter(adapter_name, getattr(self.base_layer, "src_rank", 0))
+
+    # -- merging ------------------------------------------------------------------------------
+
+    def get_delta_weight(self, adapter) -> Tensor:
+        """``scaling * B @ A`` for this rank's block of the base weight, in the form the base
+        weight is stored (a ``DTensor`` of its placements, or its local tensor)."""
+        a = local_of(self.lora_A[adapter].weight)
+        b = local_of(self.lora_B[adapter].weight)
+        dtype = b.dtype
+        if b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+            a, b = a.float(), b.float()
+        delta = ((b @ a) * self.scaling[adapter]).to(dtype)
+        weight = self.base_layer.weight
+        if isinstance(weight, DTensor):
+            return DTensor.from_local(delta, weight.device_mesh, weight.placements,
+                                      run_check=False, shape=weight.shape, stride=weight.stride())
+        return delta
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _tpx_active(self) -> List[str]:
+        return [a for a in self.active_adapters if a in self.lora_A]
+
+    @guarded
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            raise NotImplementedError(
+                "tpx: peft's mixed-adapter batches (adapter_names=...) are not supported under "
+                "tensor parallelism; activate one adapter set with set_adapter() per batch")
+        if args or kwargs:
+            raise TypeError(f"tpx.{type(self).__name__}: unexpected arguments "
+                            f"{list(kwargs) or len(args)} to a linear layer")
+        if self.merged:
+            return self.base_layer(x)
+        active = self._tpx_active()
+        if not active:
+            return self.base_layer(x)
+        return self._tpx_forward(x, active)
+
+    def _dropout(self, adapter: str, x: Tensor) -> Tensor:
+        return self.lora_dropout[adapter](self._cast_input_dtype(x, self.lora_A[adapter].weight.dtype))
+
+    def __repr__(self) -> str:
+        return "tpx." + nn.Module.__repr__(self)
+
+
+def _unsupported_layout(kind: str, why: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"tpx: LoRA on a {kind}-parallel layer with {why} is not supported yet; shard the model "
+        "without sequence parallelism (tpx.plans.auto(model, sequence_parallel=False)) or leave "
+        "this projection out of the LoRA targets")
+
+
+class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
+    """peft's ``lora.Linear`` over a :class:`tpx.ColumnParallelLinear`.
+
+    Placements: ``x R -> y S(-1)``, as the base layer. ``lora_A.<adapter>.weight``
+    ``[r, in]`` ``Replicate()``; ``lora_B.<adapter>.weight`` ``[out, r]`` (and its bias)
+    ``Shard(0)``, rows split as the base weight's. One all-reduce in backward (the base
+    layer's, with ``r`` more columns per active adapter)."""
+
+    _kind = "column"
+
+    def __init__(self, base_layer, adapter_name: str, config=None, **kwargs) -> None:
+        if not isinstance(base_layer, ColumnParallelLinear):
+            raise TypeError(f"tpx.ColumnParallelLoraLinear wraps a tpx.ColumnParallelLinear; got "
+                            f"{type(base_layer).__name__}")
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.fan_in_fan_out = False  # tpx's layer stores [out, in] whatever the model did
+
+    def _tpx_forward(self, x: Tensor, active: List[str]) -> Tensor:
+        base = self.base_layer
+        pg = base.group
+        if base.sequence_parallel:
+            raise _unsupported_layout("column", "a sequence-parallel input")
+        if base.gather_output:
+            raise _unsupported_layout("column", "a gathered output (gather_output=True)")
+        x = local_input(x, Replicate(), pg, type(self).__name__)
+        base._check_input(x, base.in_features, "in_features")
+        if tpx_autograd.partial_grad_input(x, pg) is not None:
+            raise _unsupported_layout("column", "an input gathered from sequence shards")
+        weight, bias = local_params(base.weight, base.bias)
+        if base.replicated_rows:
+            weight = tpx_autograd.sum_grad_over_holders(weight, base.out_rows, pg)
+            if bias is not None:
+                bias = tpx_autograd.sum_grad_over_holders(bias, base.out_rows, pg)
+        # h = A(dropout(x)) on the replicated input (the replicated random stream draws the
+        # same mask on every rank); each rank's B block makes its gradient a partial sum,
+        # reduced with the input gradient's partial sums in one all-reduce.
+        hs = []
+        for a in active:
+            (wa,) = local_params(self.lora_A[a].weight)
+            hs.append(F.linear(self._dropout(a, x), wa))
+        needs = [t for t in (x, *hs) if t.requires_grad]
+        if needs and pg.size() > 1:
+            reduced = iter(tpx_autograd.all_reduce_grads(needs, pg))
+            x = next(reduced) if x.requires_grad else x
+            hs = [next(reduced) if h.requires_grad else h for h in hs]
+        y = F.linear(x, weight, bias)
+        out_dtype = y.dtype
+        for a, h in zip(active, hs):
+            wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
+            if base.replicated_rows:
+                wb = tpx_autograd.sum_grad_over_holders(wb, base.out_rows, pg)
+                if bb is not None:
+                    bb = tpx_autograd.sum_grad_over_holders(bb, base.out_rows, pg)
+            y = y + F.linear(h, wb, bb) * self.scaling[a]
+        return y.to(out_dtype)
+
+
+class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
+    """peft's ``lora.Linear`` over a :class:`tpx.RowParallelLinear`.
+
+    Placements: ``x S(-1) -> y R`` (``R -> R`` with ``input_is_parallel=False``), as the base
+    layer. ``lora_A.<adapter>.weight`` ``[r, in]`` ``Shard(1)``, columns split as the base
+    weight's; ``lora_B.<adapter>.weight`` ``[out, r]`` (and its bias) ``Replicate()``. One
+    all-reduce in forward (the base layer's, with ``r`` more columns per active adapter).
+    Dropout on the sharded input draws from the tensor-parallel random stream
+    (``tpx.random.manual_seed``)."""
+
+    _kind = "row"
+
+    def __init__(self, base_layer, adapter_name: str, config=None, **kwargs) -> None:
+        if not isinstance(base_layer, RowParallelLinear):
+            raise TypeError(f"tpx.RowParallelLoraLinear wraps a tpx.RowParallelLinear; got "
+                            f"{type(base_layer).__name__}")
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.fan_in_fan_out = False
+
+    def _tpx_forward(self, x: Tensor, active: List[str]) -> Tensor:
+        base = self.base_layer
+        pg = base.group
+        if base.sequence_parallel:
+            raise _unsupported_layout("row", "a sequence-parallel output")
+        x = local_input(x, Shard(-1) if base.input_is_parallel else Replicate(), pg,
+                        type(self).__name__)
+        if base.input_is_parallel:
+            base._check_input(x, base.in_end - base.in_start,
+                              f"this rank's columns {base.in_start}:{base.in_end} of "
+                              f"in_features={base.in_features}")
+        else:
+            base._check_input(x, base.in_features, "in_features")
+            x = tpx_autograd.split_last_dim(x, base.in_sizes, base.in_start, pg)
+        weight, bias = local_params(base.weight, base.bias)
+        parts = [F.linear(x, weight)]
+        for a in active:
+            (wa,) = local_params(self.lora_A[a].weight)
+            drop = self.lora_dropout[a]
+            sharded_random = (self.training and isinstance(drop, nn.Dropout) and drop.p > 0
+                              and pg.size() > 1)
+            with tpx_random.fork() if sharded_random else contextlib.nullcontext():
+                parts.append(F.linear(self._dropout(a, x), wa))
+        summed = _sum_packed(parts, pg)
+        y = summed[0] if bias is None else summed[0] + bias
+        out_dtype = y.dtype
+        for a, h in zip(active, summed[1:]):
+            wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
+            y = y + F.linear(h, wb, bb) * self.scaling[a]
+        return y.to(out_dtype)
+
+
+def _sum_packed(parts: List[Tensor], pg) -> List[Tensor]:
+    """Each of ``parts`` (partial sums of the same leading shape) summed over ``pg`` with one
+    all-reduce per dtype: concatenated along the last dim, reduced, split again."""
+    if pg.size() == 1:
+        return parts
+    out: List[Optional[Tensor]] = [None] * len(parts)
+    for dtype in dict.fromkeys(p.dtype for p in parts):
+        idx = [i for i, p in enumerate(parts) if p.dtype == dtype]
+        packed = torch.cat([parts[i] for i in idx], -1)
+        summed = tpx_autograd.all_reduce_sum(packed, pg)
+        for i, piece in zip(idx, summed.split([parts[i].shape[-1] for i in idx], -1)):
+            out[i] = piece
+    return out  # type: ignore[return-value]
+
+
+_CLASSES = {"column": ColumnParallelLoraLinear, "row": RowParallelLoraLinear}
+
+
+def register(config: "LoraConfig") -> "LoraConfig":
+    """Lets peft put LoRA on tpx's layers (a model sharded by tpx before ``get_peft_model``):
+    registers :class:`ColumnParallelLoraLinear` / :class:`RowParallelLoraLinear` for
+    :class:`tpx.ColumnParallelLinear` / :class:`tpx.RowParallelLinear` through peft's
+    custom-module API (``LoraConfig._register_custom_module``) and returns ``config``.
+    ``get_peft_model(model, tpx.nn.lora.register(LoraConfig(...)))`` then wraps the targeted
+    tpx layers; new adapters are drawn full-sized on every rank and each rank keeps its part of
+    the base layer's source rank's draw (a collective: every rank adds the same adapters)."""
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"tpx.nn.lora.register: `config` must be a peft LoraConfig; got "
+                        f"{type(config).__name__} (tpx shards LoRA only)")
+    config._register_custom_module({ColumnParallelLinear: ColumnParallelLoraLinear,
+                                    RowParallelLinear: RowParallelLoraLinear})
+    return config
+
+
+def shard_lora_layer(style, module: nn.Module, pg, src_rank: Optional[int]) -> nn.Module:
+    """A column or row style applied to peft's ``lora.Linear``: the base layer sharded by
+    ``style``, the adapters as its placements say; returns the new layer (the module given is
+    not changed). Any other peft layer raises, naming it."""
+    style_name = type(style).__name__
+    if type(module) is not _PeftLoraLinear:
+        if isinstance(module, _ParallelLora):
+            raise ValueError(f"tpx.{style_name}: this LoRA layer is sharded already")
+        raise ValueError(
+            f"tpx.{style_name}: the module is peft's {type(module).__module__}."
+            f"{type(module).__name__}; under tensor parallelism tpx shards LoRA on linear "
+            "layers (peft's lora.Linear) only. Leave this module out of the tuner's targets, "
+            "or out of the TP plan")
+    for adapter in module.lora_A:
+        _ParallelLora._tpx_check_adapter(module, adapter)
+    if module.lora_embedding_A or module.lora_magnitude_vector:
+        raise ValueError(f"tpx.{style_name}: this LoRA layer holds embedding or DoRA adapters, "
+                         "which tpx does not shard")
+    base = module.base_layer
+    if is_peft_layer(base):
+        raise ValueError(f"tpx.{style_name}: nested peft layers are not supported")
+    new_base = style.apply(base, pg, src_rank=src_rank)
+    kind = ("column" if isinstance(new_base, ColumnParallelLinear) else
+            "row" if isinstance(new_base, RowParallelLinear) else None)
+    if kind is None:
+        raise ValueError(f"tpx.{style_name}: LoRA over a {type(new_base).__name__} is not "
+                         "supported; tpx shards LoRA on column- and row-parallel linear layers")
+    if getattr(module, "merged", False):
+        raise ValueError(f"tpx.{style_name}: the LoRA layer has merged adapters "
+                         f"{module.merged_adapters}; unmerge them (or merge_and_unload) first")
+    cls = _CLASSES[kind]
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    for attr in ("_parameters", "_buffers", "_modules"):
+        new.__dict__[attr] = dict(module.__dict__[attr])
+    new._modules["base_layer"] = new_base
+    new._modules["lora_A"] = nn.ModuleDict(dict(module.lora_A.items()))
+    new._modules["lora_B"] = nn.ModuleDict(dict(module.lora_B.items()))
+    new.fan_in_fan_out = False
+    for adapter in list(new.lora_A):
+        new._tpx_shard_adapter(adapter, src_rank)
+    return new
