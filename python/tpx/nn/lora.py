@@ -94,9 +94,38 @@ class _LoraFactor(KeepsParamSharding, SharesGroupOnCopy, nn.Linear):
             if getattr(self, name, None) is not None:
                 yield name, dim, rows
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        _refuse_peft_save()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def forward(self, x: Tensor) -> Tensor:
         raise RuntimeError("tpx: a sharded LoRA factor is not called on its own; the LoRA layer "
                            "that holds it computes the adapter")
+
+
+def _refuse_peft_save() -> None:
+    """peft's ``save_pretrained`` reading the state dict itself (no ``state_dict=``) would get
+    this rank's parts: it raises first, naming the way that writes the whole adapter. (A
+    model tpx sharded after peft wrapped it has the same check on ``save_pretrained``
+    itself; here peft wrapped a model tpx had sharded.)"""
+    import sys
+
+    from peft import PeftModel
+
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "save_pretrained" and isinstance(frame.f_locals.get("self"),
+                                                                    PeftModel):
+            raise ValueError(
+                "tpx: save_pretrained of a peft model whose LoRA layers tpx shards needs the "
+                "full adapter: on every rank, full = tpx.checkpoint.full_state_dict(model, "
+                "rank0_only=True); then on rank 0, model.save_pretrained(path, "
+                "state_dict=full) (peft keeps the adapter's entries). A sharded checkpoint, "
+                "resumable at any TP degree: tpx.checkpoint.save(model, path). The adapter "
+                "was not written")
+        frame = frame.f_back
 
 
 def _full(lin: nn.Linear):
@@ -112,14 +141,22 @@ class _ParallelLora:
 
     # -- construction -------------------------------------------------------------------------
 
+    def _get_in_out_features(self, module: nn.Module):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            return module.in_features, module.out_features  # the full sizes
+        return super()._get_in_out_features(module)
+
     def _tpx_check_adapter(self, adapter: str) -> None:
-        if adapter in getattr(self, "lora_variant", {}) or self.use_dora.get(adapter, False):
-            variant = type(self.lora_variant.get(adapter)).__name__ if adapter in \
-                self.lora_variant else "DoRA"
-            raise NotImplementedError(
-                f"tpx: the LoRA variant {variant} (adapter {adapter!r}) is not supported under "
-                "tensor parallelism; tpx shards plain LoRA (use_dora=False, no other variant "
-                "option). Nothing was changed")
+        if self.use_dora.get(adapter, False):
+            variant = "DoRA (use_dora=True)"
+        elif adapter in getattr(self, "lora_variant", {}):
+            variant = type(self.lora_variant[adapter]).__name__
+        else:
+            return
+        raise NotImplementedError(
+            f"tpx: the LoRA variant {variant} (adapter {adapter!r}) is not supported under "
+            "tensor parallelism; tpx shards plain LoRA (use_dora=False, no other variant "
+            "option). Nothing was changed")
 
     def _tpx_shard_adapter(self, adapter: str, src_rank: Optional[int]) -> None:
         """Replaces the full-sized factors of ``adapter`` (every rank's own, of which rank
@@ -232,7 +269,8 @@ def _unsupported_layout(kind: str, why: str) -> NotImplementedError:
 class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
     """peft's ``lora.Linear`` over a :class:`tpx.ColumnParallelLinear`.
 
-    Placements: ``x R -> y S(-1)``, as the base layer. ``lora_A.<adapter>.weight``
+    Placements: ``x R -> y S(-1)`` (``y R`` with ``gather_output=True``), as the base layer.
+    ``lora_A.<adapter>.weight``
     ``[r, in]`` ``Replicate()``; ``lora_B.<adapter>.weight`` ``[out, r]`` (and its bias)
     ``Shard(0)``, rows split as the base weight's. One all-reduce in backward (the base
     layer's, with ``r`` more columns per active adapter)."""
@@ -251,8 +289,6 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         pg = base.group
         if base.sequence_parallel:
             raise _unsupported_layout("column", "a sequence-parallel input")
-        if base.gather_output:
-            raise _unsupported_layout("column", "a gathered output (gather_output=True)")
         x = local_input(x, Replicate(), pg, type(self).__name__)
         base._check_input(x, base.in_features, "in_features")
         if tpx_autograd.partial_grad_input(x, pg) is not None:
@@ -283,7 +319,10 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
                 if bb is not None:
                     bb = tpx_autograd.sum_grad_over_holders(bb, base.out_rows, pg)
             y = y + F.linear(h, wb, bb) * self.scaling[a]
-        return y.to(out_dtype)
+        y = y.to(out_dtype)
+        if base.gather_output:
+            y = tpx_autograd.gather_last_dim(y, base.out_sizes, base.out_start, pg)
+        return y
 
 
 class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):

@@ -283,6 +283,19 @@ def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Te
     return [t for _, t in sorted(found, key=lambda item: item[0])]
 
 
+# Styles that take a peft layer (LoRA on a projection): they shard it with its adapters, or
+# leave its parameters alone.
+_PEFT_AWARE = (_style.ColwiseParallel, _style.RowwiseParallel, _style.PrepareModuleInput,
+               _style.PrepareModuleOutput)
+
+
+def _peft_aware(style: ParallelStyle) -> bool:
+    chained = getattr(style, "styles", None)  # plans' chains: one of them shards the layer
+    if isinstance(chained, (list, tuple)):
+        return any(_peft_aware(s) for s in chained)
+    return isinstance(style, _PEFT_AWARE)
+
+
 def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, ParallelStyle],
                 src_rank: Optional[int], strict: bool) -> set:
     """Applies the plan; returns the ids of parameters tied to a module the plan left whole.
@@ -313,6 +326,18 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
     replaced = []
     for name, style in work:
         old = module if name == "" else module.get_submodule(name)
+        parent_name, _, child = name.rpartition(".")
+        if child == "base_layer" and _style._is_peft_layer(module.get_submodule(parent_name)):
+            raise ValueError(
+                f"tpx.parallelize_module: the plan names {name!r}, the base layer of a peft "
+                f"(LoRA) layer; name the LoRA layer itself ({parent_name!r}): tpx shards its "
+                "base layer and its adapters together. Nothing was changed")
+        if _style._is_peft_layer(old) and not _peft_aware(style):
+            raise ValueError(
+                f"tpx.parallelize_module: {name!r} is peft's {type(old).__module__}."
+                f"{type(old).__name__} (an adapter on what the plan shards with {style!r}); "
+                "tpx shards LoRA on linear projections (column and row styles) only. Leave "
+                "this module out of the adapter's target_modules. Nothing was changed")
         try:
             new = apply_style(style, old, pg, src_rank)
             if new is not old:

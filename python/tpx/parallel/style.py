@@ -570,16 +570,24 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
     """
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = list(module.parameters())
         if not params:
             raise ValueError(f"tpx.ReplicatedWithGradAllReduce: {type(module).__name__} has no "
-                             "trainable parameter to sum the gradient of")
+                             "parameter to sum the gradient of")
         if pg.size() > 1:
-            for p in params:
-                if getattr(p, "_tpx_grad_sum_group", None) == pg.group_name:
-                    continue  # shared with a module styled already: summed once
-                p._tpx_grad_sum_group = pg.group_name
-                p.register_hook(lambda g, pg=pg: tpx_autograd.sum_over_group(g, pg))
+            def hook_trainable(*_):
+                for p in params:
+                    if not p.requires_grad or \
+                            getattr(p, "_tpx_grad_sum_group", None) == pg.group_name:
+                        continue  # frozen, or shared with a module styled already
+                    p._tpx_grad_sum_group = pg.group_name
+                    p.register_hook(lambda g, pg=pg: tpx_autograd.sum_over_group(g, pg))
+
+            hook_trainable()
+            if not all(p.requires_grad for p in params):
+                # Frozen now (a norm under LoRA fine-tuning): hooked at the first forward
+                # after it is made trainable.
+                module.register_forward_pre_hook(hook_trainable)
         return module
 
     def __repr__(self) -> str:

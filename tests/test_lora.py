@@ -1,0 +1,298 @@
+"""LoRA (peft) on models sharded by tpx, in both orders (peft first, then
+``tpx.parallelize_module(pm, None, tpx.plans.auto(pm))``; or tpx first, then
+``get_peft_model(model, tpx.nn.lora.register(config))``): the loss of every AdamW step, every
+parameter after the steps and the merged model equal one device's; adapters saved at one TP
+degree (or on one device) load at another; what tpx does not shard is a clear error."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft", reason="peft is an optional dependency (make test installs it)")
+
+V = 101  # divides by none of 2, 3, 4
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(family: str):
+    """A tiny causal LM (float64, eager attention, 6 heads of 8: TP 2 and 3 split them;
+    intermediate sizes that split unevenly)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                  max_position_embeddings=32, attn_implementation="eager",
+                  tie_word_embeddings=False)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=6, **common)
+    elif family == "qwen2":  # biases on q, k, v
+        cfg = transformers.Qwen2Config(intermediate_size=70, num_key_value_heads=6, **common)
+    elif family == "qwen2_moe":  # layer 0 a dense MLP; layer 1 experts and a shared expert
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=70, moe_intermediate_size=22,
+                                          shared_expert_intermediate_size=30, num_experts=4,
+                                          num_experts_per_tok=2, mlp_only_layers=[0],
+                                          num_key_value_heads=6, **common)
+    elif family == "qwen3_moe":  # peft wraps its experts' parameters (ParamWrapper)
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=70, moe_intermediate_size=22,
+                                          num_experts=4, num_experts_per_tok=2,
+                                          num_key_value_heads=6, head_dim=8, **common)
+    elif family == "gpt2":  # Conv1D layers (fan_in_fan_out), a fused [q | k | v]
+        cfg = transformers.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=6,
+                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, attn_implementation="eager")
+    else:
+        raise ValueError(family)
+    cfg._experts_implementation = "eager"  # grouped GEMM does not take float64
+    return transformers.AutoModelForCausalLM.from_config(cfg).double()
+
+
+def lora_config(targets=TARGETS, **kw):
+    # init_lora_weights=False: B starts random (not zero), so the adapters change the logits
+    # from the first step on.
+    kw.setdefault("init_lora_weights", False)
+    targets = targets if isinstance(targets, str) else list(targets)
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, **kw)
+
+
+def sharded_lora(model, config, order: str):
+    """``model`` with the LoRA adapters of ``config`` (drawn from seed 1), sharded by tpx over
+    the default group in ``order``."""
+    import tpx
+    import tpx.nn.lora
+
+    torch.manual_seed(1)
+    if order == "peft":
+        pm = peft.get_peft_model(model, config)
+        tpx.parallelize_module(pm, None, tpx.plans.auto(pm))
+    else:
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+        pm = peft.get_peft_model(model, tpx.nn.lora.register(config))
+    return pm
+
+
+def one_device(model, config):
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, config)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, V, (2, 9), generator=g)
+
+
+def train_step(pm, opt, step: int) -> float:
+    ids = batch(step)
+    loss = pm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def adamw(pm):
+    return torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+
+
+def assert_state_equal(sharded, ref, what: str, tol: float = 1e-10) -> None:
+    """``tpx.checkpoint.full_state_dict(sharded)`` equals ``ref.state_dict()`` key by key."""
+    import tpx.checkpoint
+
+    full = tpx.checkpoint.full_state_dict(sharded)
+    expected = ref.state_dict()
+    assert sorted(full) == sorted(expected), (what, sorted(set(full) ^ set(expected)))
+    for key, value in expected.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=tol,
+                                   msg=lambda m, key=key: f"{what}: {key}: {m}")
+
+
+def _lora_layers(pm):
+    return [m for m in pm.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+
+
+def _train_like_one_device(rank, world, family, order, targets, extra):
+    import tpx
+    from tpx.nn.lora import ColumnParallelLoraLinear, RowParallelLoraLinear
+
+    what = f"{family} {order} first, TP {world}"
+    model = tiny(family)
+    ref = one_device(copy.deepcopy(model), lora_config(targets, **extra))
+    pm = sharded_lora(model, lora_config(targets, **extra), order)
+    named = [(n, m) for n, m in pm.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert len(named) == len(_lora_layers(ref)), what
+    whole = [m for n, m in named if ".shared_expert." in n]  # no plan entry: left whole
+    layers = [m for n, m in named if ".shared_expert." not in n]
+    assert layers and all(isinstance(m, (ColumnParallelLoraLinear, RowParallelLoraLinear))
+                          for m in layers), (what, [type(m).__name__ for m in layers])
+    assert all(type(m) is peft.tuners.lora.Linear for m in whole), what
+    # Sharded: every projection's base layer holds its part only.
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for m in layers for p in m.base_layer.parameters())
+    whole_size = sum(p.numel() for n, m in ref.named_modules()
+                     if isinstance(m, peft.tuners.lora.LoraLayer) and ".shared_expert." not in n
+                     for p in m.base_layer.parameters())
+    assert local < whole_size * (1.0 / world + 0.2), (what, local, whole_size)
+    opt, ref_opt = adamw(pm), adamw(ref)
+    for step in range(3):
+        loss, ref_loss = train_step(pm, opt, step), train_step(ref, ref_opt, step)
+        assert abs(loss - ref_loss) < 1e-10, (what, step, loss, ref_loss)
+    assert_state_equal(pm, ref, what + ", after 3 AdamW steps")
+    with pm.disable_adapter(), ref.disable_adapter():
+        ids = batch(9)
+        torch.testing.assert_close(pm(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=0, atol=1e-10)
+    merged, ref_merged = pm.merge_and_unload(), ref.merge_and_unload()
+    assert not _lora_layers(merged)
+    assert_state_equal(merged, ref_merged, what + ", merged")
+    ids = batch(10)
+    torch.testing.assert_close(merged(input_ids=ids).logits, ref_merged(input_ids=ids).logits,
+                               rtol=0, atol=1e-10)
+
+
+# qwen2_moe: LoRA on the attention, on layer 0's dense MLP (split by the plan) and on layer 1's
+# shared expert (which Hugging Face's plan leaves whole: its LoRA layer stays peft's own).
+CASES = [("llama", "peft", 2), ("llama", "tpx", 3), ("qwen2_moe", "peft", 3),
+         ("qwen2_moe", "tpx", 2)]
+SLOW_CASES = [("llama", "tpx", 2), ("llama", "peft", 3), ("qwen2_moe", "tpx", 3),
+              ("qwen2_moe", "peft", 2), ("llama", "peft", 1)]
+
+
+@pytest.mark.parametrize("family,order,world", CASES + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES])
+def test_lora_trains_like_one_device(family, order, world):
+    run_ranks(_train_like_one_device, world, family, order, TARGETS, {})
+
+
+@pytest.mark.parametrize("family,order,targets,extra", [
+    # LoRA with biases on projections that have biases (merged into them).
+    ("qwen2", "peft", ["q_proj", "k_proj", "v_proj"], {"lora_bias": True}),
+    # Conv1D layers (fan_in_fan_out) and a fused [q | k | v] split in segments: its B is split
+    # like the segments, not as one block.
+    ("gpt2", "tpx", ["c_attn", "c_proj", "c_fc"], {"fan_in_fan_out": True}),
+])
+def test_lora_variants_of_linear(family, order, targets, extra):
+    run_ranks(_train_like_one_device, 2, family, order, targets, extra)
+
+
+def _round_trips(rank, world, order, d):
+    import torch.distributed as dist
+
+    import tpx.checkpoint
+
+    model = tiny("llama")
+    base = copy.deepcopy(model)
+    ref = one_device(copy.deepcopy(base), lora_config())
+    pm = sharded_lora(model, lora_config(), order)
+    opt, ref_opt = adamw(pm), adamw(ref)
+    for step in range(2):
+        train_step(pm, opt, step)
+        train_step(ref, ref_opt, step)
+    # save_pretrained without the full weights would write this rank's parts: it raises.
+    with pytest.raises(ValueError, match="full_state_dict"):
+        pm.save_pretrained(os.path.join(d, f"refused{rank}"))
+    assert not os.path.exists(os.path.join(d, f"refused{rank}", "adapter_model.safetensors"))
+    # TP -> the full adapter -> one device.
+    full = tpx.checkpoint.full_state_dict(pm, rank0_only=True)
+    if rank == 0:
+        pm.save_pretrained(os.path.join(d, f"tp{world}"), state_dict=full)
+    dist.barrier()
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), os.path.join(d, f"tp{world}"))
+    ids = batch(7)
+    torch.testing.assert_close(loaded(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               rtol=0, atol=1e-10)
+    # One device -> TP, as a second adapter.
+    if rank == 0:
+        ref.save_pretrained(os.path.join(d, f"one{world}"))
+    dist.barrier()
+    pm.load_adapter(os.path.join(d, f"one{world}"), adapter_name="from_one")
+    pm.set_adapter("from_one")
+    torch.testing.assert_close(pm(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("order,world", [("peft", 2), ("tpx", 2),
+                                         pytest.param("peft", 4, marks=pytest.mark.slow)])
+def test_adapter_round_trips(tmp_path, order, world):
+    run_ranks(_round_trips, world, order, str(tmp_path))
+
+
+def _save_sharded(rank, world, d):
+    import tpx.checkpoint
+
+    pm = sharded_lora(tiny("llama"), lora_config(), "peft")
+    opt = adamw(pm)
+    for step in range(2):
+        train_step(pm, opt, step)
+    tpx.checkpoint.save(pm, d, optimizer=opt)
+
+
+def _resume_sharded(rank, world, d):
+    import tpx.checkpoint
+
+    model = tiny("llama")
+    ref = one_device(copy.deepcopy(model), lora_config())
+    pm = sharded_lora(model, lora_config(), "tpx")
+    opt = adamw(pm)
+    tpx.checkpoint.load(pm, d, optimizer=opt)
+    ref_opt = adamw(ref)
+    for step in range(2):
+        train_step(ref, ref_opt, step)
+    loss, ref_loss = train_step(pm, opt, 2), train_step(ref, ref_opt, 2)
+    assert abs(loss - ref_loss) < 1e-10, (loss, ref_loss)
+    assert_state_equal(pm, ref, f"resumed at TP {world}, one AdamW step")
+
+
+def test_checkpoint_resumes_at_another_degree(tmp_path):
+    """Saved with the optimizer at TP 2 (peft first), resumed at TP 3 (tpx first)."""
+    d = str(tmp_path / "ckpt")
+    run_ranks(_save_sharded, 2, d)
+    run_ranks(_resume_sharded, 3, d)
+
+
+def _errors(rank, world):
+    import tpx
+    import tpx.nn.lora
+
+    def fresh():
+        return tiny("llama")
+
+    # DoRA: refused in both orders, before anything changes.
+    pm = peft.get_peft_model(fresh(), lora_config(["q_proj"], use_dora=True))
+    with pytest.raises(NotImplementedError, match="DoRA"):
+        tpx.parallelize_module(pm, None, tpx.plans.auto(pm))
+    model = fresh()
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    with pytest.raises(NotImplementedError, match="DoRA"):
+        peft.get_peft_model(model, tpx.nn.lora.register(lora_config(["q_proj"], use_dora=True)))
+    # Another tuner wrapping a projection: named.
+    pm = peft.get_peft_model(fresh(), peft.LoHaConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="loha"):
+        tpx.parallelize_module(pm, None, tpx.plans.auto(pm))
+    # LoRA on experts' parameters (peft's ParamWrapper): named.
+    pm = peft.get_peft_model(tiny("qwen3_moe"), lora_config(["q_proj", "down_proj"]))
+    with pytest.raises(ValueError, match="ParamWrapper"):
+        tpx.parallelize_module(pm, None, tpx.plans.auto(pm))
+    # A plan naming the base layer inside a LoRA layer.
+    pm = peft.get_peft_model(fresh(), lora_config(["q_proj"]))
+    with pytest.raises(ValueError, match="name the LoRA layer itself"):
+        tpx.parallelize_module(pm, None, {
+            "base_model.model.model.layers.0.self_attn.q_proj.base_layer":
+                tpx.ColwiseParallel()})
+    # Sequence parallelism is not supported under LoRA yet: a clear error at the call.
+    pm = peft.get_peft_model(fresh(), lora_config(["q_proj", "o_proj"]))
+    tpx.parallelize_module(pm, None, tpx.plans.auto(pm, sequence_parallel=True))
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        pm(input_ids=batch(0))
+    # peft's mixed-adapter batches.
+    pm = sharded_lora(fresh(), lora_config(["q_proj"]), "peft").eval()  # peft: inference only
+    with pytest.raises(NotImplementedError, match="adapter_names"):
+        pm(input_ids=batch(0), adapter_names=["default", "default"])
+    # A 2-D layout.
+    with pytest.raises(ValueError, match="layout='1d'"):
+        tpx.plans.auto(peft.get_peft_model(fresh(), lora_config()), layout="2d")
+
+
+def test_lora_errors():
+    run_ranks(_errors, 2)
