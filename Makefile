@@ -8,7 +8,7 @@ VENV := .venv
 TORCH_SPEC ?= torch==2.13.0
 ifeq ($(strip $(PYTHON)),)
 PY := $(VENV)/bin/python
-DEPS := $(VENV)/.deps-installed-5
+DEPS := $(VENV)/.deps-installed-6
 else
 PY := $(PYTHON)
 DEPS :=
@@ -55,11 +55,12 @@ bench: $(STAMP)
 
 # torchtitan 0.2.2 (its last release whose TP goes through torch.distributed.tensor.parallel)
 # for tests/test_torchtitan.py: without its dependencies, which would pull another torch;
-# tyro and torchdata are the ones its Llama 3 imports.
-$(VENV)/.deps-installed-5:
+# tyro and torchdata are the ones its Llama 3 imports. peft (optional for users) for
+# tests/test_lora.py.
+$(VENV)/.deps-installed-6:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools wheel pybind11 ninja pytest \
-	    numpy tqdm matplotlib safetensors "transformers==5.24.0" expecttest tyro
+	    numpy tqdm matplotlib safetensors "transformers==5.24.0" "peft==0.21.2" expecttest tyro
 	$(VENV)/bin/python -m pip install --quiet --no-deps "torchtitan==0.2.2" "torchdata==0.11.0"
 	touch $@
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft", reason="peft is an optional dependency (make test installs it)")
@@ -28,6 +28,9 @@ def tiny(family: str):
                   tie_word_embeddings=False)
     if family == "llama":
         cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=6, **common)
+    elif family == "llama_gqa":  # 2 KV heads: at TP 4 each is held by two ranks
+        cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=2,
+                                       **dict(common, num_attention_heads=8))
     elif family == "qwen2":  # biases on q, k, v
         cfg = transformers.Qwen2Config(intermediate_size=70, num_key_value_heads=6, **common)
     elif family == "qwen2_moe":  # layer 0 a dense MLP; layer 1 experts and a shared expert
@@ -156,7 +159,8 @@ def _train_like_one_device(rank, world, family, order, targets, extra):
 CASES = [("llama", "peft", 2), ("llama", "tpx", 3), ("qwen2_moe", "peft", 3),
          ("qwen2_moe", "tpx", 2)]
 SLOW_CASES = [("llama", "tpx", 2), ("llama", "peft", 3), ("qwen2_moe", "tpx", 3),
-              ("qwen2_moe", "peft", 2), ("llama", "peft", 1)]
+              ("qwen2_moe", "peft", 2), ("llama", "peft", 1), ("llama_gqa", "peft", 4),
+              ("llama_gqa", "tpx", 4)]
 
 
 @pytest.mark.parametrize("family,order,world", CASES + [
@@ -280,11 +284,10 @@ def _errors(rank, world):
         tpx.parallelize_module(pm, None, {
             "base_model.model.model.layers.0.self_attn.q_proj.base_layer":
                 tpx.ColwiseParallel()})
-    # Sequence parallelism is not supported under LoRA yet: a clear error at the call.
+    # Sequence parallelism is not supported under LoRA yet: refused when sharding.
     pm = peft.get_peft_model(fresh(), lora_config(["q_proj", "o_proj"]))
-    tpx.parallelize_module(pm, None, tpx.plans.auto(pm, sequence_parallel=True))
     with pytest.raises(NotImplementedError, match="sequence parallelism"):
-        pm(input_ids=batch(0))
+        tpx.parallelize_module(pm, None, tpx.plans.auto(pm, sequence_parallel=True))
     # peft's mixed-adapter batches.
     pm = sharded_lora(fresh(), lora_config(["q_proj"]), "peft").eval()  # peft: inference only
     with pytest.raises(NotImplementedError, match="adapter_names"):
@@ -296,3 +299,47 @@ def _errors(rank, world):
 
 def test_lora_errors():
     run_ranks(_errors, 2)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 40)
+        self.down = torch.nn.Linear(40, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _no_collective_of_its_own(rank, world):
+    import tpx
+
+    torch.manual_seed(0)
+    mlp = _MLP().double()
+    ref = one_device(copy.deepcopy(mlp), lora_config(["up", "down"]))
+    pm = one_device(mlp, lora_config(["up", "down"]))
+    tpx.parallelize_module(pm, None, {"base_model.model.up": tpx.ColwiseParallel(),
+                                      "base_model.model.down": tpx.RowwiseParallel()})
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+
+    def run(model, inp):
+        with tpx.comm_stats() as stats:
+            model(inp).square().sum().backward()
+        return stats
+
+    with pm.disable_adapter():
+        base = run(pm, x.detach().clone().requires_grad_())
+    lora = run(pm, x)
+    run(ref, x_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    assert_like_unsharded(pm, ref, "MLP with LoRA", grad=True, rtol=0, atol=1e-12)
+    # The same collectives as the base layers, each r = 4 columns of 10 tokens wider.
+    assert lora.calls() == base.calls() == 2, (lora, base)
+    assert lora.bytes() - base.bytes() == 2 * 10 * 4 * 8, (lora, base)
+
+
+def test_lora_adds_no_collective():
+    """Column -> row with LoRA on both: one all-reduce forward (the row layer's) and one
+    backward (the column layer's), as without the adapters, each carrying r more columns."""
+    run_ranks(_no_collective_of_its_own, 2)

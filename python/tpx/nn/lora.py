@@ -163,6 +163,8 @@ class _ParallelLora:
         ``src_rank``'s are kept) by this rank's parts."""
         self._tpx_check_adapter(adapter)
         base = self.base_layer
+        if base.sequence_parallel:
+            raise _unsupported_layout(self._kind, "sequence parallelism")
         pg, world, rank = base.group, base.world_size, base.rank
         A, B = self.lora_A[adapter], self.lora_B[adapter]
         r = A.weight.shape[0]
