@@ -31,6 +31,9 @@ def tiny(family: str):
     elif family == "llama_gqa":  # 2 KV heads: at TP 4 each is held by two ranks
         cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=2,
                                        **dict(common, num_attention_heads=8))
+    elif family == "llama8":  # 8 heads, 4 KV heads: TP 4 splits both
+        cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=4,
+                                       **dict(common, num_attention_heads=8))
     elif family == "qwen2":  # biases on q, k, v
         cfg = transformers.Qwen2Config(intermediate_size=70, num_key_value_heads=6, **common)
     elif family == "qwen2_moe":  # layer 0 a dense MLP; layer 1 experts and a shared expert
@@ -86,10 +89,14 @@ def batch(step: int):
     return torch.randint(0, V, (2, 9), generator=g)
 
 
-def train_step(pm, opt, step: int) -> float:
+def train_step(pm, opt, step: int, clip=None) -> float:
+    """One AdamW step; ``clip``: the gradient clipping function to call (max_norm 0.05)."""
     ids = batch(step)
     loss = pm(input_ids=ids, labels=ids).loss
     loss.backward()
+    if clip is not None:
+        norm = clip([p for p in pm.parameters() if p.requires_grad], 0.05)
+        assert norm > 0.05  # the clipping scales
     opt.step()
     opt.zero_grad()
     return loss.item()
@@ -139,9 +146,10 @@ def _train_like_one_device(rank, world, family, order, targets, extra):
     assert local < whole_size * (1.0 / world + 0.2), (what, local, whole_size)
     opt, ref_opt = adamw(pm), adamw(ref)
     for step in range(3):
-        loss, ref_loss = train_step(pm, opt, step), train_step(ref, ref_opt, step)
+        loss = train_step(pm, opt, step, tpx.clip_grad_norm_)
+        ref_loss = train_step(ref, ref_opt, step, torch.nn.utils.clip_grad_norm_)
         assert abs(loss - ref_loss) < 1e-10, (what, step, loss, ref_loss)
-    assert_state_equal(pm, ref, what + ", after 3 AdamW steps")
+    assert_state_equal(pm, ref, what + ", after 3 AdamW steps with gradient clipping")
     with pm.disable_adapter(), ref.disable_adapter():
         ids = batch(9)
         torch.testing.assert_close(pm(input_ids=ids).logits, ref(input_ids=ids).logits,
@@ -185,7 +193,7 @@ def _round_trips(rank, world, order, d):
 
     import tpx.checkpoint
 
-    model = tiny("llama")
+    model = tiny("llama8" if world == 4 else "llama")
     base = copy.deepcopy(model)
     ref = one_device(copy.deepcopy(base), lora_config())
     pm = sharded_lora(model, lora_config(), order)

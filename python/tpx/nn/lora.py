@@ -15,7 +15,9 @@ row-parallel       ``Shard(1)`` (the     ``Replicate()``        forward all-redu
 =================  ====================  =====================  ===============================
 
 so the LoRA branch adds ``r`` columns to the base layer's collective and no collective of its
-own, and ``B @ A`` (what ``merge`` adds) is already the base weight's local block.
+own (where a column layer's input needs no gradient, the base layer has no backward
+all-reduce and the adapter's ``r`` columns go alone), and ``B @ A`` (what ``merge`` adds) is
+already the base weight's local block.
 
 Both orders work:
 
