@@ -169,7 +169,15 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
     shapes (on every rank, or only on the group's rank 0 with ``rank0_only=True``: the
     others return ``{}`` but must still call). The parameters of the multi-dimensional
     layers are all-gathered over the mesh dimensions that split them (``nn.Linear`` weight
-    ``[out, in]``, bias ``[out]``, norm weight ``[H]``, embedding ``[V, D]``). Collective."""
+    ``[out, in]``, bias ``[out]``, norm weight ``[H]``, embedding ``[V, D]``). A model that
+    FSDP2 shards too gets torch's full state dict (``rank0_only``: on global rank 0, on the
+    CPU). Collective."""
+    if _fsdp_managed(model):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+
+        return dict(get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=rank0_only)))
     with raw_state_dict():
         state = {k: v.detach() for k, v in model.state_dict().items()}
     for sh in _sharded_params(model):
@@ -440,7 +448,10 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     to its full value; a parameter of a multi-dimensional layer becomes a ``DTensor`` over its
     mesh, ``Shard(d)`` on each mesh dimension that splits dim ``d`` of the original tensor and
     ``Replicate()`` on the others (one copy of each block is written); everything else is the
-    replicated tensor itself. Collective."""
+    replicated tensor itself. A model that FSDP2 shards too: torch's
+    ``get_model_state_dict`` (every parameter a ``DTensor`` over the 2-D mesh). Collective."""
+    if _fsdp_managed(model):
+        return _torch_model_state(model)
     with raw_state_dict():
         state = {k: v.detach() for k, v in model.state_dict().items()}
     for key, value in state.items():
@@ -485,7 +496,8 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     file system every rank sees (as ``torch.distributed.checkpoint``'s file writer assumes)."""
     import torch.distributed.checkpoint as dcp
 
-    state = sharded_state_dict(model)
+    fsdp = _fsdp_managed(model)
+    state = _torch_model_state(model) if fsdp else sharded_state_dict(model)
     if optimizer is not None:
         if any(k == _OPTIM or k.startswith(_OPTIM + ".") for k in state):
             raise ValueError(f"tpx.checkpoint.save: the model has state under {_OPTIM!r}, the key "
@@ -574,6 +586,9 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     from torch.distributed.tensor import DTensor
 
     metadata = _read_metadata("load", checkpoint_id)
+    if _fsdp_managed(model):
+        _load_fsdp(model, checkpoint_id, metadata, optimizer)
+        return
     state = sharded_state_dict(model)
     _check_model_keys(checkpoint_id, metadata, state)
     optim_state = None
@@ -601,6 +616,52 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
                 own[key].copy_(value)
     if optim_state is not None:
         optimizer.load_state_dict(optim_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models whose parameters FSDP2 shards too (tpx's TP on one mesh dimension, fully_shard on
+# another): every parameter is a DTensor over the 2-D mesh, which torch's own state-dict
+# functions state in the original names and global shapes; save and load go through them, in
+# the same checkpoint format (model keys at the top, the optimizer under "optim").
+
+def _fsdp_managed(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _torch_model_state(model: nn.Module) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return dict(get_model_state_dict(model))
+
+
+def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
+    """:func:`load` into a model FSDP2 shards too: the checkpoint is read into torch's state
+    dicts of this run's layout (any layout the checkpoint was saved from), then set with
+    torch's ``set_state_dict``. Shapes and the optimizer part are checked first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = _torch_model_state(model)
+    _check_model_keys(checkpoint_id, metadata, state)
+    if optimizer is not None:
+        held = metadata.planner_data or {}
+        if not any(isinstance(p, tuple) and len(p) > 1 and p[0] == _OPTIM
+                   for p in held.values()):
+            raise ValueError(f"tpx.checkpoint.load: {os.fspath(checkpoint_id)!r} holds no "
+                             "optimizer state (it was saved without `optimizer`); call load "
+                             "without optimizer=, or save with tpx.checkpoint.save(model, "
+                             "checkpoint_id, optimizer=optimizer)")
+        state[_OPTIM] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    optim = state.pop(_OPTIM, None)
+    set_model_state_dict(model, state)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -788,6 +849,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer), ``cpu_offload=True`` moves tensors to the CPU (with ``full_state_dict``, only
     global rank 0 gets the state dict, the others ``{}``). Collective over every group the
     model's parameters are sharded over: every rank calls it."""
+    if _fsdp_managed(model):  # FSDP2 shards the parameters too: torch's own function
+        from torch.distributed.checkpoint.state_dict import \
+            get_optimizer_state_dict as torch_get
+
+        return torch_get(model, optimizer, options=options)
     full, cpu_offload, _ = _options("get_optimizer_state_dict", options)
     params = _Params(model)
     _positions("get_optimizer_state_dict", params, optimizer)
