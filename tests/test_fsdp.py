@@ -70,7 +70,8 @@ def _checkpoints(rank, world, d):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mine = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
     g = torch.Generator().manual_seed(1)
-    ids, labels = torch.randint(0, V, (4, 16), generator=g), torch.randint(0, V, (4, 16), generator=g)
+    ids = torch.randint(0, V, (4, 16), generator=g)
+    labels = torch.randint(0, V, (4, 16), generator=g)
 
     def step(model, opt):
         loss = F.cross_entropy(model(ids[mine]).reshape(-1, V), labels[mine].reshape(-1))

@@ -39,7 +39,7 @@ split separately keeps plain local tensors, described for ``tpx.checkpoint``), a
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +257,8 @@ class _ParallelLora:
         return self._tpx_forward(x, active)
 
     def _dropout(self, adapter: str, x: Tensor) -> Tensor:
-        return self.lora_dropout[adapter](self._cast_input_dtype(x, self.lora_A[adapter].weight.dtype))
+        dtype = self.lora_A[adapter].weight.dtype
+        return self.lora_dropout[adapter](self._cast_input_dtype(x, dtype))
 
     def __repr__(self) -> str:
         return "tpx." + nn.Module.__repr__(self)
@@ -274,10 +275,9 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
     """peft's ``lora.Linear`` over a :class:`tpx.ColumnParallelLinear`.
 
     Placements: ``x R -> y S(-1)`` (``y R`` with ``gather_output=True``), as the base layer.
-    ``lora_A.<adapter>.weight``
-    ``[r, in]`` ``Replicate()``; ``lora_B.<adapter>.weight`` ``[out, r]`` (and its bias)
-    ``Shard(0)``, rows split as the base weight's. One all-reduce in backward (the base
-    layer's, with ``r`` more columns per active adapter)."""
+    ``lora_A.<adapter>.weight`` ``[r, in]`` ``Replicate()``; ``lora_B.<adapter>.weight``
+    ``[out, r]`` (and its bias) ``Shard(0)``, rows split as the base weight's. One all-reduce
+    in backward (the base layer's, with ``r`` more columns per active adapter)."""
 
     _kind = "column"
 
