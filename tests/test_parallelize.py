@@ -231,3 +231,53 @@ def _check_hash_seed_independent(rank, world):
 
 def test_hash_seed_independent():
     run_ranks(_check_hash_seed_independent, 2, rank_env=lambda r: {"PYTHONHASHSEED": 11 + r})
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 36)
+        self.down = torch.nn.Linear(36, 16)
+        self.up2 = torch.nn.Linear(16, 36)
+        self.down2 = torch.nn.Linear(36, 16)
+
+    def forward(self, x):
+        x = x + self.down(torch.relu(self.up(x)))
+        return x + self.down2(torch.relu(self.up2(x)))
+
+
+def _check_torch_styles(rank, world):
+    """Styles tpx did not write (PyTorch's own classes) are applied by PyTorch, mixed with
+    tpx's in one plan: the output and every gradient equal the unsharded block."""
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+
+    torch.manual_seed(0)
+    ref = _Block().double()
+    model = copy.deepcopy(ref)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    tpx.parallelize_module(model, mesh, {
+        # A PyTorch style tpx has no class of its own for, on the block.
+        "": PrepareModuleInputOutput(input_layouts=R(), desired_input_layouts=R(),
+                                     use_local_input=True, output_layouts=R(),
+                                     desired_output_layouts=R(), use_local_output=True),
+        "up": TorchColwise(), "down": tpx.RowwiseParallel(),        # PyTorch's, then tpx's
+        "up2": tpx.ColwiseParallel(), "down2": TorchRowwise(),      # tpx's, then PyTorch's
+    })
+    assert isinstance(model.up.weight, torch.distributed.tensor.DTensor)
+    assert isinstance(model.down, tpx.RowParallelLinear)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y, y_ref = model(x), ref(x)
+    assert not isinstance(y, torch.distributed.tensor.DTensor)
+    torch.testing.assert_close(y, y_ref)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    dtensor = torch.distributed.tensor.DTensor
+    assert_like_unsharded(model, ref, "PyTorch's and tpx's styles", grad=True,
+                          local=lambda t: t.full_tensor() if isinstance(t, dtensor) else t)
+
+
+def test_pytorch_styles_applied_by_pytorch():
+    run_ranks(_check_torch_styles, 2)

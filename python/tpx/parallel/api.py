@@ -95,10 +95,11 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     if plan is None:
         raise ValueError("tpx.parallelize_module: `parallelize_plan` is required: a "
                          "ParallelStyle or a dict from module-name patterns to styles")
-    if not isinstance(plan, (ParallelStyle, dict)):
-        raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle or a "
-                        f"dict from module-name patterns to styles; got {type(plan).__name__}")
-    plan_desc = (type(plan).__name__ if isinstance(plan, ParallelStyle)
+    if not (_style.is_style(plan) or isinstance(plan, dict)):
+        raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle (tpx's "
+                        "or PyTorch's) or a dict from module-name patterns to styles; got "
+                        f"{type(plan).__name__}")
+    plan_desc = (type(plan).__name__ if _style.is_style(plan)
                  else [(k, type(v).__name__) for k, v in plan.items()])
     check_same_on_ranks(pg, "parallelize_module", dict(
         src_rank=src_rank, plan=plan_desc, module=_structure(module)))
@@ -108,7 +109,7 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
                            and device_mesh.ndim == 1) else None
     _style._MESH_HINT[0] = hint
     try:
-        if isinstance(plan, ParallelStyle):
+        if _style.is_style(plan):
             new = apply_style(plan, module, pg, src_rank)
             if new is not module:
                 _check_can_become(module, new, "the module given")
@@ -312,9 +313,10 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
     ties = [o for o in owners.values() if len({m for m, _ in o}) > 1]
     work = []
     for pattern, style in plan.items():
-        if not isinstance(style, ParallelStyle):
+        if not _style.is_style(style):
             raise TypeError(f"tpx.parallelize_module: plan[{pattern!r}] must be a ParallelStyle "
-                            f"(ColwiseParallel(), ...); got {type(style).__name__}")
+                            f"(ColwiseParallel(), ..., tpx's or PyTorch's); got "
+                            f"{type(style).__name__}")
         # The key "" names the model itself (as over a mesh).
         matches = ([""] if pattern == "" else
                    [n for n in names if fnmatch.fnmatchcase(n, pattern)])

@@ -23,7 +23,7 @@ from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
-           "ReplicatedWithGradAllReduce", "apply_style"]
+           "ReplicatedWithGradAllReduce", "apply_style", "is_style", "torch_style"]
 
 
 def _check_placement(style: str, name: str, value, allowed: tuple) -> None:
@@ -228,10 +228,36 @@ class ParallelStyle:
         raise NotImplementedError
 
 
+def torch_style(style) -> bool:
+    """Whether ``style`` is one of PyTorch's ``ParallelStyle`` s (torch's own, torchtitan's,
+    a user's written for ``torch.distributed.tensor.parallel``): tpx applies it with PyTorch's
+    implementation."""
+    try:
+        from torch.distributed.tensor.parallel.style import ParallelStyle as TorchParallelStyle
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(style, TorchParallelStyle)
+
+
+def is_style(style) -> bool:
+    """A style ``parallelize_module`` takes: tpx's, or PyTorch's (applied by PyTorch)."""
+    return isinstance(style, ParallelStyle) or torch_style(style)
+
+
 def apply_style(style: ParallelStyle, module: nn.Module, pg: dist.ProcessGroup,
                 src_rank: Optional[int] = 0) -> nn.Module:
     """``style.apply(module, pg)``, passing ``src_rank`` to styles whose ``apply`` takes it
-    (user-defined styles with ``apply(module, pg)`` keep working)."""
+    (user-defined styles with ``apply(module, pg)`` keep working). A PyTorch
+    ``ParallelStyle`` tpx did not write (``PrepareModuleInputOutput``, torchtitan's styles) is
+    applied by PyTorch (``style._apply(module, mesh)``) on the 1-D mesh over ``pg`` (the mesh
+    ``parallelize_module`` was given, when it was one): its parameters and outputs are
+    PyTorch's ``DTensor`` s, which tpx's layers take as inputs."""
+    if torch_style(style):
+        device = next((t.device.type for t in module.parameters()), None) or \
+            next((t.device.type for t in module.buffers()), "cpu")
+        from ..nn.dtensor_io import mesh_for_group
+
+        return style._apply(module, mesh_for_group(pg, device, _mesh_hint()))
     try:
         takes = "src_rank" in inspect.signature(style.apply).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
