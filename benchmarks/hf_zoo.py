@@ -287,10 +287,11 @@ def main() -> None:
         command="python benchmarks/hf_zoo.py " + " ".join(sys.argv[1:]),
         environment=environment(torch.device("cpu"), max(args.tp), "gloo"),
         transformers=transformers.__version__, accelerate_installed=accelerate,
-        from_pretrained_tp=("runs" if accelerate else
+        from_pretrained_tp=("not exercised: " if accelerate else
                             "ValueError: tp_plan / distributed_config in from_pretrained "
-                            "requires accelerate (not installed); the hf rows apply "
-                            "transformers' apply_tensor_parallelism to the built model"),
+                            "requires accelerate (not installed); ") +
+        "the hf rows apply transformers' apply_tensor_parallelism to the built model (what "
+        "from_pretrained does after loading)",
         steps=STEPS, dtype=args.dtype, results=rows)
     print("wrote", write_json(args.out, payload))
 
