@@ -17,7 +17,9 @@ row-parallel       ``Shard(1)`` (the     ``Replicate()``        forward all-redu
 so the LoRA branch adds ``r`` columns to the base layer's collective and no collective of its
 own (where a column layer's input needs no gradient, the base layer has no backward
 all-reduce and the adapter's ``r`` columns go alone), and ``B @ A`` (what ``merge`` adds) is
-already the base weight's local block.
+already the base weight's local block. Under sequence parallelism ``A`` rides in the base
+layer's all-gather / reduce-scatter GEMM as extra rows of its weight, and the factor that sees
+only part of the data has its (small) gradient all-reduced; LoRA dropout is not supported there.
 
 Both orders work:
 
@@ -53,6 +55,7 @@ except ImportError as e:  # pragma: no cover - only imported when peft is in use
     raise ImportError("tpx.nn.lora needs peft (pip install peft)") from e
 
 from .. import autograd as tpx_autograd
+from .. import ops
 from .. import random as tpx_random
 from ..comm_groups import guarded
 from ..group import SharesGroupOnCopy, ShardSpec, _range, load_initial
@@ -165,8 +168,6 @@ class _ParallelLora:
         ``src_rank``'s are kept) by this rank's parts."""
         self._tpx_check_adapter(adapter)
         base = self.base_layer
-        if base.sequence_parallel:
-            raise _unsupported_layout(self._kind, "sequence parallelism")
         pg, world, rank = base.group, base.world_size, base.rank
         A, B = self.lora_A[adapter], self.lora_B[adapter]
         r = A.weight.shape[0]
@@ -292,16 +293,24 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         base = self.base_layer
         pg = base.group
         if base.sequence_parallel:
-            raise _unsupported_layout("column", "a sequence-parallel input")
+            return self._tpx_forward_sequence_parallel(x, active)
         x = local_input(x, Replicate(), pg, type(self).__name__)
         base._check_input(x, base.in_features, "in_features")
-        if tpx_autograd.partial_grad_input(x, pg) is not None:
-            raise _unsupported_layout("column", "an input gathered from sequence shards")
+        twin = tpx_autograd.partial_grad_input(x, pg)
         weight, bias = local_params(base.weight, base.bias)
         if base.replicated_rows:
             weight = tpx_autograd.sum_grad_over_holders(weight, base.out_rows, pg)
             if bias is not None:
                 bias = tpx_autograd.sum_grad_over_holders(bias, base.out_rows, pg)
+        if twin is not None:
+            # x was gathered from sequence shards by a plan style: the input gradients of the
+            # base layer and of A are left partial and reduce-scattered once for all the
+            # layers reading x; A's own gradient, a partial sum, is all-reduced (r x in).
+            hs = []
+            for a in active:
+                (wa,) = local_params(self.lora_A[a].weight)
+                hs.append(F.linear(self._dropout(a, twin), tpx_autograd.all_reduce_grad(wa, pg)))
+            return self._tpx_add_lora(F.linear(twin, weight, bias), active, hs)
         # h = A(dropout(x)) on the replicated input (the replicated random stream draws the
         # same mask on every rank); each rank's B block makes its gradient a partial sum,
         # reduced with the input gradient's partial sums in one all-reduce.
@@ -314,7 +323,13 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
             reduced = iter(tpx_autograd.all_reduce_grads(needs, pg))
             x = next(reduced) if x.requires_grad else x
             hs = [next(reduced) if h.requires_grad else h for h in hs]
-        y = F.linear(x, weight, bias)
+        return self._tpx_add_lora(F.linear(x, weight, bias), active, hs)
+
+    def _tpx_add_lora(self, y: Tensor, active: List[str], hs: List[Tensor]) -> Tensor:
+        """``y`` (this rank's output features) plus ``scaling * B_r h`` of each adapter; then
+        gathered when the base layer gathers its output."""
+        base = self.base_layer
+        pg = base.group
         out_dtype = y.dtype
         for a, h in zip(active, hs):
             wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
@@ -322,11 +337,49 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
                 wb = tpx_autograd.sum_grad_over_holders(wb, base.out_rows, pg)
                 if bb is not None:
                     bb = tpx_autograd.sum_grad_over_holders(bb, base.out_rows, pg)
-            y = y + F.linear(h, wb, bb) * self.scaling[a]
+            y = y + F.linear(h.to(wb.dtype), wb, bb) * self.scaling[a]
         y = y.to(out_dtype)
         if base.gather_output:
             y = tpx_autograd.gather_last_dim(y, base.out_sizes, base.out_start, pg)
         return y
+
+
+    def _tpx_forward_sequence_parallel(self, x: Tensor, active: List[str]) -> Tensor:
+        """Sequence-parallel input: ``A`` rides in the base layer's all-gather GEMM as extra
+        rows of its weight (``[W_r; A] x``: the base output and ``h = A x`` on the whole
+        sequence in one op), so the input gradient's reduce-scatter carries ``A``'s partial
+        input gradient too; ``A``'s own gradient, a partial sum, is all-reduced (``r x in``)."""
+        base = self.base_layer
+        pg = base.group
+        _no_dropout(self, active, "sequence parallelism")
+        x = local_input(x, Shard(base.sequence_dim), pg, type(self).__name__)
+        base._check_input(x, base.in_features, "in_features")
+        weight, bias = local_params(base.weight, base.bias)
+        if base.replicated_rows:
+            weight = tpx_autograd.sum_grad_over_holders(weight, base.out_rows, pg)
+            if bias is not None:
+                bias = tpx_autograd.sum_grad_over_holders(bias, base.out_rows, pg)
+        factors = []
+        for a in active:
+            (wa,) = local_params(self.lora_A[a].weight)
+            factors.append(tpx_autograd.all_reduce_grad(wa, pg).to(weight.dtype))
+        w_cat = torch.cat([weight, *factors], 0)
+        b_cat = None if bias is None else torch.cat([bias, bias.new_zeros(sum(
+            f.shape[0] for f in factors))])
+        _, y_cat = ops.all_gather_matmul(x, w_cat.t(), base._seq_dim(x), pg, base.chunks,
+                                         bias=b_cat, return_gathered=False)
+        pieces = y_cat.split([weight.shape[0], *[f.shape[0] for f in factors]], -1)
+        return self._tpx_add_lora(pieces[0], active, list(pieces[1:]))
+
+
+def _no_dropout(layer, active: List[str], why: str) -> None:
+    for a in active:
+        drop = layer.lora_dropout[a]
+        if layer.training and isinstance(drop, nn.Dropout) and drop.p > 0:
+            raise NotImplementedError(
+                f"tpx: LoRA dropout (lora_dropout={drop.p}, adapter {a!r}) with {why} is not "
+                "supported yet: the adapter rides in the base layer's GEMM, which reads the input "
+                "without dropout. Use lora_dropout=0, or shard without sequence parallelism")
 
 
 class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
@@ -352,7 +405,7 @@ class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         base = self.base_layer
         pg = base.group
         if base.sequence_parallel:
-            raise _unsupported_layout("row", "a sequence-parallel output")
+            return self._tpx_forward_sequence_parallel(x, active)
         x = local_input(x, Shard(-1) if base.input_is_parallel else Replicate(), pg,
                         type(self).__name__)
         if base.input_is_parallel:
@@ -377,6 +430,44 @@ class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         for a, h in zip(active, summed[1:]):
             wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
             y = y + F.linear(h, wb, bb) * self.scaling[a]
+        return y.to(out_dtype)
+
+
+    def _tpx_forward_sequence_parallel(self, x: Tensor, active: List[str]) -> Tensor:
+        """Sequence-parallel output: ``A_r`` rides in the base layer's GEMM + reduce-scatter as
+        extra rows of its weight (``[W_r; A_r] x_r``, summed and scattered along the sequence:
+        this rank's block of the output and of ``h = A x`` in one op); ``B``, replicated, then
+        sees this rank's block of the sequence only, so its gradient is all-reduced
+        (``out x r``)."""
+        base = self.base_layer
+        pg = base.group
+        _no_dropout(self, active, "sequence parallelism")
+        x = local_input(x, Shard(-1), pg, type(self).__name__)
+        if not base.input_is_parallel:
+            raise _unsupported_layout("row", "sequence parallelism and a replicated input")
+        base._check_input(x, base.in_end - base.in_start,
+                          f"this rank's columns {base.in_start}:{base.in_end} of "
+                          f"in_features={base.in_features}")
+        d = base._seq_dim(x)
+        if x.shape[d] % base.world_size:
+            raise ValueError(
+                f"tpx.{type(self).__name__}: with sequence parallelism the sequence dimension "
+                f"(dim {d}, size {x.shape[d]}) must divide by the group size {base.world_size}")
+        weight, bias = local_params(base.weight, base.bias)
+        factors = [local_params(self.lora_A[a].weight)[0].to(weight.dtype) for a in active]
+        w_cat = torch.cat([weight, *factors], 0)
+        b_cat = None if bias is None else torch.cat([bias, bias.new_zeros(sum(
+            f.shape[0] for f in factors))])
+        y_cat = ops.matmul_reduce_scatter(x, w_cat.t(), d, pg, base.chunks, bias=b_cat)
+        pieces = y_cat.split([weight.shape[0], *[f.shape[0] for f in factors]], -1)
+        y = pieces[0]
+        out_dtype = y.dtype
+        for a, h in zip(active, pieces[1:]):
+            wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
+            wb = tpx_autograd.all_reduce_grad(wb, pg)
+            if bb is not None:
+                bb = tpx_autograd.all_reduce_grad(bb, pg)
+            y = y + F.linear(h.to(wb.dtype), wb, bb) * self.scaling[a]
         return y.to(out_dtype)
 
 
