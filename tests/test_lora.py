@@ -355,10 +355,11 @@ def _no_collective_of_its_own(rank, world):
     assert lora.bytes() - base.bytes() == 2 * 10 * 4 * 8, (lora, base)
 
 
-def test_lora_adds_no_collective():
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_lora_adds_no_collective(world):
     """Column -> row with LoRA on both: one all-reduce forward (the row layer's) and one
     backward (the column layer's), as without the adapters, each carrying r more columns."""
-    run_ranks(_no_collective_of_its_own, 2)
+    run_ranks(_no_collective_of_its_own, world)
 
 
 def _sequence_parallel_mlp(rank, world):
@@ -385,7 +386,40 @@ def _sequence_parallel_mlp(rank, world):
                           atol=1e-12)
 
 
-def test_lora_sequence_parallel_layers():
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_lora_sequence_parallel_layers(world):
     """Column layer with a sequence-sharded input (A in its all-gather GEMM) and row layer
     with a sequence-sharded output (A in its GEMM + reduce-scatter), against one device."""
-    run_ranks(_sequence_parallel_mlp, 2)
+    run_ranks(_sequence_parallel_mlp, world)
+
+
+def _dcp_save(rank, world, d):
+    import torch.distributed.checkpoint as dcp
+
+    pm = sharded_lora(tiny("llama"), lora_config(), "peft")
+    opt = adamw(pm)
+    for step in range(2):
+        train_step(pm, opt, step)
+    dcp.save(pm.state_dict(), checkpoint_id=d)
+
+
+def _dcp_load(rank, world, d):
+    import torch.distributed.checkpoint as dcp
+
+    model = tiny("llama")
+    ref = one_device(copy.deepcopy(model), lora_config())
+    ref_opt = adamw(ref)
+    for step in range(2):
+        train_step(ref, ref_opt, step)
+    pm = sharded_lora(model, lora_config(), "tpx")
+    state = pm.state_dict()
+    dcp.load(state, checkpoint_id=d)
+    pm.load_state_dict(state)
+    assert_state_equal(pm, ref, f"torch.distributed.checkpoint, TP 2 -> TP {world}")
+
+
+def test_dcp_of_state_dict_at_another_degree(tmp_path):
+    """PyTorch's own door: dcp.save(model.state_dict()) at TP 2 (peft first), dcp.load into
+    the model at TP 3 (tpx first): every parameter, adapters included, as on one device."""
+    run_ranks(_dcp_save, 2, str(tmp_path / "dcp"))
+    run_ranks(_dcp_load, 3, str(tmp_path / "dcp"))

@@ -279,5 +279,6 @@ def _check_torch_styles(rank, world):
                           local=lambda t: t.full_tensor() if isinstance(t, dtensor) else t)
 
 
-def test_pytorch_styles_applied_by_pytorch():
-    run_ranks(_check_torch_styles, 2)
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_pytorch_styles_applied_by_pytorch(world):
+    run_ranks(_check_torch_styles, world)

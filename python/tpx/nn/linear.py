@@ -285,13 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
         x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
                         self.group, "ColumnParallelLinear")
         self._check_input(x, self.in_features, "in_features")
-        weight, bias = local_params(self.weight, self.bias)
-        if self.replicated_rows:
-            # Rows held by several ranks (replicated KV heads): each holder saw only its own
-            # query heads, so their weight gradients are summed over the holders.
-            weight = tpx_autograd.sum_grad_over_holders(weight, self.out_rows, self.group)
-            if bias is not None:
-                bias = tpx_autograd.sum_grad_over_holders(bias, self.out_rows, self.group)
+        weight, bias = self._row_params(self.weight, self.bias)
         w_t = weight.t()
         twin = None if self.sequence_parallel else tpx_autograd.partial_grad_input(x, self.group)
         if self.sequence_parallel:
@@ -307,6 +301,18 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.gather_output:
             y = tpx_autograd.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
         return y
+
+    def _row_params(self, *params):
+        """The local tensors of ``params`` (this layer's weight and bias, or tensors split by
+        the same rows, as a LoRA factor), computed with: where rows are held by several ranks
+        (replicated KV heads) each holder saw only its own query heads, so their gradients are
+        summed over the holders."""
+        local = local_params(*params)
+        if not self.replicated_rows:
+            return local
+        return tuple(None if t is None else
+                     tpx_autograd.sum_grad_over_holders(t, self.out_rows, self.group)
+                     for t in local)
 
     def extra_repr(self) -> str:
         rows = ", ".join(f"{s}:{e}" for s, e in self.out_rows[self.rank])
@@ -392,27 +398,38 @@ class RowParallelLinear(_ParallelLinear):
 
     @guarded
     def forward(self, x: Tensor) -> Tensor:
-        # A DTensor input is redistributed to S(-1) (R with input_is_parallel=False).
+        x = self._local_columns(x, "RowParallelLinear")
+        weight, bias = local_params(self.weight, self.bias)
+        w_t = weight.t()
+        if self.sequence_parallel:
+            d = self._scatter_dim(x)
+            return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=bias)
+        return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
+
+    def _local_columns(self, x: Tensor, who: str) -> Tensor:
+        """This rank's columns of the input: a ``DTensor`` redistributed to ``S(-1)`` (``R``
+        with ``input_is_parallel=False``) and made local, checked, and split when the input is
+        replicated."""
         x = local_input(x, Shard(-1) if self.input_is_parallel else Replicate(), self.group,
-                        "RowParallelLinear")
+                        who)
         if self.input_is_parallel:
             self._check_input(x, self.in_end - self.in_start,
                               f"this rank's columns {self.in_start}:{self.in_end} of "
                               f"in_features={self.in_features}")
-        else:
-            self._check_input(x, self.in_features, "in_features")
-            x = tpx_autograd.split_last_dim(x, self.in_sizes, self.in_start, self.group)
-        weight, bias = local_params(self.weight, self.bias)
-        w_t = weight.t()
-        if self.sequence_parallel:
-            d = self._seq_dim(x)
-            if x.shape[d] % self.world_size:
-                raise ValueError(
-                    f"tpx.RowParallelLinear: with sequence_parallel=True the sequence dimension "
-                    f"(dim {d}, size {x.shape[d]}) must divide by the group size "
-                    f"{self.world_size}; pad the sequence to a multiple of {self.world_size}.")
-            return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=bias)
-        return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
+            return x
+        self._check_input(x, self.in_features, "in_features")
+        return tpx_autograd.split_last_dim(x, self.in_sizes, self.in_start, self.group)
+
+    def _scatter_dim(self, x: Tensor) -> int:
+        """The sequence dimension the output is reduce-scattered along (its size must divide
+        by the group size)."""
+        d = self._seq_dim(x)
+        if x.shape[d] % self.world_size:
+            raise ValueError(
+                f"tpx.RowParallelLinear: with sequence_parallel=True the sequence dimension "
+                f"(dim {d}, size {x.shape[d]}) must divide by the group size "
+                f"{self.world_size}; pad the sequence to a multiple of {self.world_size}.")
+        return d
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.in_start}:{self.in_end}), "

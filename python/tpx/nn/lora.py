@@ -143,6 +143,16 @@ class _ParallelLora:
     sharding of one adapter, and peft's forward protocol."""
 
     _kind = ""
+    _base_class: type = nn.Module
+
+    def __init__(self, base_layer, adapter_name: str, config=None, **kwargs) -> None:
+        """peft's constructor (``get_peft_model`` on a model tpx sharded, through
+        :func:`register`)."""
+        if not isinstance(base_layer, self._base_class):
+            raise TypeError(f"tpx.{type(self).__name__} wraps a tpx."
+                            f"{self._base_class.__name__}; got {type(base_layer).__name__}")
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.fan_in_fan_out = False  # tpx's layer stores [out, in] whatever the model did
 
     # -- construction -------------------------------------------------------------------------
 
@@ -265,13 +275,6 @@ class _ParallelLora:
         return "tpx." + nn.Module.__repr__(self)
 
 
-def _unsupported_layout(kind: str, why: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"tpx: LoRA on a {kind}-parallel layer with {why} is not supported yet; shard the model "
-        "without sequence parallelism (tpx.plans.auto(model, sequence_parallel=False)) or leave "
-        "this projection out of the LoRA targets")
-
-
 class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
     """peft's ``lora.Linear`` over a :class:`tpx.ColumnParallelLinear`.
 
@@ -282,12 +285,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
 
     _kind = "column"
 
-    def __init__(self, base_layer, adapter_name: str, config=None, **kwargs) -> None:
-        if not isinstance(base_layer, ColumnParallelLinear):
-            raise TypeError(f"tpx.ColumnParallelLoraLinear wraps a tpx.ColumnParallelLinear; got "
-                            f"{type(base_layer).__name__}")
-        super().__init__(base_layer, adapter_name, config=config, **kwargs)
-        self.fan_in_fan_out = False  # tpx's layer stores [out, in] whatever the model did
+    _base_class = ColumnParallelLinear
 
     def _tpx_forward(self, x: Tensor, active: List[str]) -> Tensor:
         base = self.base_layer
@@ -297,11 +295,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         x = local_input(x, Replicate(), pg, type(self).__name__)
         base._check_input(x, base.in_features, "in_features")
         twin = tpx_autograd.partial_grad_input(x, pg)
-        weight, bias = local_params(base.weight, base.bias)
-        if base.replicated_rows:
-            weight = tpx_autograd.sum_grad_over_holders(weight, base.out_rows, pg)
-            if bias is not None:
-                bias = tpx_autograd.sum_grad_over_holders(bias, base.out_rows, pg)
+        weight, bias = base._row_params(base.weight, base.bias)
         if twin is not None:
             # x was gathered from sequence shards by a plan style: the input gradients of the
             # base layer and of A are left partial and reduce-scattered once for all the
@@ -332,11 +326,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         pg = base.group
         out_dtype = y.dtype
         for a, h in zip(active, hs):
-            wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
-            if base.replicated_rows:
-                wb = tpx_autograd.sum_grad_over_holders(wb, base.out_rows, pg)
-                if bb is not None:
-                    bb = tpx_autograd.sum_grad_over_holders(bb, base.out_rows, pg)
+            wb, bb = base._row_params(self.lora_B[a].weight, self.lora_B[a].bias)
             y = y + F.linear(h.to(wb.dtype), wb, bb) * self.scaling[a]
         y = y.to(out_dtype)
         if base.gather_output:
@@ -354,11 +344,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         _no_dropout(self, active, "sequence parallelism")
         x = local_input(x, Shard(base.sequence_dim), pg, type(self).__name__)
         base._check_input(x, base.in_features, "in_features")
-        weight, bias = local_params(base.weight, base.bias)
-        if base.replicated_rows:
-            weight = tpx_autograd.sum_grad_over_holders(weight, base.out_rows, pg)
-            if bias is not None:
-                bias = tpx_autograd.sum_grad_over_holders(bias, base.out_rows, pg)
+        weight, bias = base._row_params(base.weight, base.bias)
         factors = []
         for a in active:
             (wa,) = local_params(self.lora_A[a].weight)
@@ -394,27 +380,14 @@ class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
 
     _kind = "row"
 
-    def __init__(self, base_layer, adapter_name: str, config=None, **kwargs) -> None:
-        if not isinstance(base_layer, RowParallelLinear):
-            raise TypeError(f"tpx.RowParallelLoraLinear wraps a tpx.RowParallelLinear; got "
-                            f"{type(base_layer).__name__}")
-        super().__init__(base_layer, adapter_name, config=config, **kwargs)
-        self.fan_in_fan_out = False
+    _base_class = RowParallelLinear
 
     def _tpx_forward(self, x: Tensor, active: List[str]) -> Tensor:
         base = self.base_layer
         pg = base.group
         if base.sequence_parallel:
             return self._tpx_forward_sequence_parallel(x, active)
-        x = local_input(x, Shard(-1) if base.input_is_parallel else Replicate(), pg,
-                        type(self).__name__)
-        if base.input_is_parallel:
-            base._check_input(x, base.in_end - base.in_start,
-                              f"this rank's columns {base.in_start}:{base.in_end} of "
-                              f"in_features={base.in_features}")
-        else:
-            base._check_input(x, base.in_features, "in_features")
-            x = tpx_autograd.split_last_dim(x, base.in_sizes, base.in_start, pg)
+        x = base._local_columns(x, type(self).__name__)
         weight, bias = local_params(base.weight, base.bias)
         parts = [F.linear(x, weight)]
         for a in active:
@@ -442,17 +415,8 @@ class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         base = self.base_layer
         pg = base.group
         _no_dropout(self, active, "sequence parallelism")
-        x = local_input(x, Shard(-1), pg, type(self).__name__)
-        if not base.input_is_parallel:
-            raise _unsupported_layout("row", "sequence parallelism and a replicated input")
-        base._check_input(x, base.in_end - base.in_start,
-                          f"this rank's columns {base.in_start}:{base.in_end} of "
-                          f"in_features={base.in_features}")
-        d = base._seq_dim(x)
-        if x.shape[d] % base.world_size:
-            raise ValueError(
-                f"tpx.{type(self).__name__}: with sequence parallelism the sequence dimension "
-                f"(dim {d}, size {x.shape[d]}) must divide by the group size {base.world_size}")
+        x = base._local_columns(x, type(self).__name__)
+        d = base._scatter_dim(x)
         weight, bias = local_params(base.weight, base.bias)
         factors = [local_params(self.lora_A[a].weight)[0].to(weight.dtype) for a in active]
         w_cat = torch.cat([weight, *factors], 0)
