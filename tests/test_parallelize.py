@@ -282,3 +282,86 @@ def _check_torch_styles(rank, world):
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_pytorch_styles_applied_by_pytorch(world):
     run_ranks(_check_torch_styles, world)
+
+
+class _SharedAndRouted(torch.nn.Module):
+    """Two MLPs whose row-parallel outputs are left as partial sums and reduced once, as
+    torchtitan's MoE layers do with their shared experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3, self.w2 = (torch.nn.Linear(16, 36), torch.nn.Linear(16, 36),
+                                     torch.nn.Linear(36, 16))
+        self.v1, self.v2 = torch.nn.Linear(16, 20), torch.nn.Linear(20, 16)
+
+    def forward(self, x):
+        return (self.w2(F.silu(self.w1(x)) * self.w3(x)) +
+                self.v2(torch.relu(self.v1(x))))
+
+
+def _check_partial_outputs(rank, world):
+    """``RowwiseParallel(output_layouts=Partial())``: partial sums, added, then reduce-scattered
+    once by PyTorch's PrepareModuleInputOutput (torchtitan's MoE plan); and as a ``Partial()``
+    DTensor with ``use_local_output=False``. Output, input and every parameter gradient equal
+    the unsharded block (biases counted once)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    torch.manual_seed(0)
+    ref = _SharedAndRouted().double()
+    model = copy.deepcopy(ref)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    tpx.parallelize_module(model, mesh, {
+        "": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(
+            Replicate(),), use_local_input=True, output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),)),
+        "w1": tpx.ColwiseParallel(), "w3": tpx.ColwiseParallel(),
+        "w2": tpx.RowwiseParallel(output_layouts=Partial()),
+        "v1": tpx.ColwiseParallel(), "v2": tpx.RowwiseParallel(output_layouts=Partial()),
+    })
+    assert model.w2.reduce_output is False
+    seq = 2 * world
+    x_full = torch.randn(2, seq, 16, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, seq, 16, dtype=torch.float64)
+    mine = slice(rank * 2, rank * 2 + 2)
+    x = x_full.detach()[:, mine].clone().requires_grad_()
+    with tpx.comm_stats() as st:
+        y = model(x)
+    assert st.calls() == 0  # the partial sums travel in PyTorch's one reduce-scatter
+    y_ref = ref(x_full)
+    torch.testing.assert_close(y, y_ref[:, mine])
+    (y * weights[:, mine]).sum().backward()
+    (y_ref * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x_full.grad[:, mine])
+    assert_like_unsharded(model, ref, "RowwiseParallel(output_layouts=Partial())", grad=True,
+                          local=lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+
+    # use_local_output=False: a Partial() DTensor whose sum is the unsharded output
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(20, 12).double()
+    ref_lin = copy.deepcopy(lin)
+    tpx.parallelize_module(lin, mesh, tpx.RowwiseParallel(input_layouts=Replicate(),
+                                                          output_layouts=Partial(),
+                                                          use_local_output=False))
+    z = torch.randn(3, 20, dtype=torch.float64)
+    out = lin(z)
+    assert isinstance(out, DTensor) and out.placements == (Partial(),)
+    assert out.shape == (3, 12)
+    full = out.full_tensor()
+    torch.testing.assert_close(full, ref_lin(z))
+    full.square().sum().backward()
+    ref_lin(z).square().sum().backward()
+    assert_like_unsharded(lin, ref_lin, "Partial() DTensor output", grad=True,
+                          local=lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+    for bad, match in ((lambda: tpx.RowwiseParallel(output_layouts=Partial("avg")), "sum"),
+                       (lambda: tpx.parallelize_module(torch.nn.Embedding(8, 4), mesh,
+                                                       tpx.RowwiseParallel(
+                                                           output_layouts=Partial())),
+                        "linear layer")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+
+
+@pytest.mark.parametrize("world", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_rowwise_partial_outputs(world):
+    run_ranks(_check_partial_outputs, world)

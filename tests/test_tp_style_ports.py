@@ -203,12 +203,15 @@ def _prepare_module_input(rank, world, mesh):
         input_layouts=Shard(0), desired_input_layouts=Replicate()))
     full = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(full, x)
-    torch.testing.assert_close(mod(x), torch.cat(full))     # tpx: a local tensor by default
-    mod = tpx.parallelize_module(nn.Identity(), mesh, tpx.PrepareModuleInput(
-        input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=False))
-    out = mod(x)
+    out = mod(x)  # PyTorch's default: a DTensor with the desired placement
     assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+    assert out.shape == (2 * world, 16)
     torch.testing.assert_close(out.full_tensor(), torch.cat(full))
+    mod = tpx.parallelize_module(nn.Identity(), mesh, tpx.PrepareModuleInput(
+        input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=True))
+    out = mod(x)
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, torch.cat(full))
 
 
 def _prepare_module_input_multiple(rank, world, mesh):
@@ -236,13 +239,22 @@ def _prepare_module_input_multiple(rank, world, mesh):
     assert isinstance(m.linear, tpx.ColumnParallelLinear)   # changed in place
     tpx.parallelize_module(m, mesh, tpx.PrepareModuleInput(
         input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None)))
-    x = torch.randn(2, 8) + rank
+    x = (torch.randn(2, 8) + rank).requires_grad_()
     y = torch.rand(world * 2, e - s)
-    out = m(x, y)
-    assert out.shape == (world * 2, e - s)
+    with tpx.comm_stats() as st:
+        out = m(x, y)  # x reaches the column layer as a Replicate() DTensor
+        assert comm_counts(st) == {"all_gather": 1}
+        out.backward(torch.ones_like(out))
+    # its partial input gradient goes back to the shards in one reduce-scatter
+    assert comm_counts(st) == {"all_gather": 1, "reduce_scatter": 1}, comm_counts(st)
+    assert not isinstance(out, DTensor) and out.shape == (world * 2, e - s)
     full = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(full, x)
-    torch.testing.assert_close(out, ref.linear(torch.cat(full))[:, s:e] + y)
+    dist.all_gather(full, x.detach())
+    gathered = torch.cat(full).requires_grad_()
+    expect = ref.linear(gathered)
+    torch.testing.assert_close(out, expect[:, s:e] + y)
+    expect.backward(torch.ones_like(expect))
+    torch.testing.assert_close(x.grad, gathered.grad[rank * 2:(rank + 1) * 2])
 
 
 def _prepare_module_kwargs_input(rank, world, mesh):
@@ -258,11 +270,8 @@ def _prepare_module_kwargs_input(rank, world, mesh):
     m = TestKwargModule()
     ref = copy.deepcopy(m)
     tpx.parallelize_module(m.linear, mesh, tpx.ColwiseParallel(use_local_output=False))
-    # PyTorch's PrepareModuleInput hands on DTensors by default; tpx hands on local tensors
-    # unless asked (here the linear's DTensor output is added to y, so y must be one too).
     tpx.parallelize_module(m, mesh, tpx.PrepareModuleInput(
-        input_kwarg_layouts={"y": Shard(0)}, desired_input_kwarg_layouts={"y": Replicate()},
-        use_local_output=False))
+        input_kwarg_layouts={"y": Shard(0)}, desired_input_kwarg_layouts={"y": Replicate()}))
     x = torch.randn(world, 8)
     y = torch.rand(1, 8) + rank
     with tpx.comm_stats() as st:
@@ -316,17 +325,27 @@ def _sequence_parallel_style(rank, world, mesh):
                           rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sharded.grad.full_tensor(), global_input.grad / 1)
 
-    # A plain local input gives a local output; a batch-sharded DTensor is redistributed.
+    # A plain input is this rank's block: the output is its DTensor (PyTorch's default), or the
+    # local block with use_local_output=True; a batch-sharded DTensor is redistributed.
     norm = nn.LayerNorm(dim)
     sp = tpx.parallelize_module(copy.deepcopy(norm), mesh, tpx.SequenceParallel())
     local = global_input.detach()[:, rank * n:(rank + 1) * n]
     out = sp(local)
-    assert not isinstance(out, DTensor)
-    torch.testing.assert_close(out, norm(local))
+    assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+    assert out.shape == global_input.shape
+    torch.testing.assert_close(out.full_tensor(), norm(global_input.detach()))
     batch_sharded = distribute_tensor(global_input.detach(), mesh, [Shard(0)])
     out = sp(batch_sharded)
     assert isinstance(out, DTensor) and out.placements == (Shard(1),)
     torch.testing.assert_close(out.full_tensor(), norm(global_input.detach()))
+    sp = tpx.parallelize_module(copy.deepcopy(norm), mesh,
+                                tpx.SequenceParallel(use_local_output=True))
+    out = sp(local)
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, norm(local))
+    out = sp(batch_sharded)
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, norm(local))
 
 
 # ------------------------------------------------------------------ test_parallelize_api.py

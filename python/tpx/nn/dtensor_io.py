@@ -56,8 +56,35 @@ def local_input(x, placement: Placement, pg: dist.ProcessGroup, who: str):
     if isinstance(placement, Shard) and placement.dim < 0:
         placement = Shard(placement.dim % x.dim())
     if tuple(x.placements) != (placement,):
+        full = gathered_local(x, placement, pg)
+        if full is not None:
+            return full
         x = x.redistribute(mesh, [placement])
-    return _ContiguousGrad.apply(x.to_local())
+    twin = getattr(x, "_tpx_partial_grad_input", None)
+    y = _ContiguousGrad.apply(x.to_local())
+    if twin is not None:
+        y._tpx_partial_grad_input = twin
+    return y
+
+
+def gathered_local(x, placement: Placement, pg: dist.ProcessGroup):
+    """``Shard(d) -> Replicate()`` of a ``DTensor`` on the 1-D mesh over ``pg`` through tpx's
+    own gather, as the local full tensor (or ``None`` where this does not apply: another
+    redistribution, an uneven split, another mesh). The result carries the handle the
+    column-parallel layers use to reduce-scatter their partial input gradients once
+    (:func:`tpx.autograd.gather_dim_for_partial_grads`), where ``DTensor.redistribute``
+    would leave them an all-reduce each."""
+    from .. import autograd as tpx_autograd
+
+    if not (isinstance(x, DTensor) and isinstance(placement, Replicate)
+            and x.device_mesh.ndim == 1 and len(x.placements) == 1
+            and isinstance(x.placements[0], Shard)):
+        return None
+    d = x.placements[0].dim
+    if x.shape[d] % pg.size() or \
+            tuple(x.device_mesh.mesh.flatten().tolist()) != _group_ranks(pg):
+        return None
+    return tpx_autograd.gather_dim_for_partial_grads(x.to_local(), d, pg)
 
 
 class _ContiguousGrad(torch.autograd.Function):

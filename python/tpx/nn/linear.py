@@ -327,8 +327,10 @@ class RowParallelLinear(_ParallelLinear):
 
     Placement: ``x S(-1) -> y R`` (the partial products are all-reduced, overlapped with the
     GEMM); with ``sequence_parallel=True``: ``x S(-1) -> y S(sequence_dim)`` (reduce-scattered
-    instead). With ``input_is_parallel=False`` the input is ``R`` and each rank keeps its
-    columns of it first.
+    instead); with ``reduce_output=False``: ``x S(-1) -> y P`` (this rank's partial sum, no
+    communication; the bias is added on the group's first rank only, and its gradient, which
+    a partial output's replicated gradient gives every rank alike, is full everywhere). With
+    ``input_is_parallel=False`` the input is ``R`` and each rank keeps its columns of it first.
 
     This rank holds ``weight[:, in_start:in_end]`` (``tpx.shard_range(in_features)``;
     uneven splits are supported: the input shard must then have this rank's width, as a
@@ -344,6 +346,9 @@ class RowParallelLinear(_ParallelLinear):
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` (its size must
             divide by the group size).
         sequence_dim: the sequence dimension of the input/output.
+        reduce_output: ``False`` leaves the output as this rank's partial sum (``Partial()``),
+            for a consumer that sums it later (e.g. with other partial sums, in one
+            collective).
         chunks: pipeline depth of the overlapped collectives (``1``: no overlap).
         device, dtype: as in ``nn.Linear``.
         src_rank: the rank whose initial weights every rank takes (default 0); ``None``: every
@@ -353,13 +358,18 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: GroupLike = None, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, sequence_dim: int = 1,
+                 reduce_output: bool = True,
                  chunks: Optional[int] = None, device=None, dtype=None,
                  src_rank: Optional[int] = 0, _full_weights=None) -> None:
         super().__init__()
         _check_features("RowParallelLinear", in_features=in_features, out_features=out_features)
         _check_chunks("RowParallelLinear", chunks)
+        if sequence_parallel and not reduce_output:
+            raise ValueError("tpx.RowParallelLinear: sequence_parallel=True reduce-scatters the "
+                             "output, reduce_output=False leaves it unreduced: pass one of them")
         self._setup_group(group)
         self.in_features, self.out_features = in_features, out_features
+        self.reduce_output = bool(reduce_output)
         self.input_is_parallel = bool(input_is_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim, self.chunks = sequence_dim, chunks
@@ -373,7 +383,8 @@ class RowParallelLinear(_ParallelLinear):
         self._init_weights(_full_weights)
 
     def _layer_config(self) -> dict:
-        return self._config(input_is_parallel=self.input_is_parallel)
+        return self._config(input_is_parallel=self.input_is_parallel,
+                            reduce_output=self.reduce_output)
 
     def _weight_layout(self):
         return [[_range(self.in_features, r, self.world_size)] for r in range(self.world_size)], 1
@@ -404,7 +415,16 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             d = self._scatter_dim(x)
             return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=bias)
+        if not self.reduce_output:
+            return self._partial_output(torch.matmul(x, w_t), bias)
         return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
+
+    def _partial_output(self, y: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """``y`` (this rank's partial sum) with the replicated bias counted once over the group:
+        added on its first rank, its gradient whole on every rank."""
+        if bias is None:
+            return y
+        return y + tpx_autograd.scale_forward(bias, 1.0 if self.rank == 0 else 0.0)
 
     def _local_columns(self, x: Tensor, who: str) -> Tensor:
         """This rank's columns of the input: a ``DTensor`` redistributed to ``S(-1)`` (``R``
@@ -435,4 +455,5 @@ class RowParallelLinear(_ParallelLinear):
         return (f"in_features={self.in_features} (local {self.in_start}:{self.in_end}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
                 f"world_size={self.world_size}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
+                f"sequence_parallel={self.sequence_parallel}, "
+                f"reduce_output={self.reduce_output}, chunks={self.chunks}")

@@ -253,7 +253,8 @@ HF_STYLES: Dict[str, HFStyle] = {s.name: s for s in (
                          "tpx style; write the plan for this module by hand"),
             "module or parameter"),
     HFStyle("sequence_parallel", "norm/dropout on S(1) (the sequence), parameters R",
-            "SequenceParallel() (gradients summed over the group)", _b(SequenceParallel)),
+            "SequenceParallel(use_local_output=True) (gradients summed over the group)",
+            _b(lambda: SequenceParallel(use_local_output=True))),
     HFStyle("replicated_with_grad_allreduce", "parameters R whose gradient is partial (a "
             "per-head norm after a column-parallel projection); gradient summed",
             "ReplicatedWithGradAllReduce()", _b(ReplicatedWithGradAllReduce)),
@@ -814,10 +815,13 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         new = RowwiseParallel(input_layouts=st.input_layouts, output_layouts=Shard(1))
         plan[key] = _Chain(new, _PadSequence(n)) if key.startswith(attn[0] + ".") else new
     plan[attn[0]] = _Chain(plan[attn[0]], _GatherSequence(n, "input"))
+    # tpx's own plan hands local tensors between the blocks (no DTensor on the hot path)
     plan[pre + mlp_child] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),))
+                                               desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
     plan[pre.replace("*", "0").rstrip(".")] = _SplitSequence(n)
     for name, sub in layer.named_children():
         if name not in (attn_child, mlp_child):
-            plan[pre + name] = SequenceParallel()
-    plan[base + finals[0]] = _Chain(SequenceParallel(), _GatherSequence(n, "output"))
+            plan[pre + name] = SequenceParallel(use_local_output=True)
+    plan[base + finals[0]] = _Chain(SequenceParallel(use_local_output=True),
+                                    _GatherSequence(n, "output"))

@@ -391,14 +391,13 @@ def decoder(model: nn.Module, *, sequence_parallel: bool = False,
     if _find(model, "output") == "output":
         plan["output"] = _head_output(loss_parallel, seq)
     if sequence_parallel:
-        plan[pre + "attention"] = _Chain(
-            plan[pre + "attention"],
-            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
-        plan[pre + "feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                        desired_input_layouts=(Replicate(),))
-        plan[pre + "attention_norm"] = SequenceParallel()
-        plan[pre + "ffn_norm"] = SequenceParallel()
-        plan["norm"] = SequenceParallel()
+        # a ready-made plan hands local tensors between the blocks (no DTensor on the hot path)
+        gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                      use_local_output=True)
+        plan[pre + "attention"] = _Chain(plan[pre + "attention"], PrepareModuleInput(**gather))
+        plan[pre + "feed_forward"] = PrepareModuleInput(**gather)
+        for norm in (pre + "attention_norm", pre + "ffn_norm", "norm"):
+            plan[norm] = SequenceParallel(use_local_output=True)
     return plan
 
 

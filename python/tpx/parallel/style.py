@@ -19,7 +19,7 @@ from ..comm_groups import guarded
 from ..group import shard_sizes, _range
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
-from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
+from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, gathered_local, wrap_output
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
@@ -51,11 +51,6 @@ def _mesh_hint_or(mesh):
     return mesh if mesh is not None else _MESH_HINT[0]
 
 
-def _local_out(use_local_output) -> bool:
-    """tpx hands back local tensors unless ``use_local_output=False`` is passed explicitly."""
-    return use_local_output is None or bool(use_local_output)
-
-
 @guarded
 def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh=None):
     """Changes the placement of a tensor from ``src`` to ``dst`` (R <-> S(d)).
@@ -67,6 +62,15 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh
         if dst is not None:
             d = Shard(dst.dim % x.dim()) if isinstance(dst, Shard) else dst
             if tuple(x.placements) != (d,):
+                full = gathered_local(x, d, pg)  # S(k) -> R through tpx's counted gather
+                if full is not None:
+                    if local:
+                        return full
+                    out = wrap_output(full, d, pg, x.shape, x.device_mesh)
+                    twin = getattr(full, "_tpx_partial_grad_input", None)
+                    if twin is not None:  # for the column-parallel layers that read it
+                        out._tpx_partial_grad_input = twin
+                    return out
                 x = x.redistribute(x.device_mesh, [d])
         return x.to_local() if local else x
     if not isinstance(x, Tensor):
@@ -369,20 +373,33 @@ class RowwiseParallel(ParallelStyle):
     ``nn.Embedding`` -> :class:`tpx.VocabParallelEmbedding` (table rows sharded).
 
     Linear: ``input_layouts`` ``Shard(-1)`` (default) or ``Replicate()``; ``output_layouts``
-    ``Replicate()`` (default, all-reduced) or ``Shard(d)`` (reduce-scattered along the
-    sequence). Embedding: input ``Replicate()``; output ``Replicate()`` or ``Shard(d)``.
+    ``Replicate()`` (default, all-reduced), ``Shard(d)`` (reduce-scattered along the
+    sequence) or ``Partial()`` (this rank's partial sum, no communication: a local tensor, or a
+    ``Partial()`` ``DTensor`` with ``use_local_output=False``). Embedding: input
+    ``Replicate()``; output ``Replicate()`` or ``Shard(d)``.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
                  chunks: Optional[int] = None) -> None:
         _check_placement("RowwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
-        _check_placement("RowwiseParallel", "output_layouts", output_layouts, (Replicate, Shard))
+        _check_placement("RowwiseParallel", "output_layouts", output_layouts,
+                         (Replicate, Shard, Partial))
+        if isinstance(output_layouts, Partial) and output_layouts.reduce_op != "sum":
+            raise ValueError(f"tpx.RowwiseParallel: output_layouts={output_layouts!r}: a row-"
+                             "parallel layer's partial results add up; use Partial() "
+                             "(reduce_op 'sum')")
         self.input_layouts, self.output_layouts = input_layouts, output_layouts or Replicate()
         self.use_local_output = bool(use_local_output)
         self.chunks = chunks
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup,
               src_rank: Optional[int] = 0) -> nn.Module:
+        partial = isinstance(self.output_layouts, Partial)
+        if partial and (_is_peft_layer(module) or isinstance(module, nn.Embedding)):
+            raise ValueError(
+                f"tpx.RowwiseParallel: output_layouts=Partial() is for a linear layer; "
+                f"{type(module).__name__} takes Replicate() or Shard(d) outputs (reduce them, "
+                "then pass the result on)")
         if _is_peft_layer(module):
             return _shard_peft_layer(self, module, pg, src_rank)
         sp = isinstance(self.output_layouts, Shard)
@@ -402,14 +419,14 @@ class RowwiseParallel(ParallelStyle):
         new = RowParallelLinear(
             in_f, out_f, bias=bias is not None, group=pg,
             input_is_parallel=isinstance(layout, Shard), sequence_parallel=sp,
-            sequence_dim=seq_dim, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
+            sequence_dim=seq_dim, reduce_output=not partial, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
             src_rank=src_rank, _full_weights=(weight, bias))
         new._transposed_weight = transposed
         return self._wrap(new, pg)
 
     def _wrap(self, new: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
         """With ``use_local_output=False`` the output leaves as a ``DTensor`` (from_local, no
-        communication): ``Replicate()`` or ``Shard(d)`` along the sequence."""
+        communication): ``Replicate()``, ``Shard(d)`` along the sequence or ``Partial()``."""
         if self.use_local_output:
             return new
         placement, mesh = self.output_layouts, _mesh_hint()
@@ -436,13 +453,14 @@ class SequenceParallel(ParallelStyle):
     not carry over: parallelize the copy instead of copying a parallelized model.)
 
     A plain tensor input is this rank's block; a ``DTensor`` input (any placement) is
-    redistributed to ``Shard(sequence_dim)`` first. The output is a local tensor for a plain
-    input and a ``DTensor`` ``Shard(sequence_dim)`` for a ``DTensor`` input (PyTorch's behaviour);
-    ``use_local_output=True`` / ``False`` forces one or the other. Unlike PyTorch, whose
-    parameters become ``DTensor`` s with ``Partial`` gradients reduced later, tpx keeps the
-    parameters plain and their gradients full (summed in the backward pass)."""
+    redistributed to ``Shard(sequence_dim)`` first. As PyTorch's, the output is a ``DTensor``
+    ``Shard(sequence_dim)`` (its global shape: the input's, or a plain input's with the
+    sequence ``world`` times as long), or this rank's block as a local tensor with
+    ``use_local_output=True``. Unlike PyTorch, whose parameters get ``Partial`` gradients
+    reduced in the optimizer step, tpx sums the parameters' gradients over the group in the
+    backward pass: every rank holds the full gradient."""
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: Optional[bool] = None) -> None:
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
@@ -462,7 +480,7 @@ class SequenceParallel(ParallelStyle):
                 if p.requires_grad:
                     p.register_hook(lambda g, pg=pg: tpx_autograd.all_reduce_grad_value(g, pg))
         seq = Shard(self.sequence_dim)
-        want = self.use_local_output
+        want = bool(self.use_local_output)
         state = {}
 
         def pre(mod, args):
@@ -478,8 +496,7 @@ class SequenceParallel(ParallelStyle):
 
         def post(mod, args, out):
             shape = state.pop("shape", None)
-            local = want if want is not None else shape is None
-            if local or not isinstance(out, Tensor):
+            if want or not isinstance(out, Tensor):
                 return out
             if shape is not None and len(shape) == out.dim():
                 return wrap_output(out, seq, pg, shape, _mesh_hint_or(mesh))
@@ -492,7 +509,8 @@ class SequenceParallel(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"SequenceParallel(sequence_dim={self.sequence_dim})"
+        return (f"SequenceParallel(sequence_dim={self.sequence_dim}, "
+                f"use_local_output={self.use_local_output})")
 
 
 def _as_tuple(x) -> tuple:
@@ -506,14 +524,15 @@ class PrepareModuleInput(ParallelStyle):
     ``input_layouts[i] -> desired_input_layouts[i]`` (``None`` leaves an input alone).
 
     A plain tensor is taken as this rank's part of ``input_layouts[i]`` (shards of a plain
-    tensor are equal-sized) and handed on as a local tensor; a ``DTensor`` is redistributed to
-    ``desired_input_layouts[i]`` and handed on as a ``DTensor`` (PyTorch's behaviour).
-    ``use_local_output=True`` / ``False`` forces local tensors / ``DTensor`` s for every input.
+    tensor are equal-sized); a ``DTensor`` carries its own placement. As PyTorch's, each input
+    is handed on as a ``DTensor`` with placement ``desired_input_layouts[i]``, or as its local
+    tensor with ``use_local_output=True``. ``Shard(d) -> Replicate()`` goes through tpx's own
+    all-gather, whose gradient a column-parallel layer reading the result reduce-scatters once.
     The module must be called with as many positional inputs as ``input_layouts`` names."""
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None,
                  input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
-                 use_local_output: Optional[bool] = None) -> None:
+                 use_local_output: bool = False) -> None:
         self.use_local_output = use_local_output
         self.input_layouts = _as_tuple(input_layouts)
         self.desired_input_layouts = _as_tuple(desired_input_layouts)
@@ -524,10 +543,7 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        want, mesh = self.use_local_output, _mesh_hint()
-
-        def local(x) -> bool:
-            return want if want is not None else not isinstance(x, DTensor)
+        local, mesh = bool(self.use_local_output), _mesh_hint()
 
         def hook(mod, args, kwargs):
             if self.input_layouts and len(args) != len(self.input_layouts):
@@ -538,13 +554,13 @@ class PrepareModuleInput(ParallelStyle):
             args = list(args)
             for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
                 if src is not None or dst is not None:
-                    args[i] = redistribute(args[i], src, dst, pg, local=local(args[i]),
+                    args[i] = redistribute(args[i], src, dst, pg, local=local,
                                            mesh=mesh)
             for key, src in self.kwarg_layouts.items():
                 if key in kwargs:
                     kwargs[key] = redistribute(kwargs[key], src,
                                                self.desired_kwarg_layouts.get(key), pg,
-                                               local=local(kwargs[key]), mesh=mesh)
+                                               local=local, mesh=mesh)
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -564,7 +580,7 @@ class PrepareModuleOutput(ParallelStyle):
                              "must have the same length")
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        local, mesh = _local_out(self.use_local_output), _mesh_hint()
+        local, mesh = bool(self.use_local_output), _mesh_hint()
 
         def hook(mod, args, output):
             single = not isinstance(output, tuple)
