@@ -2,8 +2,9 @@
 and with tpx: does a training step at TP P (gloo, CPU) equal one device?
 
 For Qwen 3 (dense, dense with the LM head tied to the embedding as its 0.6B-4B configs, and
-MoE), Llama 4 (MoE), DeepSeek-V3 (MoE, its MLA attention with and without
-q LoRA, and a dense variant) and gpt-oss (MoE, attention sinks), tiny configs, float32, the
+MoE), Llama 4 (a dense and a MoE layer with a shared expert), DeepSeek-V3 (MoE, its MLA
+attention with and without q LoRA, and a dense variant) and gpt-oss (MoE with biases, attention
+sinks), tiny configs (dim 64, 2 layers, 8 heads, 4 experts, vocabulary 1003), float32, the
 ranks build the same model from the same seed (``init_weights()`` under ``no_grad``, as
 torchtitan calls it), keep a one-device copy and shard the other by the model's own TP
 functions of ``torchtitan.models.<model>.infra.parallelize``, called as its ``parallelize_*``
@@ -39,9 +40,9 @@ through a float copy; gpt-oss's compiled FlexAttention (no backward on CPU) by t
 attention written out (mask of the ``BlockMask``'s ``mask_mod``, softmax, ``lse``), and its
 bfloat16 blocks in float32; SDPA of head-sharded ``DTensor`` q / k / v (Qwen 3, DeepSeek-V3)
 on each rank's heads, as DTensor's CUDA strategies compute it (CPU's SDPA kernels have none).
-Where torchtitan's own MoE TP is wrong (pytorch/torchtitan#2387,
-scores applied after the experts), the MoE configs use ``score_before_experts=True``; one row
-(``qwen3_moe sbe=False``) keeps torchtitan's default to show that.
+Where torchtitan's own MoE TP is wrong (pytorch/torchtitan#2387, scores applied after the
+experts), the MoE configs use ``score_before_experts=True``; one row (``qwen3_moe sbe=False``)
+keeps the default of torchtitan's Qwen 3 MoE configs to show that.
 
     python benchmarks/torchtitan_models.py [--tp 2] [--only qwen3,llama4] [--impls torch,tpx]
 
@@ -103,7 +104,7 @@ def _qwen3(moe: bool, sbe: bool = True, tied: bool = False):
         extra = dict(moe_enabled=True, moe_inter_dim=32,
                      moe_args=_moe(num_shared_experts=0, score_func="softmax", route_norm=True,
                                    score_before_experts=sbe))
-    return Qwen3Model(Qwen3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+    return Qwen3Model(Qwen3ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
                                      hidden_dim=128, vocab_size=1003, max_seq_len=32,
                                      qk_norm=True, enable_weight_tying=tied, **extra))
 
@@ -113,7 +114,7 @@ def _llama4():
     from torchtitan.models.llama4.model.model import Transformer
 
     # interleave_moe_layer_step=2: layer 0 dense, layer 1 MoE (one shared expert, sigmoid)
-    return Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    return Transformer(TransformerModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
                                             vocab_size=1003, multiple_of=16, max_seq_len=32,
                                             moe_args=_moe()))
 
@@ -123,7 +124,7 @@ def _deepseek(n_dense: int, q_lora_rank: int = 0):
     from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
 
     args = DeepSeekV3ModelArgs(vocab_size=1003, dim=64, inter_dim=128, moe_inter_dim=32,
-                               n_layers=2, n_dense_layers=n_dense, n_heads=4, max_seq_len=32,
+                               n_layers=2, n_dense_layers=n_dense, n_heads=8, max_seq_len=32,
                                moe_args=_moe(num_shared_experts=1, score_func="softmax"),
                                q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
                                qk_rope_head_dim=8, v_head_dim=16)
@@ -136,7 +137,7 @@ def _gpt_oss():
     from torchtitan.models.gpt_oss.model.model import GptOssModel
 
     model = GptOssModel(GptOssModelArgs(
-        dim=64, n_layers=2, head_dim=16, n_heads=4, n_kv_heads=2, vocab_size=1003,
+        dim=64, n_layers=2, head_dim=8, n_heads=8, n_kv_heads=4, vocab_size=1003,
         max_seq_len=32, moe_inter_dim=32, sliding_window_size=8,
         moe_args=_moe(num_shared_experts=0, score_func="softmax", route_norm=True,
                       gate_bias=True)))
@@ -191,7 +192,7 @@ MODELS = {
                           ["deepseek_v3", "llama4"]),
     "gpt_oss": (_gpt_oss, _tp_gpt_oss, ["gpt_oss"]),
 }
-# (model, loss_parallel) rows; the sbe=False row only with loss parallelism
+# (model, loss_parallel) rows; two variants only with loss parallelism
 CONFIGS = [(m, lp) for m in MODELS for lp in (True, False)
            if not (lp is False and m in ("qwen3_moe sbe=False", "deepseek_v3 q_lora"))]
 
@@ -242,14 +243,20 @@ def _sdpa_dtensor_heads(forward):
     return sdpa
 
 
-def _setup() -> None:
-    """In each rank: torchtitan importable without its optional dependencies, and its CPU
-    replacements (alike for every model of the process)."""
+def _stand_ins() -> None:
+    """torchtitan importable without its optional dependencies (tests/test_torchtitan.py's
+    stand-ins: a module whose every name raises when used)."""
     from test_torchtitan import _StandIn
 
     for module, needs in OPTIONAL:
         if importlib.util.find_spec(needs) is None and module not in sys.modules:
             sys.modules[module] = _StandIn(module, needs)
+
+
+def _setup() -> None:
+    """In each rank: torchtitan's stand-ins and its CPU replacements (alike for the
+    one-device model and both columns)."""
+    _stand_ins()
     histc = torch.histc
 
     def histc_any(x, bins=100, min=0, max=0):  # noqa: A002 - torch's names
@@ -424,6 +431,19 @@ def swapped_names() -> dict:
     return out
 
 
+def _git_state() -> dict:
+    """The commit of the tpx that ran and its files changed since (tpx is imported from the
+    working tree)."""
+    import subprocess
+
+    def git(*a):
+        r = subprocess.run(["git", *a], cwd=HERE.parent, capture_output=True, text=True)
+        return r.stdout.rstrip() if r.returncode == 0 else None
+    changed = git("status", "--porcelain", "--", "python", "csrc") or ""
+    return dict(commit=git("rev-parse", "HEAD"),
+                changed=[x[3:] for x in changed.splitlines() if x.strip()])
+
+
 def _status_of_error(e: BaseException) -> str:
     text = str(e).strip()
     if isinstance(e, (ValueError, TypeError, NotImplementedError)) and text.startswith("tpx"):
@@ -592,8 +612,8 @@ def main() -> None:
     for m, lp in configs:
         cells = [config_name(m, lp)]
         for impl in impls:
-            r = next(x for x in rows if (x["model"], x["loss_parallel"], x["impl"]) == (m, lp, impl))
-            cells.append(r["status"])
+            cells.append(next(x["status"] for x in rows
+                              if (x["model"], x["loss_parallel"], x["impl"]) == (m, lp, impl)))
         table.append(cells)
     headers = ["model config"] + [{"torch": "PyTorch TP", "tpx": "tpx"}.get(i, i) for i in impls]
     print(format_table(headers, table, text_columns=len(headers)))
@@ -604,31 +624,26 @@ def main() -> None:
         print(f"{impl} TP {args.tp}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     from importlib.metadata import version
 
-    _setup_for_names()
+    _stand_ins()
     payload = dict(
         command="python benchmarks/torchtitan_models.py " + " ".join(sys.argv[1:]),
         environment=environment(torch.device("cpu"), args.tp, "gloo"),
         torchtitan=version("torchtitan"), steps=STEPS, dtype="float32",
         optimizer="SGD(lr=0.05, momentum=0.9)", tolerance=dict(rtol=1e-4, atol=2e-5,
                                                                loss_rtol=1e-5, loss_atol=1e-5),
+        tpx_source=_git_state(),
         tpx_names_swapped=swapped_names(),
+        kept_pytorch=["PrepareModuleInputOutput (tpx has none; applied through PyTorch)",
+                      "torchtitan's NoParallel, TensorParallel, GptossTensorParallel"],
         cpu_replacements=["MoEArgs.use_grouped_mm=False (for-loop experts)",
                           "torch.histc of integer expert indices through a float copy",
-                          "SDPA of head-sharded DTensor q/k/v on the local heads, returned as a DTensor (DTensor's CUDA "
-                          "SDPA strategies; CPU's kernels have none)",
+                          "SDPA of head-sharded DTensor q/k/v on the local heads, returned as "
+                          "a DTensor (as DTensor's CUDA SDPA strategies; CPU's kernels have "
+                          "none)",
                           "gpt-oss: FlexAttention written out (mask_mod, softmax, lse); its "
                           "bfloat16 blocks in float32"],
         results=rows)
     print("wrote", write_json(args.out, payload))
-
-
-def _setup_for_names() -> None:
-    """The parent imports the parallelize modules (for ``swapped_names``) as the ranks do."""
-    from test_torchtitan import _StandIn
-
-    for module, needs in OPTIONAL:
-        if importlib.util.find_spec(needs) is None and module not in sys.modules:
-            sys.modules[module] = _StandIn(module, needs)
 
 
 if __name__ == "__main__":

@@ -148,9 +148,14 @@ def test_zoo_tp2_slow(arch):
 # softmax attention the plan splits (tpx halved their heads: a crash in a reshape);
 # attention sinks and a gate's bias named by the plan as bare parameters (refused); MiMo's
 # sliding-window layers with twice the config's KV heads (a crash); DeepSeek-V2's
-# kv_a_layernorm, a norm on a whole input inside a block of column-parallel projections.
+# kv_a_layernorm, a norm on a whole input inside a block of column-parallel projections;
+# Qwen3-Next's q_proj, each head's query and output gate side by side; experts stored
+# transposed (Aria's 'packed_rowwise' gate_up) and without a gate (NemotronH's 'colwise' up);
+# LongCat-Flash's gate_up holding its zero-computation experts too; HY-V4's attention sinks
+# beside MLA projections the plan splits in contiguous blocks ('local_params'): the last five
+# were refused.
 CAUSES = ["codegen", "apertus", "minimax", "granite_swa", "beam", "mimo_v2_flash",
-          "deepseek_v2"]
+          "deepseek_v2", "qwen3_next", "aria_text", "nemotron_h", "longcat_flash", "hy_v4"]
 
 
 @pytest.mark.parametrize("arch", CAUSES)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -159,30 +160,61 @@ def _is_scaled_embedding(module: nn.Module) -> bool:
             and "* self.embed_scale" in body[0])
 
 
-def _experts_style(name: str, params: Dict[str, str], experts: str = "tp") -> ParallelStyle:
+def _experts_style(module: nn.Module, name: str, params: Dict[str, str],
+                   experts: str = "tp") -> ParallelStyle:
     """``moe_tp_experts``: tpx's experts style (``experts="tp"``: expert TP,
     :class:`~tpx.parallel.moe.ExpertsTensorParallel`; ``"ep"``: expert parallelism,
     :class:`~tpx.parallel.moe.ExpertsParallel`). ``params``: the plan's parameter entries under
-    this module (attribute -> style name), read here and not applied again."""
-    gate_up = [p for p, s in params.items() if s == "packed_colwise"]
-    down = [p for p, s in params.items() if s == "rowwise"]
-    other = {p: s for p, s in params.items() if p not in gate_up + down}
-    if other or len(gate_up) > 1 or len(down) > 1:
-        raise ValueError(
-            f"tpx.hf_plan: the experts {name!r} ('moe_tp_experts') come with the parameter "
-            f"entries {params}; tpx's experts style reads one 'packed_colwise' parameter (the "
-            "fused [gate | up] projection, [experts, 2 * intermediate, hidden]) and one "
-            "'rowwise' parameter (the down projection, [experts, hidden, intermediate]). "
-            "Write the plan for these experts by hand")
+    this module (attribute -> style name), read here and not applied again. The pairs read:
+    ``packed_colwise`` [gate | up] ``[E, 2I, H]`` with ``rowwise`` down ``[E, H, I]``; the
+    same stored transposed (``packed_rowwise`` ``[E, H, 2I]`` with ``colwise`` ``[E, I, H]``,
+    Aria); a non-gated ``colwise`` up ``[E, I, H]`` with ``rowwise`` down (NemotronH)."""
     from .moe import ExpertsParallel, ExpertsTensorParallel
 
-    kwargs = {}
-    if gate_up:
-        kwargs["gate_up"] = gate_up[0]
-    if down:
-        kwargs["down"] = down[0]
+    styles = sorted(params.values())
+    kwargs: Dict[str, object] = {}
+    if styles in (["colwise", "packed_rowwise"], ["colwise", "rowwise"]):
+        first = "packed_rowwise" if "packed_rowwise" in styles else "colwise"
+        second = "colwise" if first == "packed_rowwise" else "rowwise"
+        up = next(p for p, s in params.items() if s == first)
+        down = next(p for p, s in params.items() if s == second)
+        kwargs = dict(gate_up=up, down=down)
+        if first == "packed_rowwise":
+            kwargs.update(packed=True, transposed=True)
+        else:
+            w_up, w_down = getattr(module, up, None), getattr(module, down, None)
+            if not (isinstance(w_up, Tensor) and isinstance(w_down, Tensor)
+                    and w_up.dim() == 3 and w_down.dim() == 3
+                    and w_up.shape[1] == w_down.shape[2]):
+                raise ValueError(
+                    f"tpx.hf_plan: the experts {name!r} ('moe_tp_experts') come with "
+                    f"{params}: a 'colwise' {up!r} is read as a non-gated up projection "
+                    f"[experts, intermediate, hidden] beside {down!r} [experts, hidden, "
+                    "intermediate], but the shapes are "
+                    f"{tuple(getattr(w_up, 'shape', ()))} and "
+                    f"{tuple(getattr(w_down, 'shape', ()))} (a fused [gate | up] split in one "
+                    "block would pair gates with the wrong up features). Write the plan for "
+                    "these experts by hand")
+            kwargs["packed"] = False
+    else:
+        gate_up = [p for p, s in params.items() if s == "packed_colwise"]
+        down = [p for p, s in params.items() if s == "rowwise"]
+        other = {p: s for p, s in params.items() if p not in gate_up + down}
+        if other or len(gate_up) > 1 or len(down) > 1:
+            raise ValueError(
+                f"tpx.hf_plan: the experts {name!r} ('moe_tp_experts') come with the parameter "
+                f"entries {params}; tpx's experts style reads a 'packed_colwise' fused [gate | "
+                "up] projection ([experts, 2 * intermediate, hidden]) with a 'rowwise' down "
+                "projection ([experts, hidden, intermediate]), the same transposed "
+                "('packed_rowwise' with 'colwise'), or a non-gated 'colwise' up with a "
+                "'rowwise' down. Write the plan for these experts by hand")
+        if gate_up:
+            kwargs["gate_up"] = gate_up[0]
+        if down:
+            kwargs["down"] = down[0]
+        kwargs["packed"] = True
     cls = ExpertsParallel if experts == "ep" else ExpertsTensorParallel
-    return cls(packed=True, **kwargs)
+    return cls(**kwargs)
 
 
 def _packed_colwise(module: nn.Module) -> ParallelStyle:
@@ -271,7 +303,8 @@ HF_STYLES: Dict[str, HFStyle] = {s.name: s for s in (
     HFStyle("moe_tp_experts", "each expert's [gate|up] Shard(-2) packed, down Shard(-1); "
             "input R (gradient summed), output P -> R", "tpx.parallel.moe."
             "ExpertsTensorParallel (imported when needed; it shards the experts' parameters)",
-            lambda module, ctx: _experts_style(ctx["name"], ctx["params"], ctx["experts"])),
+            lambda module, ctx: _experts_style(module, ctx["name"], ctx["params"],
+                                               ctx["experts"])),
     HFStyle("moe_identity_expert", "input divided by the TP size (the experts' sum counts it "
             "once)", "tpx.MoEIdentityExpert()", _b(MoEIdentityExpert)),
 )}
@@ -370,6 +403,17 @@ def _reads_config_heads(module: nn.Module) -> bool:
     return "config.num_attention_heads" in src or "config.num_key_value_heads" in src
 
 
+def _gated_query(module: nn.Module) -> bool:
+    """Whether the attention's forward reads its query projection as each head's query and
+    output gate side by side (``q_proj(x).view(..., -1, head_dim * 2)``, Qwen3-Next,
+    Qwen3.5): such a projection splits in whole blocks of ``2 * head_dim``."""
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"q_proj\([^)]*\)\.view\([^)]*head_dim \* 2\)", src) is not None
+
+
 def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
               sequence_parallel: bool = False, loss_parallel: bool = False,
               experts: str = "tp") -> Plan:
@@ -444,7 +488,8 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
         if parent not in attn_parents:
             _partial_grad_params(modules, names, plan, parent, kids)
     for owner, params in bare.items():
-        _head_params(model, plan, owner, params, attn_parents, cfg)
+        _head_params(model, plan, owner, params, attn_parents, cfg,
+                     mod_entries.get(owner) == "local_params")
     for parent, kids in children.items():
         # A fused [gate | up] the plan gathers only to split it again before down_proj.
         if kids.get("gate_up_proj") == "colwise_gather_output":
@@ -590,6 +635,8 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
         out = getattr(proj, "out_features", None)
         if c in _Q:
             expected, st = heads * head_dim, ColwiseParallel(head_size=head_dim)
+            if out == 2 * expected and _gated_query(attn):  # [q_h | gate_h] for each head h
+                expected, st = out, ColwiseParallel(head_size=2 * head_dim)
         elif c in _K:
             expected = kv * head_dim
             st = ColwiseParallel(head_size=head_dim, replicate_heads=True)
@@ -658,11 +705,17 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
 
 
 def _head_params(model: nn.Module, plan: Plan, owner: str, params: Dict[str, str],
-                 attn_parents: Dict[str, List[str]], cfg) -> None:
+                 attn_parents: Dict[str, List[str]], cfg, local_params: bool = False) -> None:
     """Parameter entries outside experts: a per-head parameter of attention the plan splits
     by heads (attention sinks, a gate's bias: ``[num_heads, ...]``, ``'colwise'``) is split in
-    the same whole heads as the queries (:class:`HeadParams`); anything else raises."""
+    the same whole heads as the queries (:class:`HeadParams`); anything else raises.
+    ``local_params``: the plan marks ``owner`` ``'local_params'`` (an attention whose
+    projections the plan splits in contiguous blocks, as MLA's ``q_b_proj``: with the heads
+    dividing by the TP size, each block is whole heads, the same ones :class:`HeadParams`
+    keeps)."""
     heads = getattr(cfg, "num_attention_heads", None)
+    if owner not in attn_parents and local_params and heads:
+        attn_parents = dict(attn_parents, **{owner: [owner]})
     for attr, name in params.items():
         key = f"{owner}.{attr}"
         if owner not in attn_parents or name != "colwise":

@@ -134,7 +134,12 @@ class ExpertsTensorParallel(ParallelStyle):
         inter = dn.shape[dn_dim]
         hidden = dn.shape[3 - dn_dim]
         want = 2 * inter if gated else inter
-        if gu.shape[0] != dn.shape[0] or gu.shape[gu_dim] != want or \
+        # gate_up may hold more experts than down: LongCat-Flash's zero-computation experts
+        # (an index past the routed ones is an identity) keep unused gate_up rows, which expert
+        # TP splits like the others; expert parallelism deals out whole experts and needs the
+        # counts equal.
+        more = gu.shape[0] > dn.shape[0] and not isinstance(self, ExpertsParallel)
+        if (gu.shape[0] != dn.shape[0] and not more) or gu.shape[gu_dim] != want or \
                 gu.shape[3 - gu_dim] != hidden:
             raise ValueError(
                 f"{what}: {self.gate_up!r} {tuple(gu.shape)} and {self.down!r} "
