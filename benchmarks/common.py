@@ -8,6 +8,7 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -112,3 +113,50 @@ def write_json(path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def read_jsonl(path) -> list:
+    """The records of a JSON-lines file (``[]`` while it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+
+
+def status_of_error(e: BaseException) -> str:
+    """``refused``: tpx declined with an error that says so (a ``ValueError`` / ``TypeError`` /
+    ``NotImplementedError`` whose message starts with ``tpx``); ``crash``: anything else."""
+    text = str(e).strip()
+    if isinstance(e, (ValueError, TypeError, NotImplementedError)) and text.startswith("tpx"):
+        return "refused"
+    return "crash"
+
+
+def run_case_group(target, world: int, args, timeout: float, prefix: str):
+    """Starts ``world`` spawned processes ``target(rank, world, *args, init, out_dir)`` that
+    write one JSON line per finished case to ``out_dir/rank{r}.jsonl``; waits while they run,
+    and kills them when no rank has finished a case for ``timeout`` seconds (a hang or a dead
+    rank). Returns ``(the records of each rank, the processes' exit codes)``."""
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    init = f"file://{tmp}/store"
+    procs = [ctx.Process(target=target, args=(r, world, *args, init, tmp))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    paths = [os.path.join(tmp, f"rank{r}.jsonl") for r in range(world)]
+    seen, last = 0, time.monotonic()
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.5)
+        n = sum(len(read_jsonl(p)) for p in paths)
+        if n > seen:
+            seen, last = n, time.monotonic()
+        elif time.monotonic() - last > timeout:
+            break
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    records = [read_jsonl(p) for p in paths]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return records, [p.exitcode for p in procs]

@@ -38,19 +38,18 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from common import environment, format_table, write_json  # noqa: E402
+from common import (environment, format_table, run_case_group,  # noqa: E402
+                    status_of_error, write_json)
 
 STEPS = 2
 
@@ -159,18 +158,7 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
                                       f"({worst[1]}; {str(dtype)[6:]})")
 
 
-def _status_of_error(e: BaseException) -> str:
-    """``refused``: tpx (or transformers) declined the model with an error that says so
-    before training (a ``ValueError`` / ``NotImplementedError`` whose message names the
-    library); ``crash``: anything else (a shape error deep in a forward, ...)."""
-    text = str(e).strip()
-    if isinstance(e, (ValueError, NotImplementedError, TypeError)) and text.startswith(
-            ("tpx", "tpx.")):
-        return "refused"
-    return "crash"
-
-
-def _rank(rank: int, world: int, cases, init: str, out_dir: str, dtype) -> None:
+def _rank(rank: int, world: int, cases, dtype, init: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -188,7 +176,7 @@ def _rank(rank: int, world: int, cases, init: str, out_dir: str, dtype) -> None:
             r = _case(impl, arch, world, dtype)
         except Exception as e:  # noqa: BLE001 - recorded
             line = (str(e).strip().splitlines() or [""])[0]
-            r = dict(status=_status_of_error(e), detail=f"{type(e).__name__}: {line}"[:300])
+            r = dict(status=status_of_error(e), detail=f"{type(e).__name__}: {line}"[:300])
             if os.environ.get("HF_ZOO_TRACE"):
                 traceback.print_exc()
         r.update(arch=arch, impl=impl, tp=world, seconds=round(time.perf_counter() - t, 1))
@@ -202,40 +190,17 @@ def run(archs, world: int, impls, timeout: float, dtype: torch.dtype, chunk: int
     imported once per group). A case that does not finish within ``timeout`` seconds is
     recorded as a crash (a hang or a dead rank), its group killed, and the cases after it
     run in a new group. The rows of rank 0."""
-    ctx = mp.get_context("spawn")
     rows: list = []
     todo = [(a, i) for a in archs for i in impls]
     while todo:
         batch = todo[:chunk]
-        tmp = tempfile.mkdtemp(prefix="hf_zoo_")
-        init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_rank, args=(r, world, batch, init, tmp, dtype))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        path = os.path.join(tmp, "rank0.jsonl")
-
-        def read():
-            return ([json.loads(x) for x in open(path).read().splitlines()]
-                    if os.path.exists(path) else [])
-        seen, last = 0, time.monotonic()
-        while any(p.is_alive() for p in procs):
-            time.sleep(0.5)
-            n = len(read())
-            if n > seen:
-                seen, last = n, time.monotonic()
-            elif time.monotonic() - last > timeout:
-                break
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        got = read()
+        records, codes = run_case_group(_rank, world, (batch, dtype), timeout, "hf_zoo_")
+        got = records[0]
         if len(got) < len(batch):
             arch, impl = batch[len(got)]
             got.append(dict(arch=arch, impl=impl, tp=world, status="crash",
                             detail=f"did not finish within {timeout:.0f} s (a hang or a dead "
-                                   f"rank; exit codes {[p.exitcode for p in procs]})"))
+                                   f"rank; exit codes {codes})"))
         for r in got:
             print(f"  {r['arch']:<22} {r['impl']:<3} TP {world}: {r['status']:<7} "
                   f"{r['detail']}", flush=True)

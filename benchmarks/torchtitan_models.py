@@ -58,21 +58,19 @@ import datetime
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from common import environment, format_table, write_json  # noqa: E402
+from common import (environment, format_table, read_jsonl,  # noqa: E402
+                    run_case_group, status_of_error, write_json)
 
 STEPS = 2
 IMPLS = ("torch", "tpx")
@@ -444,13 +442,6 @@ def _git_state() -> dict:
                 changed=[x[3:] for x in changed.splitlines() if x.strip()])
 
 
-def _status_of_error(e: BaseException) -> str:
-    text = str(e).strip()
-    if isinstance(e, (ValueError, TypeError, NotImplementedError)) and text.startswith("tpx"):
-        return "refused"
-    return "crash"
-
-
 def _key_frames(tb: str, keep: int = 40) -> str:
     lines = tb.rstrip().splitlines()
     return "\n".join(lines[-keep:])
@@ -458,7 +449,7 @@ def _key_frames(tb: str, keep: int = 40) -> str:
 
 # ---------------------------------------------------------------- ranks and the parent
 
-def _rank(rank: int, world: int, cases, init: str, out_dir: str, timeout: float) -> None:
+def _rank(rank: int, world: int, cases, timeout: float, init: str, out_dir: str) -> None:
     import logging
     import warnings
 
@@ -481,7 +472,7 @@ def _rank(rank: int, world: int, cases, init: str, out_dir: str, timeout: float)
         except Exception as e:  # noqa: BLE001 - recorded
             failed = True
             line = (str(e).strip().splitlines() or [""])[0]
-            r = dict(status=_status_of_error(e), detail=f"{type(e).__name__}: {line}"[:300],
+            r = dict(status=status_of_error(e), detail=f"{type(e).__name__}: {line}"[:300],
                      traceback=_key_frames(traceback.format_exc()))
             if os.environ.get("TORCHTITAN_TRACE"):
                 traceback.print_exc()
@@ -497,7 +488,7 @@ def _rank(rank: int, world: int, cases, init: str, out_dir: str, timeout: float)
         # failed and left)
         deadline = time.monotonic() + timeout
         while True:
-            rows = [_read(os.path.join(out_dir, f"rank{r_}.jsonl")) for r_ in range(world)]
+            rows = [read_jsonl(os.path.join(out_dir, f"rank{r_}.jsonl")) for r_ in range(world)]
             if all(len(x) > i for x in rows):
                 break
             if time.monotonic() > deadline:
@@ -507,13 +498,6 @@ def _rank(rank: int, world: int, cases, init: str, out_dir: str, timeout: float)
             os._exit(0)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _read(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(x) for x in f.read().splitlines() if x.strip()]
 
 
 _ORDER = {"crash": 0, "refused": 1, "wrong": 2, "pass": 3}
@@ -542,31 +526,10 @@ def run(cases, world: int, timeout: float) -> list:
     """Groups of ``world`` ranks run the cases in order; a case that fails or hangs ends its
     group (the case is recorded as the first rank's error, or as a hang), the cases after it
     run in a new group."""
-    ctx = mp.get_context("spawn")
     rows: list = []
     todo = list(cases)
     while todo:
-        tmp = tempfile.mkdtemp(prefix="tt_models_")
-        init = f"file://{tmp}/store"
-        procs = [ctx.Process(target=_rank, args=(r, world, todo, init, tmp, timeout))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        paths = [os.path.join(tmp, f"rank{r}.jsonl") for r in range(world)]
-        seen, last = 0, time.monotonic()
-        while any(p.is_alive() for p in procs):
-            time.sleep(0.5)
-            n = sum(len(_read(p)) for p in paths)
-            if n > seen:
-                seen, last = n, time.monotonic()
-            elif time.monotonic() - last > timeout:
-                break
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        per_rank = [_read(p) for p in paths]
-        shutil.rmtree(tmp, ignore_errors=True)
+        per_rank, codes = run_case_group(_rank, world, (todo, timeout), timeout, "tt_models_")
         done = max(len(x) for x in per_rank)
         got = []
         for i in range(min(done, len(todo))):
@@ -578,7 +541,7 @@ def run(cases, world: int, timeout: float) -> list:
             m, lp, impl = todo[len(got)]
             got.append(dict(model=m, loss_parallel=lp, impl=impl, tp=world, status="crash",
                             detail=f"did not finish within {timeout:.0f} s (a hang or a dead "
-                                   f"rank; exit codes {[p.exitcode for p in procs]})"))
+                                   f"rank; exit codes {codes})"))
         for r in got:
             print(f"  {config_name(r['model'], r['loss_parallel']):<40} {r['impl']:<5} "
                   f"TP {world}: {r['status']:<7} {r['detail']}", flush=True)
