@@ -155,8 +155,9 @@ def assert_like_unsharded(model, ref, what, *, grad=False, rtol=1e-5, atol=1e-6,
     rank's part of the same-named parameter of the unsharded ``ref``: the block the parameter's
     layout gives it (``tpx.checkpoint``'s description of a sharded parameter) or the whole
     tensor (a replicated one, or the full tensor that ``local`` gathered). ``local`` maps the
-    compared tensor of ``model`` first (``DTensor.full_tensor`` under FSDP2); a ``DTensor``
-    left is compared by its local part. Both models have the same parameter names; a gradient missing on one side
+    compared tensor of ``model`` first (``DTensor.full_tensor`` under FSDP2); without it a
+    ``DTensor`` tpx does not describe (PyTorch's own style sharded it) is compared whole, and
+    any other by its local part. Both models have the same parameter names; a gradient missing on one side
     must be missing on the other; at least one tensor is compared."""
     import torch
     import tpx.checkpoint
@@ -178,6 +179,9 @@ def assert_like_unsharded(model, ref, what, *, grad=False, rtol=1e-5, atol=1e-6,
                 continue
         if local is not None:
             got = local(got)
+        elif key not in sharded and type(got).__name__ == "DTensor" and \
+                tuple(got.to_local().shape) != tuple(expected.shape):
+            got = got.full_tensor()  # a parameter PyTorch's own style sharded
         got = local_vs(got, expected)
         if key in sharded and tuple(got.shape) != tuple(expected.shape):
             expected = sharded[key].slice_of(expected)  # this rank's part

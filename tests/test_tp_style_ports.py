@@ -458,17 +458,43 @@ def _in_place(rank, world, mesh):
     torch.testing.assert_close(emb(ids), ref_emb(ids))
     assert seen == [torch.Size([3, 5, 4])]
 
-    # What tpx cannot shard raises before anything changes.
+    # A Linear subclass with its own forward (an LM head scaling its logits): PyTorch's style
+    # of the same name shards it, keeping the forward; output and gradients as one device.
     class MyLinear(nn.Linear):
         def forward(self, x):
             return super().forward(x) * 2
 
-    model = nn.Sequential(nn.Linear(4, 4), MyLinear(4, 4))
+    class Scaled(nn.Linear):
+        def __init__(self, i, o):
+            super().__init__(i, o)
+            self.scale = nn.Parameter(torch.rand(o) + 0.5)
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    # (12 features: PyTorch's row style takes a plain input as an even split)
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(4, 12), nn.ReLU(), MyLinear(12, 4))
+    ref = copy.deepcopy(model)
+    tpx.parallelize_module(model, mesh, {"0": tpx.ColwiseParallel(),
+                                         "2": tpx.RowwiseParallel()})
+    assert type(model[0]) is Scaled and isinstance(model[0].scale, DTensor)
+    x = torch.randn(3, 4)
+    out, expected = model(x), ref(x)
+    torch.testing.assert_close(out, expected)
+    (out * x.sum(-1, keepdim=True)).sum().backward()
+    (expected * x.sum(-1, keepdim=True)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+    # What tpx cannot shard raises before anything changes: a parameter PyTorch's row style
+    # would leave whole beside the sharded weight.
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="its own forward"):
         tpx.parallelize_module(model, mesh, {"0": tpx.ColwiseParallel(),
                                              "1": tpx.RowwiseParallel()})
-    assert type(model[0]) is nn.Linear and type(model[1]) is MyLinear
+    assert type(model[0]) is nn.Linear and type(model[1]) is Scaled
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 

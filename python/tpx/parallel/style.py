@@ -257,11 +257,7 @@ def apply_style(style: ParallelStyle, module: nn.Module, pg: dist.ProcessGroup,
     ``parallelize_module`` was given, when it was one): its parameters and outputs are
     PyTorch's ``DTensor`` s, which tpx's layers take as inputs."""
     if torch_style(style):
-        device = next((t.device.type for t in module.parameters()), None) or \
-            next((t.device.type for t in module.buffers()), "cpu")
-        from ..nn.dtensor_io import mesh_for_group
-
-        return style._apply(module, mesh_for_group(pg, device, _mesh_hint()))
+        return _apply_with_pytorch(style, module, pg)
     try:
         takes = "src_rank" in inspect.signature(style.apply).parameters
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
@@ -269,6 +265,44 @@ def apply_style(style: ParallelStyle, module: nn.Module, pg: dist.ProcessGroup,
     if takes:
         return style.apply(module, pg, src_rank=src_rank)
     return style.apply(module, pg)
+
+
+def _apply_with_pytorch(style, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    """``style`` (one of PyTorch's ``ParallelStyle`` s) applied by PyTorch
+    (``style._apply(module, mesh)``) on the 1-D mesh over ``pg``."""
+    device = next((t.device.type for t in module.parameters()), None) or \
+        next((t.device.type for t in module.buffers()), "cpu")
+    from ..nn.dtensor_io import mesh_for_group
+
+    return style._apply(module, mesh_for_group(pg, device, _mesh_hint()))
+
+
+def _own_forward_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+
+
+def _linear_with_pytorch(name: str, torch_style, module: nn.Module, pg: dist.ProcessGroup,
+                         src_rank: Optional[int], sharded_rows: bool) -> nn.Module:
+    """A subclass of ``nn.Linear`` with a forward of its own (an LM head that scales its
+    logits): tpx's layer would drop that forward, so PyTorch's style of the same name shards
+    the module itself and its forward runs on ``DTensor`` s. PyTorch's column style splits
+    every parameter by its first dimension, which is right only for parameters with one row
+    per output feature (``sharded_rows``); its row style splits the weight and keeps the bias
+    whole, and leaves any other parameter plain (refused: the forward would mix it with
+    ``DTensor`` s)."""
+    extra = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)
+             if n not in ("weight", "bias")}
+    bad = {n: sh for n, sh in extra.items()
+           if not sharded_rows or not sh or sh[0] != module.out_features}
+    if bad or any(True for _ in module.children()):
+        raise ValueError(
+            f"tpx.{name}: {type(module).__name__} subclasses Linear with its own forward; "
+            "tpx's sharded Linear would drop that forward, and PyTorch's style, which keeps it, "
+            f"cannot split its parameters {bad or extra} (or its submodules) with the weight. "
+            "Shard a plain nn.Linear, or write a style for this module")
+    if hasattr(torch_style, "src_data_rank"):
+        torch_style.src_data_rank = src_rank
+    return _apply_with_pytorch(torch_style, module, pg)
 
 
 class ColwiseParallel(ParallelStyle):
@@ -318,6 +352,12 @@ class ColwiseParallel(ParallelStyle):
             new = ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather,
                                                          src_rank=src_rank)
             return self._wrap(new, pg, module.embedding_dim)
+        if _own_forward_linear(module) and self.segments is None and self.head_size is None:
+            from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+
+            return _linear_with_pytorch("ColwiseParallel", TorchColwise(
+                input_layouts=self.input_layouts, output_layouts=self.output_layouts,
+                use_local_output=self.use_local_output), module, pg, src_rank, True)
         in_f, out_f, weight, bias, transposed = _linear_parts("ColwiseParallel", module)
         out_rows = None
         if self.segments is not None or self.head_size is not None:
@@ -411,6 +451,12 @@ class RowwiseParallel(ParallelStyle):
             new = VocabParallelEmbedding.from_embedding(module, group=pg, sequence_parallel=sp,
                                                         sequence_dim=seq_dim, src_rank=src_rank)
             return self._wrap(new, pg)
+        if _own_forward_linear(module) and not partial:
+            from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+
+            return _linear_with_pytorch("RowwiseParallel", TorchRowwise(
+                input_layouts=self.input_layouts, output_layouts=self.output_layouts,
+                use_local_output=self.use_local_output), module, pg, src_rank, False)
         in_f, out_f, weight, bias, transposed = _linear_parts("RowwiseParallel", module)
         layout = self.input_layouts or Shard(-1)
         if isinstance(layout, Shard) and layout.dim != -1:
