@@ -630,6 +630,7 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
             "in its forward, so it cannot be told the heads each rank holds; the plan splits "
             f"its projections {sorted(sharded)} by heads. Gather their outputs in the plan "
             "('colwise_gather_output', and 'rowwise_split_input' on the output projection)")
+    built: Dict[str, ColwiseParallel] = {}
     for c in sharded:
         proj = attn.get_submodule(c)
         out = getattr(proj, "out_features", None)
@@ -671,6 +672,8 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
                 f"config's heads give ({heads} heads, {kv} KV heads, head_dim {head_dim}); "
                 "write the plan for this attention by hand")
         plan[f"{parent}.{c}"] = st
+        built[c] = st
+    _per_module_head_size(model, plan, parent, keys, built, head_dim)
     outs = [c for c, s in kids.items() if s in _ROWWISE]
     if len(outs) != 1:
         raise ValueError(f"tpx.hf_plan: {parent!r}: the heads are split but the plan has "
@@ -702,6 +705,32 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
         return
     for key in keys:
         plan[key] = ShardedAttention(heads, kv, out_proj=outs[0], update=update)
+
+
+def _per_module_head_size(model: nn.Module, plan: Plan, parent: str, keys: List[str],
+                          built: Dict[str, ColwiseParallel], head_dim: int) -> None:
+    """Attention layers under one pattern whose ``head_dim`` differs from the first one's
+    (Gemma 4's full-attention layers): each projection gets its own entry, split in that
+    module's whole heads (a split in the first layer's head size would cut a replicated KV
+    head in half)."""
+    dims = {n: getattr(m, "head_dim", None) or head_dim for n, m in model.named_modules()
+            if any(fnmatch.fnmatchcase(n, k) for k in keys)}
+    if len(set(dims.values())) < 2:
+        return
+    import copy
+
+    for c, st in built.items():
+        if st.head_size is None:
+            continue
+        if st.segments is not None or (st.head_size * min(dims.values())) % head_dim:
+            raise ValueError(f"tpx.hf_plan: {parent}.{c}: the layers' head_dim differ "
+                             f"({sorted(set(dims.values()))}); write the plan for this "
+                             "attention by hand")
+        del plan[f"{parent}.{c}"]
+        for n, d in dims.items():
+            own = copy.copy(st)
+            own.head_size = st.head_size * d // head_dim
+            plan[f"{n}.{c}"] = own
 
 
 def _head_params(model: nn.Module, plan: Plan, owner: str, params: Dict[str, str],
