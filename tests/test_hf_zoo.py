@@ -297,6 +297,16 @@ def test_embedding_with_its_own_forward_is_a_clear_error():
         VocabParallelEmbeddingStyle().apply(ShiftedEmbedding(10, 4), None)
 
 
+def test_activation_sparse_mlp_is_a_clear_error():
+    # Gemma 3n's MLP keeps the activations above mean + k std over all intermediate features:
+    # split column-wise, each rank's statistics cover half of them (logits off by 0.36 at TP 2
+    # with the plan's other refusal, a weightless v_norm, taken out of the way).
+    model = tiny("gemma3n_text")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp \(Gemma3nTextMLP\).*"
+                                         r"activation_sparsity"):
+        tpx.plans.auto(model)
+
+
 def test_unnamed_parameters_inside_split_attention_are_a_clear_error():
     # Cohere's optional q/k norms hold one weight per head ([heads, head_dim]); its plan does
     # not name them, and a replicated copy would train every head's weight on this rank's heads.

@@ -476,6 +476,9 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     for key, name in mod_entries.items():
         parent, child = _parent(key)
         children.setdefault(parent, {})[child] = name
+    for parent, kids in children.items():
+        if any(s in _COLWISE_OUT for s in kids.values()):
+            _check_whole_feature_statistics(modules, names, parent)
     attn_parents: Dict[str, List[str]] = {}  # pattern -> the plan keys of its attention style
     for parent, kids in children.items():
         sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
@@ -524,6 +527,22 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                     ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
     return _plans._with_generate(ordered, model, head, loss_parallel)
+
+
+def _check_whole_feature_statistics(modules: Dict[str, nn.Module], names: List[str],
+                                    parent: str) -> None:
+    """A block whose forward reduces over all the features a column-parallel child splits
+    would compute its statistic over this rank's features only: Gemma 3n's activation-sparse
+    MLP keeps the activations above a mean plus a multiple of the standard deviation over all
+    its intermediate features (``activation_sparsity``)."""
+    for n in names:
+        if fnmatch.fnmatchcase(n, parent) and getattr(modules[n], "activation_sparsity", 0):
+            raise ValueError(
+                f"tpx.hf_plan: {n} ({type(modules[n]).__name__}) keeps the activations above "
+                "a mean and standard deviation over all its intermediate features "
+                f"(activation_sparsity={modules[n].activation_sparsity}); split column-wise, "
+                "each rank would compute them over its own features only. Leave this block "
+                "whole (remove its entries from the plan) or write a style for it")
 
 
 def _holding(modules: Dict[str, nn.Module], names: List[str], parent: str,
