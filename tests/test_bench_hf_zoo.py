@@ -46,3 +46,14 @@ def test_whole_zoo_never_silently_wrong(tmp_path):
     assert not bad, json.dumps(bad, indent=1)
     assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
                if r["status"] == "refused")
+
+
+@pytest.mark.slow
+def test_gemma4_at_tp4(tmp_path):
+    # Gemma 4's full-attention layers have twice the head_dim of the others; at TP 4 their
+    # replicated KV heads were split in the first layer's head size (a crash). float64, as the
+    # zoo runs (in float32 an AdamW step turns rounding noise into differences near 2e-5).
+    rows = _zoo(tmp_path, "--tp", "4", "--archs", "gemma4_text", "--impls", "tpx",
+                "--timeout", "240", timeout=900)
+    assert [r["status"] for r in rows] == ["pass"], rows
+
