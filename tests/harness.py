@@ -1,8 +1,15 @@
 """Multi-process test harness: runs a function on W ranks of a gloo group (CPU).
 
-- Every rank runs in its own spawned process with one compute thread.
-- A rank that raises sends its traceback to the parent, which then kills every rank and
-  fails the test with a message that names the rank and the function.
+- Ranks are started once per world size and reused by the tests that follow (a pool): each
+  test gets a new default group (a new file store), tpx's state reset, the environment of the
+  pytest process, torch's initial random state and one compute thread, as a freshly started
+  rank would. Starting processes (and importing torch and transformers in each) would
+  otherwise be most of the suite's time. ``run_ranks(..., fresh=True)`` (tests that break a
+  group or kill a rank on purpose) and ``TPX_TEST_FRESH_RANKS=1`` (every test) start new
+  processes instead.
+- A rank that raises sends its traceback to the parent, which then kills every rank (the pool
+  too: the next test starts new ones) and fails the test with a message that names the rank
+  and the function.
 - A run that exceeds ``timeout`` seconds kills every rank and fails naming the ranks that
   had not finished; a rank that dies without a word (a crash) is reported with its exit code.
 """
@@ -19,6 +26,17 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = float(os.environ.get("TPX_TEST_TIMEOUT", "240"))
 
+# torch's default generator seed, which a freshly started process has.
+_TORCH_INITIAL_SEED = 67280421310721
+
+
+def _init_group(backend, init_file, rank, world_size):
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+
 
 def _worker(fn, rank, world_size, init_file, results, args, backend):
     import torch
@@ -26,9 +44,7 @@ def _worker(fn, rank, world_size, init_file, results, args, backend):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+        _init_group(backend, init_file, rank, world_size)
         fn(rank, world_size, *args)
         results.put((rank, None))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
@@ -46,20 +62,177 @@ def _worker(fn, rank, world_size, init_file, results, args, backend):
                 pass
 
 
+def _fresh_state(env, tpx_random_states):
+    """A pool rank's state set back to a freshly started rank's before the next test."""
+    import random
+
+    import torch
+
+    import tpx
+
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    torch.manual_seed(_TORCH_INITIAL_SEED)
+    random.seed()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    tpx.random.set_states(tpx_random_states)  # unseeded
+
+
+def _end_test():
+    """What a test leaves of the distributed state, ended as a script ends its run:
+    ``tpx.end_run`` (tpx's references to groups dropped, every group destroyed)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        import tpx
+
+        tpx.end_run()
+
+
+def _pool_worker(rank, world_size, backend, tasks, results):
+    import tpx
+
+    tpx_random_states = tpx.random.get_states()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        seq, fn, args, init_file, env = task
+        try:
+            _fresh_state(env, tpx_random_states)
+            _init_group(backend, init_file, rank, world_size)
+            fn(rank, world_size, *args)
+            _end_test()
+            results.put((seq, rank, None))
+        except BaseException:  # noqa: BLE001 - reported; the parent ends this pool
+            results.put((seq, rank, traceback.format_exc()))
+            return
+
+
+class _Pool:
+    """``world_size`` ranks waiting for tests (module docstring)."""
+
+    def __init__(self, world_size: int, backend: str):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_pool_worker, daemon=True,
+                                  args=(r, world_size, backend, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self.seq = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        _kill(self.procs)
+
+
+_POOLS: dict = {}
+
+
+def _pool(world_size: int, backend: str) -> _Pool:
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _POOLS[key] = _Pool(world_size, backend)
+    return pool
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
-              backend: str = "gloo", crashes: tuple = (), rank_env=None) -> None:
+              backend: str = "gloo", crashes: tuple = (), rank_env=None,
+              fresh: bool = False) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; raises ``AssertionError``
     naming the failing rank (or ``TimeoutError`` naming the stuck ones).
 
     ``crashes``: ranks that must die with a non-zero exit code (a process abort the test
     expects) instead of finishing; every other rank must still finish without error.
     ``rank_env(rank) -> dict``: environment variables of that rank's process, set before its
-    interpreter starts (``PYTHONHASHSEED``, as separate launches give each process its own)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    interpreter starts (``PYTHONHASHSEED``, as separate launches give each process its own).
+    ``fresh``: new processes for this test rather than the pool's (implied by ``crashes``
+    and ``rank_env``)."""
     fd, init_file = tempfile.mkstemp(prefix="tpx_pg_")
     os.close(fd)
     os.unlink(init_file)  # the FileStore creates it
+    try:
+        if fresh or crashes or rank_env is not None or \
+                os.environ.get("TPX_TEST_FRESH_RANKS", "0") == "1":
+            _run_fresh(fn, world_size, args, init_file, timeout, backend, crashes, rank_env)
+        else:
+            _run_pooled(fn, world_size, args, init_file, timeout, backend)
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def _run_pooled(fn, world_size, args, init_file, timeout, backend):
+    pool = _pool(world_size, backend)
+    pool.seq += 1
+    env = dict(os.environ)
+    for q in pool.tasks:
+        q.put((pool.seq, fn, args, init_file, env))
+    name = getattr(fn, "__qualname__", repr(fn))
+    done: set = set()
+    deadline = _now() + timeout
+    ok = False
+    try:
+        while len(done) < world_size:
+            try:
+                seq, rank, err = pool.results.get(timeout=0.2)
+            except queue.Empty:
+                if _now() > deadline:
+                    missing = sorted(set(range(world_size)) - done)
+                    raise TimeoutError(f"{name} (world size {world_size}): ranks {missing} did "
+                                       f"not finish within {timeout:.0f} s; all ranks killed")
+                for r, p in enumerate(pool.procs):
+                    if r not in done and not p.is_alive():
+                        _drain_pooled(pool, done, name, world_size)
+                        if r not in done:
+                            raise AssertionError(f"{name} (world size {world_size}): rank {r} "
+                                                 f"died with exit code {p.exitcode}")
+                continue
+            if err is not None:
+                raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
+                                     f"\n{err}")
+            assert seq == pool.seq, (seq, pool.seq)
+            done.add(rank)
+        ok = True
+    finally:
+        if not ok:
+            pool.kill()
+            _POOLS.pop((world_size, backend), None)
+
+
+def _drain_pooled(pool, done, name, world_size):
+    while True:
+        try:
+            seq, rank, err = pool.results.get_nowait()
+        except queue.Empty:
+            return
+        if err is not None:
+            raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
+                                 f"\n{err}")
+        done.add(rank)
+
+
+def _kill(procs):
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _run_fresh(fn, world_size, args, init_file, timeout, backend, crashes, rank_env):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, init_file, results, args, backend))
              for r in range(world_size)]
@@ -106,13 +279,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
                                      "the test expected it to die")
             done.add(rank)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=10)
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+        _kill(procs)
 
 
 def _drain(results, done):

@@ -88,7 +88,8 @@ def _check_fault_mid_op_leaves_group_usable(rank, world, op, algorithm):
 @pytest.mark.parametrize("op", ["matmul_all_reduce", "replicated_matmul_backward",
                                 "linear_cross_entropy_backward"])
 def test_fault_mid_op_leaves_group_usable(op, algorithm):
-    run_ranks(_check_fault_mid_op_leaves_group_usable, 2, op, algorithm, timeout=TIMEOUT)
+    run_ranks(_check_fault_mid_op_leaves_group_usable, 2, op, algorithm, timeout=TIMEOUT,
+              fresh=True)  # a fault on purpose
 
 
 def _check_exchange_wait_twice(rank, world):
@@ -106,7 +107,7 @@ def _check_exchange_wait_twice(rank, world):
 
 
 def test_exchange_wait_twice():
-    run_ranks(_check_exchange_wait_twice, 2, timeout=TIMEOUT)
+    run_ranks(_check_exchange_wait_twice, 2, timeout=TIMEOUT, fresh=True)  # a fault on purpose
 
 
 def _check_own_group(rank, world):
@@ -152,7 +153,8 @@ def _check_own_group(rank, world):
 
 
 def test_own_group():
-    run_ranks(_check_own_group, 2, timeout=TIMEOUT)
+    # fresh: it counts every gloo thread of the process
+    run_ranks(_check_own_group, 2, timeout=TIMEOUT, fresh=True)
 
 
 def _check_settings_agreed(rank, world, variable, values):
@@ -175,7 +177,8 @@ def _check_settings_agreed(rank, world, variable, values):
     ("TPX_GLOO_LOOP_POLICY", ("keep", "batch")),
 ])
 def test_settings_agreed(variable, values):
-    run_ranks(_check_settings_agreed, 2, variable, values, timeout=TIMEOUT)
+    # fresh: TPX_DEFAULT_CHUNKS is read once per process
+    run_ranks(_check_settings_agreed, 2, variable, values, timeout=TIMEOUT, fresh=True)
 
 
 def _check_return_gathered_under_autocast(rank, world):
@@ -518,4 +521,5 @@ def _check_one_rank_fails(rank, world, where, failing):
     pytest.param("layer", 3, 2, marks=pytest.mark.slow),
     pytest.param("mid_op", 4, 0, marks=pytest.mark.slow)])
 def test_one_rank_fails(where, world, failing):
-    run_ranks(_check_one_rank_fails, world, where, failing, timeout=TIMEOUT)
+    run_ranks(_check_one_rank_fails, world, where, failing, timeout=TIMEOUT,
+              fresh=True)  # a rank fails on purpose

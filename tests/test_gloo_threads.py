@@ -109,7 +109,7 @@ def test_gloo_loop_threads_policy(world, policy):
     reason = _skip_if_gloo_threads_unnamed()
     if reason:
         pytest.skip(reason)
-    run_ranks(_check_policies, world, policy)
+    run_ranks(_check_policies, world, policy, fresh=True)  # every gloo thread of the process
 
 
 def _check_bad_policy(rank, world, named):
@@ -127,4 +127,4 @@ def _check_bad_policy(rank, world, named):
 def test_bad_gloo_loop_policy_is_a_value_error():
     # Without named loop threads (see _skip_if_gloo_threads_unnamed) only the error and the
     # results are checked.
-    run_ranks(_check_bad_policy, 2, _skip_if_gloo_threads_unnamed() is None)
+    run_ranks(_check_bad_policy, 2, _skip_if_gloo_threads_unnamed() is None, fresh=True)

@@ -279,7 +279,8 @@ def _check_gather_memory(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_matmul_peak_memory(world):
-    run_ranks(_check_gather_memory, world)
+    # fresh: the counting allocator must be installed before the process allocates
+    run_ranks(_check_gather_memory, world, fresh=True)
 
 
 def test_engine_issues_only_flat_gathers_and_scatters():
