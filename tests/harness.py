@@ -2,7 +2,7 @@
 
 - Ranks are started once per world size and reused by the tests that follow (a pool): each
   test gets a new default group (a new file store), tpx's state reset, the environment of the
-  pytest process, torch's initial random state and one compute thread, as a freshly started
+  pytest process, torch seeded from the OS and one compute thread, as a freshly started
   rank would. Starting processes (and importing torch and transformers in each) would
   otherwise be most of the suite's time. ``run_ranks(..., fresh=True)`` (tests that break a
   group or kill a rank on purpose) and ``TPX_TEST_FRESH_RANKS=1`` (every test) start new
@@ -25,10 +25,6 @@ import traceback
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = float(os.environ.get("TPX_TEST_TIMEOUT", "240"))
-
-# torch's default generator seed, which a freshly started process has.
-_TORCH_INITIAL_SEED = 67280421310721
-
 
 def _init_group(backend, init_file, rank, world_size):
     import torch.distributed as dist
@@ -73,7 +69,7 @@ def _fresh_state(env, tpx_random_states):
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
-    torch.manual_seed(_TORCH_INITIAL_SEED)
+    torch.seed()  # from the OS, as a new process seeds itself
     random.seed()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)

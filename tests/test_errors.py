@@ -111,6 +111,38 @@ def test_harness_names_the_failing_rank_and_tears_down():
         run_ranks(_fail_on_rank_one, 2, timeout=60)
 
 
+def _leave_state_behind(rank, world, path):
+    import os
+
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    tpx.random.manual_seed(5)
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(2)
+    os.environ["TPX_DEBUG_CHECKS"] = "1"
+
+
+def _expect_fresh_state(rank, world, path):
+    import os
+
+    with open(f"{path}.{rank}") as f:
+        before = int(f.read())
+    # Pooled ranks are reused; TPX_TEST_FRESH_RANKS=1 starts new ones.
+    assert (os.getpid() == before) == (os.environ.get("TPX_TEST_FRESH_RANKS", "0") != "1")
+    assert not tpx.random.is_seeded()
+    assert torch.get_default_dtype() == torch.float32 and torch.get_num_threads() == 1
+    assert "TPX_DEBUG_CHECKS" not in os.environ
+    # A new process seeds torch from the OS: not the state the test before left.
+    left = torch.Generator().manual_seed(5)
+    assert not torch.equal(torch.rand(4), torch.rand(4, generator=left))
+    dist.barrier()
+
+
+def test_pooled_ranks_start_each_test_fresh(tmp_path):
+    run_ranks(_leave_state_behind, 2, str(tmp_path / "pid"))
+    run_ranks(_expect_fresh_state, 2, str(tmp_path / "pid"))
+
+
 def _mismatched_shapes(rank, world):
     import os
 
