@@ -52,8 +52,8 @@ def register(op: str, backward, setup_context) -> None:
     overload = getattr(torch.ops.tpx, op).default
 
     # forward(ctx, ...) rather than a separate setup_context: Function.apply then binds no
-    # signature per call (inspect.signature costs as much as the dispatch work saved).
-    @guarded
+    # signature per call (inspect.signature costs as much as the dispatch work saved). Not
+    # guarded itself: only the op wrappers apply it, and they are.
     def forward(ctx, *args):
         with torch._C._AutoDispatchBelowAutograd():
             output = overload(*args)
@@ -61,7 +61,8 @@ def register(op: str, backward, setup_context) -> None:
         return output
 
     function = type(f"{op}_function", (torch.autograd.Function,), dict(
-        forward=staticmethod(forward), backward=staticmethod(backward), __module__=__name__,
+        forward=staticmethod(forward), backward=staticmethod(backward), operator=overload,
+        __module__=__name__,
         __doc__=f"Eager autograd of ``torch.ops.tpx.{op}`` (see :func:`register`)."))
     ops.register_eager_function(op, function)
 

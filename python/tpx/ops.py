@@ -313,7 +313,9 @@ _EAGER_FUNCTIONS: dict = {}
 
 
 def register_eager_function(op: str, function: type) -> None:
-    """Makes ``function.apply(*args)`` the eager path of ``torch.ops.tpx.<op>(*args)``."""
+    """Makes ``function.apply(*args)`` the eager path of ``torch.ops.tpx.<op>(*args)``
+    (``function.operator``, the operator's overload, is called directly, below autograd, where
+    no input needs a gradient)."""
     _EAGER_FUNCTIONS[op] = function
 
 
@@ -324,7 +326,18 @@ def _call(op: str, *args):
     if torch._C._is_any_autocast_enabled():
         # Cast above the Function, so autograd records the casts (tpx.amp).
         return _amp.eager_call(op, function, args)
+    if not (torch.is_grad_enabled() and _any_requires_grad(args)):
+        # No gradient is wanted: the operator itself, with no autograd node to build.
+        with torch._C._AutoDispatchBelowAutograd():
+            return function.operator(*args)
     return function.apply(*args)
+
+
+def _any_requires_grad(args) -> bool:
+    for t in args:
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def _group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
