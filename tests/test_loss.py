@@ -72,6 +72,18 @@ def _check_cross_entropy(rank, world):
     v0, v1 = tpx.shard_range(V)
     torch.testing.assert_close(loss_fn(full[:, v0:v1], target),
                                F.cross_entropy(full, target, label_smoothing=0.2))
+    # Without vocab_size the widths are exchanged: one more all-gather (8 bytes a rank), on
+    # tpx's own group and counted like its other collectives.
+    counts = {}
+    for vocab_size in (V, None):
+        with tpx.comm_stats() as stats:
+            loss = tpx.vocab_parallel_cross_entropy(full[:, v0:v1], target, vocab_size=vocab_size)
+        torch.testing.assert_close(loss, F.cross_entropy(full, target))
+        counts[vocab_size] = (stats.calls(kind="all_gather"), stats.bytes(kind="all_gather"))
+    if world > 1:
+        assert counts[None] == (counts[V][0] + 1, counts[V][1] + 8), counts
+    else:
+        assert counts[None] == counts[V] == (0, 0), counts
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

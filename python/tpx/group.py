@@ -167,7 +167,8 @@ def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[in
     """``(start, full_size)`` of this rank's block of a dimension sharded over ``pg`` whose
     local size is ``local_size``. With ``vocab_size`` the layout is ``shard_range(vocab_size)``
     (checked, no communication); without it the ranks' local sizes are all-gathered (one
-    integer each) and the blocks follow rank order, so any split is accepted."""
+    integer each, on tpx's own copy of ``pg`` and counted by ``tpx.comm_stats``) and the
+    blocks follow rank order, so any split is accepted."""
     rank, world = dist.get_rank(pg), pg.size()
     if vocab_size is not None:
         start, end = _range(vocab_size, rank, world)
@@ -179,9 +180,14 @@ def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[in
         return start, vocab_size
     if world == 1:
         return 0, local_size
+    from .comm import count_collective
+    from .comm_groups import own, wire_group
+
+    own(pg)  # on tpx's own copy of the group, counted as tpx's other collectives
     mine = torch.tensor([local_size], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=pg)
+    count_collective(pg, "all_gather", mine)
+    dist.all_gather(sizes, mine, group=wire_group(pg))
     sizes = [int(s) for s in sizes]
     return sum(sizes[:rank]), sum(sizes)
 
