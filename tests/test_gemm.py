@@ -55,6 +55,21 @@ def test_backend_choice(gemm_env):
             tpx.ops.cpu_gemm_backend()
 
 
+def test_auto_takes_aten_for_small_products(gemm_env):
+    """Under ``auto`` a product under 2**22 multiply-adds is ATen's, bit for bit (oneDNN's call
+    overhead would outweigh its kernel); from there on it is the backend ``auto`` reports."""
+    gemm_env(None)
+    default = tpx.ops.cpu_gemm_backend()
+    gen = torch.Generator().manual_seed(5)
+    for m, k, n in ((8, 64, 128), (64, 256, 255)):  # 65536 and 4177920 multiply-adds
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        assert torch.equal(tpx.ops.local_matmul(a, b), torch.mm(a, b)), (m, k, n)
+    a, b = torch.randn(64, 256, generator=gen), torch.randn(256, 257, generator=gen)
+    out = tpx.ops.local_matmul(a, b)  # 4210688 multiply-adds
+    gemm_env(default)
+    assert torch.equal(out, tpx.ops.local_matmul(a, b))
+
+
 def _operand(rows, cols, layout, gen):
     """A [rows, cols] float32 matrix stored row-major, transposed, as a row slice of a larger
     matrix, or with a stride oneDNN cannot read in place (a column slice)."""

@@ -23,6 +23,10 @@ constexpr const char* kOneDnnMatmulSymbol =
 
 // Below this many multiply-adds a GEMM costs mostly its call overhead: ATen's, the cheaper.
 constexpr int64_t kMinOneDnnMacs = int64_t{16} * 16 * 16;
+// With TPX_CPU_GEMM=auto, oneDNN only from this many: below it, oneDNN's call overhead (about
+// 12 us a call on a 2-core AVX-512 VM) outweighs what its kernel saves; the two cross near
+// 4M multiply-adds there (docs/benchmarks.md, "CPU GEMMs").
+constexpr int64_t kMinAutoOneDnnMacs = int64_t{1} << 22;
 
 OneDnnMatmul lookup() {
   void* sym = nullptr;
@@ -98,7 +102,8 @@ bool use_onednn(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b)
   }
   if (!at::globalContext().userEnabledMkldnn()) return false;  // torch.backends.mkldnn.enabled
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  if (m == 0 || k == 0 || n == 0 || m * n * k < kMinOneDnnMacs) return false;
+  const int64_t min_macs = choice == Choice::kOneDnn ? kMinOneDnnMacs : kMinAutoOneDnnMacs;
+  if (m == 0 || k == 0 || n == 0 || m * n * k < min_macs) return false;
   if (!onednn_operand(a) || !onednn_operand(b)) return false;
   if (out.dim() != 2 || out.stride(1) != 1 || out.stride(0) < n) return false;
   return onednn() != nullptr;
@@ -166,7 +171,7 @@ at::Tensor gemm(const at::Tensor& a, const at::Tensor& b, const std::optional<at
 
 std::string cpu_gemm_backend() {
   // The choice use_onednn() makes for a float32 CPU product large enough and laid out for it.
-  const auto probe = at::empty({16, 16}, at::TensorOptions().dtype(at::kFloat));
+  const auto probe = at::empty({256, 256}, at::TensorOptions().dtype(at::kFloat));
   return use_onednn(probe, probe, probe) ? "onednn" : "aten";
 }
 

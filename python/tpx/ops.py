@@ -222,9 +222,9 @@ def cpu_gemm_backend() -> str:
     Chosen by ``TPX_CPU_GEMM``, read on every call: ``auto`` (default: oneDNN when PyTorch has
     it, ``torch.backends.mkldnn.enabled`` is set, and a first small product agreed exactly
     with ATen's), ``aten``, or ``onednn`` (an error when it is not available). Operands oneDNN
-    cannot read in place (other strides), other dtypes and products under 4096 multiply-adds
-    always use ATen.
-    """
+    cannot read in place (other strides) and other dtypes always use ATen, as do products
+    under 4096 multiply-adds (under ``auto``: under 2**22, where oneDNN's call overhead
+    outweighs its faster kernel)."""
     return torch.ops.tpx.cpu_gemm_backend()
 
 
