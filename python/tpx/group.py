@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover
 
 GroupLike = Union[None, "dist.ProcessGroup", "DeviceMesh"]
 
-__all__ = ["resolve_group", "group_name", "shard_range", "check_same_on_ranks", "scatter_shard",
+__all__ = ["resolve_group", "shard_range", "check_same_on_ranks", "scatter_shard",
            "scatter_blocks", "broadcast_", "load_initial"]
 
 
@@ -62,11 +62,6 @@ def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
         "tpx: `group` must be None, a torch.distributed.ProcessGroup or a 1-D DeviceMesh; got "
         f"{type(group).__name__}."
     )
-
-
-def group_name(group: GroupLike = None) -> str:
-    """The registered name of the group, as the C++ ops take it."""
-    return resolve_group(group).group_name
 
 
 def shard_range(size: int, group: GroupLike = None) -> Tuple[int, int]:

@@ -24,12 +24,8 @@ try:  # public since torch 2.5
 except ImportError:  # pragma: no cover - older layout of the same classes
     from torch.distributed._tensor import DTensor, Partial, Placement, Replicate, Shard  # type: ignore
 
-__all__ = ["DTensor", "Partial", "Placement", "Replicate", "Shard", "is_dtensor", "local_input",
+__all__ = ["DTensor", "Partial", "Placement", "Replicate", "Shard", "local_input",
            "mesh_for_group", "remember_mesh", "wrap_output"]
-
-
-def is_dtensor(x) -> bool:
-    return isinstance(x, DTensor)
 
 
 def _group_ranks(pg: dist.ProcessGroup) -> Tuple[int, ...]:
