@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -25,6 +26,10 @@ GroupLike = Union[None, "dist.ProcessGroup", "DeviceMesh"]
 
 __all__ = ["resolve_group", "shard_range", "check_same_on_ranks", "scatter_shard",
            "scatter_blocks", "broadcast_", "load_initial"]
+
+
+# The groups this rank was found to be a member of (weakly held: a destroyed group drops out).
+_MEMBER_OF: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
@@ -52,11 +57,14 @@ def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
         remember_mesh(pg, group)  # the DTensors of layers over pg live on this mesh
         return pg
     if isinstance(group, dist.ProcessGroup):
+        if group in _MEMBER_OF:
+            return group
         if dist.get_rank(group) < 0:
             raise ValueError(
                 "tpx: this rank is not a member of the `group` passed; every rank that calls a "
                 "tpx op or builds a tpx module must belong to its group."
             )
+        _MEMBER_OF.add(group)
         return group
     raise TypeError(
         "tpx: `group` must be None, a torch.distributed.ProcessGroup or a 1-D DeviceMesh; got "

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from .. import autograd as tpx_autograd
 from .. import ops
+from ..comm_groups import guarded
 from .. import random as tpx_random
 from ..group import (DeviceMesh, SharesGroupOnCopy, ShardSpec, load_initial, resolve_group,
                      _range)
@@ -512,6 +513,7 @@ class ParallelMultiheadAttention(KeepsParamSharding, SharesGroupOnCopy, nn.Multi
                 raise ValueError(f"{name}: attn_mask must be 2-D or 3-D; got {mask.dim()}-D")
         return mask, kpm
 
+    @guarded
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
