@@ -11,8 +11,10 @@ the unsharded one first):
   gathered logits.
 * ``decoder``: the Llama-style decoder of ``examples/tiny_llama.py`` in torchtitan's names
   (RMSNorm, rotary, GQA, SwiGLU), with SP and loss parallelism: tpx with
-  ``tpx.plans.decoder(model, sequence_parallel=True, loss_parallel=True)``, PyTorch with
-  torchtitan's plan in PyTorch's styles and ``loss_parallel()``. Loss: cross-entropy.
+  ``tpx.plans.decoder(model, sequence_parallel=True, loss_parallel=True)`` and
+  ``tpx.loss_parallel(vocab_size=V)`` (without ``vocab_size`` the ranks would exchange their
+  logits' widths, one all-gather of 8 bytes a rank per loss), PyTorch with torchtitan's plan
+  in PyTorch's styles and ``loss_parallel()``. Loss: cross-entropy.
 * ``llama``: a Hugging Face ``LlamaForCausalLM`` (tiny random config, nothing downloaded) with
   ``tpx.plans.auto(model, sequence_parallel=True, loss_parallel=True)`` and its own loss
   (``labels=``) under ``tpx.loss_parallel()``. tpx only (no PyTorch plan for it here).
@@ -513,7 +515,8 @@ def _run_decoder(args, world, inp, labels, rows):
         if lib == "tpx":
             tpx.parallelize_module(model, None, tpx.plans.decoder(
                 model, sequence_parallel=True, loss_parallel=True))
-            ctx = tpx.loss_parallel
+            def ctx():
+                return tpx.loss_parallel(vocab_size=args.lm_vocab)
         else:
             parallelize_module(model, DeviceMesh("cpu", torch.arange(world)),
                                _torchtitan_plan())
