@@ -108,8 +108,14 @@ def _train_like_unsharded(rank, world, arch, sp, lp, steps=3):
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
+    # After the steps, atol 5e-5 (5 % of one step, lr 1e-3): where a gradient element is close
+    # to zero, Adam's normalised step turns a difference in its last bits into a visible one
+    # (phi's embedding had one element of 32064 off by 3.6e-5 at TP 2 and 4 when the GEMM of
+    # the small products changed library; in float64, benchmarks/hf_zoo.py, it passes). A
+    # wrong gradient moves its elements by up to lr, 20 times this; the gradients themselves
+    # are held to atol 2e-5 above.
     assert_like_unsharded(model, ref, f"{what} after {steps} AdamW steps", rtol=1e-4,
-                          atol=2e-5)
+                          atol=5e-5)
 
 
 def _generate_like_one_device(rank, world, arch, lp):
