@@ -27,6 +27,10 @@ Variants of each case:
 * ``tpx``          ``tpx.parallelize_module(module, None, plan)``: for the MLP
                    ``{"0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel()}``, for Llama
                    ``tpx.plans.auto(model)``;
+* ``local + all-reduce`` (MLP only) the least any TP 2 over gloo can cost: this rank's
+                   shards as plain parameters, ``F.linear`` -> ReLU -> ``F.linear`` and one
+                   ``torch.distributed.all_reduce`` of the output (identity backward), no
+                   checks, no ``DTensor``;
 * ``PyTorch TP``   ``torch.distributed.tensor.parallel.parallelize_module`` on a 1-D CPU
                    DeviceMesh: for the MLP the same plan with torch's styles; for Llama
                    transformers' own ``base_model_tp_plan`` (q, k, v, gate, up column-wise;
@@ -79,7 +83,7 @@ CASES = ("mlp fwd", "mlp fwd+bwd", "llama train", "llama decode")
 # Calls per variant per round (decode: generated sequences) and untimed warmup calls, per case.
 ITERS = {"mlp fwd": 40, "mlp fwd+bwd": 40, "llama train": 5, "llama decode": 1}
 WARMUP = {"mlp fwd": 20, "mlp fwd+bwd": 20, "llama train": 3, "llama decode": 1}
-UNSHARDED, TPX, TORCH_TP = "unsharded", "tpx", "PyTorch TP"
+UNSHARDED, TPX, TORCH_TP, FLOOR = "unsharded", "tpx", "PyTorch TP", "local + all-reduce"
 
 
 def measure(fn) -> tuple:
@@ -116,6 +120,41 @@ def check_close(what: str, got: dict, want: dict, tol: dict) -> None:
 
 # ----------------------------------------------------------------------------------- MLP --
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks in the forward; the backward hands the gradient through (each rank
+    holds the same output, as a row-parallel layer's)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        y = y.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class LocalMLP(nn.Module):
+    """The MLP block at TP ``world`` with nothing but this rank's shards, two ``F.linear`` and
+    one all-reduce: a lower bound for any TP implementation's host time over gloo."""
+
+    def __init__(self, ref: nn.Sequential, rank: int, world: int) -> None:
+        super().__init__()
+        h = ref[0].out_features
+        lo, hi = rank * h // world, (rank + 1) * h // world
+        self.w1 = nn.Parameter(ref[0].weight.detach()[lo:hi].clone())
+        self.b1 = nn.Parameter(ref[0].bias.detach()[lo:hi].clone())
+        self.w2 = nn.Parameter(ref[2].weight.detach()[:, lo:hi].clone())
+        self.b2 = nn.Parameter(ref[2].bias.detach().clone())
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.w1, self.b1)),
+                                       self.w2)
+        return (_AllReduceSum.apply(y) if torch.is_grad_enabled() else
+                _AllReduceSum.forward(None, y)) + self.b2
+
+
 def mlp_variants(world: int) -> tuple:
     import tpx
     from torch.distributed.device_mesh import init_device_mesh
@@ -128,12 +167,13 @@ def mlp_variants(world: int) -> tuple:
     variants = {UNSHARDED: ref}
     variants[TPX] = tpx.parallelize_module(
         copy.deepcopy(ref), None, {"0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel()})
+    variants[FLOOR] = LocalMLP(ref, dist.get_rank(), world)
     variants[TORCH_TP] = torch_tp.parallelize_module(
         copy.deepcopy(ref), init_device_mesh("cpu", (world,)),
         {"0": torch_tp.ColwiseParallel(), "2": torch_tp.RowwiseParallel()})
     with torch.no_grad():
         want = {"output": ref(x)}
-        for label in (TPX, TORCH_TP):
+        for label in (TPX, FLOOR, TORCH_TP):
             check_close(f"mlp, {label}", {"output": variants[label](x)}, want, MLP_TOL)
     return variants, x
 
