@@ -1,9 +1,9 @@
 """Multi-process test harness: runs a function on W ranks of a gloo group (CPU).
 
-- Ranks are started once per world size and reused by the tests that follow (a pool): each
-  test gets a new default group (a new file store), tpx's state reset, the environment of the
-  pytest process, torch seeded from the OS and one compute thread, as a freshly started
-  rank would. Starting processes (and importing torch and transformers in each) would
+- Ranks are started once per world size and reused by the tests that follow (a pool; worlds
+  of more than 4 ranks are ended after each test, for memory): each test gets a new default
+  group (a new file store), tpx's state reset, the environment of the pytest process, torch
+  seeded from the OS and one compute thread, as a freshly started rank would. Starting processes (and importing torch and transformers in each) would
   otherwise be most of the suite's time. ``run_ranks(..., fresh=True)`` (tests that break a
   group or kill a rank on purpose) and ``TPX_TEST_FRESH_RANKS=1`` (every test) start new
   processes instead.
@@ -130,6 +130,10 @@ class _Pool:
 
 
 _POOLS: dict = {}
+# Pools of more ranks than this are ended after each test: a rank holds about 0.4 GB once torch
+# and transformers are imported, and the suite's world sizes up to 9 kept alive together would
+# hold 33 of them.
+_KEEP_WORLD_MAX = 4
 
 
 def _pool(world_size: int, backend: str) -> _Pool:
@@ -201,7 +205,7 @@ def _run_pooled(fn, world_size, args, init_file, timeout, backend):
             done.add(rank)
         ok = True
     finally:
-        if not ok:
+        if not ok or world_size > _KEEP_WORLD_MAX:
             pool.kill()
             _POOLS.pop((world_size, backend), None)
 
