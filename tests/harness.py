@@ -95,15 +95,15 @@ def _pool_worker(rank, world_size, backend, tasks, results):
         task = tasks.get()
         if task is None:
             return
-        seq, fn, args, init_file, env = task
+        fn, args, init_file, env = task
         try:
             _fresh_state(env, tpx_random_states)
             _init_group(backend, init_file, rank, world_size)
             fn(rank, world_size, *args)
             _end_test()
-            results.put((seq, rank, None))
+            results.put((rank, None))
         except BaseException:  # noqa: BLE001 - reported; the parent ends this pool
-            results.put((seq, rank, traceback.format_exc()))
+            results.put((rank, traceback.format_exc()))
             return
 
 
@@ -120,7 +120,6 @@ class _Pool:
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
-        self.seq = 0
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -174,52 +173,17 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
 
 def _run_pooled(fn, world_size, args, init_file, timeout, backend):
     pool = _pool(world_size, backend)
-    pool.seq += 1
     env = dict(os.environ)
     for q in pool.tasks:
-        q.put((pool.seq, fn, args, init_file, env))
-    name = getattr(fn, "__qualname__", repr(fn))
-    done: set = set()
-    deadline = _now() + timeout
+        q.put((fn, args, init_file, env))
     ok = False
     try:
-        while len(done) < world_size:
-            try:
-                seq, rank, err = pool.results.get(timeout=0.2)
-            except queue.Empty:
-                if _now() > deadline:
-                    missing = sorted(set(range(world_size)) - done)
-                    raise TimeoutError(f"{name} (world size {world_size}): ranks {missing} did "
-                                       f"not finish within {timeout:.0f} s; all ranks killed")
-                for r, p in enumerate(pool.procs):
-                    if r not in done and not p.is_alive():
-                        _drain_pooled(pool, done, name, world_size)
-                        if r not in done:
-                            raise AssertionError(f"{name} (world size {world_size}): rank {r} "
-                                                 f"died with exit code {p.exitcode}")
-                continue
-            if err is not None:
-                raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
-                                     f"\n{err}")
-            assert seq == pool.seq, (seq, pool.seq)
-            done.add(rank)
+        _wait_for_ranks(pool.results, pool.procs, fn, world_size, timeout)
         ok = True
     finally:
         if not ok or world_size > _KEEP_WORLD_MAX:
             pool.kill()
             _POOLS.pop((world_size, backend), None)
-
-
-def _drain_pooled(pool, done, name, world_size):
-    while True:
-        try:
-            seq, rank, err = pool.results.get_nowait()
-        except queue.Empty:
-            return
-        if err is not None:
-            raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
-                                 f"\n{err}")
-        done.add(rank)
 
 
 def _kill(procs):
@@ -248,38 +212,44 @@ def _run_fresh(fn, world_size, args, init_file, timeout, backend, crashes, rank_
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    try:
+        _wait_for_ranks(results, procs, fn, world_size, timeout, crashes)
+    finally:
+        _kill(procs)
+
+
+def _wait_for_ranks(results, procs, fn, world_size, timeout, crashes=()):
+    """Waits for every rank's report on ``results``; raises naming the failed, dead or stuck
+    ranks (those in ``crashes`` must die instead of reporting)."""
     name = getattr(fn, "__qualname__", repr(fn))
     done: set = set()
     deadline = _now() + timeout
     crashed: set = set()
-    try:
-        while len(done) + len(crashed) < world_size:
-            try:
-                rank, err = results.get(timeout=0.2)
-            except queue.Empty:
-                if _now() > deadline:
-                    missing = sorted(set(range(world_size)) - done - crashed)
-                    raise TimeoutError(f"{name} (world size {world_size}): ranks {missing} did "
-                                       f"not finish within {timeout:.0f} s; all ranks killed")
-                for r, p in enumerate(procs):
-                    if r not in done and not p.is_alive() and p.exitcode not in (0, None):
-                        if r in crashes:
-                            crashed.add(r)
-                            continue
-                        _drain(results, done)
-                        if r not in done:
-                            raise AssertionError(f"{name} (world size {world_size}): rank {r} "
-                                                 f"died with exit code {p.exitcode}")
-                continue
-            if err is not None:
-                raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
-                                     f"\n{err}")
-            if rank in crashes:
-                raise AssertionError(f"{name} (world size {world_size}): rank {rank} finished; "
-                                     "the test expected it to die")
-            done.add(rank)
-    finally:
-        _kill(procs)
+    while len(done) + len(crashed) < world_size:
+        try:
+            rank, err = results.get(timeout=0.2)
+        except queue.Empty:
+            if _now() > deadline:
+                missing = sorted(set(range(world_size)) - done - crashed)
+                raise TimeoutError(f"{name} (world size {world_size}): ranks {missing} did "
+                                   f"not finish within {timeout:.0f} s; all ranks killed")
+            for r, p in enumerate(procs):
+                if r not in done and not p.is_alive() and p.exitcode not in (0, None):
+                    if r in crashes:
+                        crashed.add(r)
+                        continue
+                    _drain(results, done)
+                    if r not in done:
+                        raise AssertionError(f"{name} (world size {world_size}): rank {r} "
+                                             f"died with exit code {p.exitcode}")
+            continue
+        if err is not None:
+            raise AssertionError(f"{name} (world size {world_size}) failed on rank {rank}:"
+                                 f"\n{err}")
+        if rank in crashes:
+            raise AssertionError(f"{name} (world size {world_size}): rank {rank} finished; "
+                                 "the test expected it to die")
+        done.add(rank)
 
 
 def _drain(results, done):
