@@ -299,7 +299,7 @@ def _compare(model, ref, what: str, grad: bool, worst: list, rtol=1e-4, atol=2e-
 
     import tpx.checkpoint
 
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
+    sharded = {sh.key: sh for sh in tpx.checkpoint.sharded_params(model)}
     ref_params = dict(ref.named_parameters())
     names = [k for k, _ in model.named_parameters()]
     if sorted(names) != sorted(ref_params):
@@ -398,7 +398,7 @@ def _kinds(model) -> dict:
 
     import tpx.checkpoint
 
-    tpx_keys = {sh.key for sh in tpx.checkpoint._sharded_params(model)}
+    tpx_keys = {sh.key for sh in tpx.checkpoint.sharded_params(model)}
     params = dict(model.named_parameters())
     dt = [k for k, p in params.items() if k not in tpx_keys and isinstance(p, DTensor)]
     return dict(params_tpx_sharded=len(tpx_keys), params_dtensor=len(dt),

@@ -66,7 +66,6 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("bytes"), "The pipeline depth the ops pick (see collective_matmul.h).");
   m.def("comm_counters", &comm_counters,
         "Collectives issued by tpx: {(group_name, kind): (calls, bytes)}.");
-  m.def("reset_comm_counters", &tpx::reset_comm_counters, "Zeroes the collective counters.");
   m.def("enable_cpu_memory_stats", &tpx::enable_cpu_memory_stats,
         "Counts CPU tensor allocations from now on (all threads).");
   m.def("cpu_memory_stats", &tpx::cpu_memory_stats, "(bytes allocated now, peak since reset).");
@@ -76,8 +75,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("register_owned_group", &tpx::register_owned_group, pybind11::arg("user_name"),
         pybind11::arg("owned_name"), pybind11::arg("pair_exchange"),
         "Makes `owned_name` the group tpx's ops run on for the user's group `user_name`.");
-  m.def("owned_group_name", &tpx::owned_group_name, pybind11::arg("user_name"),
-        "The name of tpx's own live group for `user_name`, or None.");
   m.def("_wait_twice", &tpx::wait_twice, pybind11::arg("buf"), pybind11::arg("group_name"),
         "Tests: one all-reduce, waited on twice; what each wait did.");
   m.def("group_broken_reason", &tpx::group_broken_reason, pybind11::arg("name"),

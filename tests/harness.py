@@ -299,7 +299,7 @@ def assert_like_unsharded(model, ref, what, *, grad=False, rtol=1e-5, atol=1e-6,
     import torch
     import tpx.checkpoint
 
-    sharded = {sh.key: sh for sh in tpx.checkpoint._sharded_params(model)}
+    sharded = {sh.key: sh for sh in tpx.checkpoint.sharded_params(model)}
     ref_params = dict(ref.named_parameters())
     names = [k for k, _ in model.named_parameters()]
     assert sorted(names) == sorted(ref_params), (what, names, sorted(ref_params))

@@ -162,7 +162,7 @@ def test_shard_range_matches_torch_chunk():
     for size, world in itertools.product([1, 2, 5, 7, 10, 50257], [1, 2, 3, 4, 8]):
         pieces = torch.arange(size).chunk(world)
         for rank in range(world):
-            start, end = tpx.group._range(size, rank, world)
+            start, end = tpx.group.shard_bounds(size, rank, world)
             expected = pieces[rank] if rank < len(pieces) else torch.arange(0)
             assert torch.equal(torch.arange(size)[start:end], expected), (size, world, rank)
 

@@ -27,7 +27,7 @@ from harness import assert_like_unsharded, comm_counts, run_cases, run_ranks
 
 
 def _local(size, rank, world):
-    s, e = tpx.group._range(size, rank, world)
+    s, e = tpx.group.shard_bounds(size, rank, world)
     return s, e
 
 

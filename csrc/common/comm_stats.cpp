@@ -57,9 +57,4 @@ std::map<std::pair<std::string, std::string>, CommCounter> comm_counters() {
   return counters();
 }
 
-void reset_comm_counters() {
-  std::lock_guard<std::mutex> lock(counters_mutex());
-  counters().clear();
-}
-
 }  // namespace tpx

@@ -32,8 +32,7 @@ struct CommCounter {
   int64_t bytes = 0;
 };
 
-// (group name, kind name) -> cumulative counter since the process started (or the last reset).
+// (group name, kind name) -> cumulative counter since the process started.
 std::map<std::pair<std::string, std::string>, CommCounter> comm_counters();
-void reset_comm_counters();
 
 }  // namespace tpx

@@ -5,7 +5,7 @@ column/row-parallel linear layers built on them. Placements are written R (repli
 S(d) (sharded on dim d) and P (partial sums).
 """
 
-from . import autograd, ops, random
+from . import autograd, mappings, ops, random
 from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
 from .parallel import (MeshAttention, MeshInput, MeshParallel)
@@ -20,7 +20,7 @@ from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinea
                  vocab_parallel_cross_entropy)
 from . import checkpoint, memory
 from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
-from . import autograd_multidim, mesh
+from . import autograd_multidim, mesh  # noqa: F401  (old import path)
 from .mesh import init_mesh
 from .nn.multidim import (Embedding2D, Embedding2p5D, Embedding3D, LayerNorm2D, LayerNorm2p5D, LayerNorm3D, Linear2D, Linear2p5D,
                           Linear3D, RMSNorm2D, RMSNorm2p5D, RMSNorm3D, gather_output,
@@ -81,9 +81,9 @@ def build_info() -> dict:
     ``default_chunks`` (the pipeline depth used when ``chunks=None``), ``cpu_gemm`` (the GEMM
     its ops run for float32 CPU tensors, see :func:`tpx.ops.cpu_gemm_backend`), and
     ``version``."""
-    from . import _C
+    from . import _ext
 
-    info = dict(_C.build_info())
+    info = dict(_ext.build_info())
     info["version"] = __version__
     info["cpu_gemm"] = ops.cpu_gemm_backend()
     return info

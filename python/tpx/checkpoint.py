@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .autograd import gather_dim
-from .nn.multidim import BlockSpec, _block_specs
+from .mappings import gather_dim
+from .nn.multidim import BlockSpec, block_specs
 from .nn.dtensor_io import DTensor
 from .sharding import MeshSharding, local_of, raw_state_dict
 
@@ -77,7 +77,7 @@ class _Sharded:
         return out.t() if self.transposed else out
 
 
-def _sharded_params(model: nn.Module) -> Iterator[_Sharded]:
+def sharded_params(model: nn.Module) -> Iterator[_Sharded]:
     """Every sharded parameter of the tpx layers in ``model``, in module order (the same on
     every rank)."""
     for prefix, mod in model.named_modules():
@@ -124,13 +124,13 @@ class _MeshSharded:
                              f"model expects {tuple(self.spec.full_shape)}")
 
 
-def _mesh_params(model: nn.Module) -> Iterator[_MeshSharded]:
+def mesh_params(model: nn.Module) -> Iterator[_MeshSharded]:
     """Every parameter of the multi-dimensional layers in ``model``, in module order."""
     for prefix, mod in model.named_modules():
         if not hasattr(mod, "_param_splits") or not hasattr(mod, "mesh_info"):
             continue
         pre = f"{prefix}." if prefix else ""
-        for spec in _block_specs(mod):
+        for spec in block_specs(mod):
             yield _MeshSharded(pre + spec.name, mod, spec)
 
 
@@ -180,9 +180,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
             full_state_dict=True, cpu_offload=rank0_only)))
     with raw_state_dict():
         state = {k: v.detach() for k, v in model.state_dict().items()}
-    for sh in _sharded_params(model):
+    for sh in sharded_params(model):
         state[sh.key] = _gather_full(sh)
-    for ms in _mesh_params(model):
+    for ms in mesh_params(model):
         state[ms.key] = ms.gather()
     for key, value in state.items():
         if isinstance(value, DTensor):  # a replicated parameter of a tpx layer, a PyTorch style's
@@ -206,12 +206,12 @@ def load_full_state_dict(model: nn.Module, state_dict: Dict[str, Tensor],
     its slice (a multi-dimensional layer its block), every other tensor is loaded whole. No
     communication."""
     local = dict(state_dict)
-    for sh in _sharded_params(model):
+    for sh in sharded_params(model):
         if sh.key not in local:
             continue
         _check_full_shape("load_full_state_dict", sh, local[sh.key])
         local[sh.key] = sh.slice_of(local[sh.key])
-    for ms in _mesh_params(model):
+    for ms in mesh_params(model):
         if ms.key not in local:
             continue
         ms.check_full_shape("load_full_state_dict", local[ms.key].shape)
@@ -327,8 +327,8 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     """
     from safetensors import safe_open
 
-    sharded = {sh.key: sh for sh in _sharded_params(model)}
-    blocks = {ms.key: ms for ms in _mesh_params(model)}
+    sharded = {sh.key: sh for sh in sharded_params(model)}
+    blocks = {ms.key: ms for ms in mesh_params(model)}
     with raw_state_dict():
         targets = dict(model.state_dict(keep_vars=True))
     rename = _hf_key_mapping(model)
@@ -457,14 +457,14 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     for key, value in state.items():
         if isinstance(value, DTensor) and all(p.is_replicate() for p in value.placements):
             state[key] = value._local_tensor  # a replicated parameter: saved as before
-    for sh in _sharded_params(model):
+    for sh in sharded_params(model):
         if sh.key not in state:
             continue
         if _is_chunked(sh):
             state[sh.key] = _chunked_dtensor(sh, sh.local())
         else:
             state[sh.key] = _gather_full(sh)
-    for ms in _mesh_params(model):
+    for ms in mesh_params(model):
         if ms.key in state:
             state[ms.key] = _mesh_dtensor(ms)
     return state
@@ -595,8 +595,8 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     if optimizer is not None:
         optim_state = _load_optimizer_part("load", model, optimizer, checkpoint_id, metadata)
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
-    sharded = {sh.key: sh for sh in _sharded_params(model)}
-    blocks = {ms.key: ms for ms in _mesh_params(model)}
+    sharded = {sh.key: sh for sh in sharded_params(model)}
+    blocks = {ms.key: ms for ms in mesh_params(model)}
     with raw_state_dict():
         own = model.state_dict(keep_vars=True)
     for key, value in state.items():
@@ -753,11 +753,11 @@ class _Params:
 
     def __init__(self, model: nn.Module) -> None:
         sharded: Dict[int, _Sharded] = {}
-        for sh in _sharded_params(model):
+        for sh in sharded_params(model):
             if sh.param() is not None:
                 sharded.setdefault(id(sh.param()), sh)
         meshed: Dict[int, _MeshSharded] = {}
-        for ms in _mesh_params(model):
+        for ms in mesh_params(model):
             if ms.local() is not None:
                 meshed.setdefault(id(getattr(ms.module, ms.name)), ms)
         self.by_id: Dict[int, _ParamLayout] = {}

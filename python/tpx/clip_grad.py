@@ -40,7 +40,7 @@ from torch.utils._foreach_utils import (_device_has_foreach_support,
 
 from .comm import count_collective
 from .comm_groups import wire_group
-from .group import _comm_device
+from .group import comm_device
 from .sharding import GroupSharding, MeshSharding, sharding_of
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
@@ -194,7 +194,7 @@ def _all_reduce(values: List[Tensor], group: dist.ProcessGroup, use_max: bool) -
         # A max all-reduce may drop NaN; carry it as a flag so every rank sees it.
         nan = torch.isnan(buf)
         buf = torch.cat([torch.where(nan, torch.zeros_like(buf), buf), nan.to(buf.dtype)])
-    dev = _comm_device(group, buf.device)
+    dev = comm_device(group, buf.device)
     wire = buf.to(dev)
     count_collective(group, "all_reduce", wire)
     dist.all_reduce(wire, op=dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM,

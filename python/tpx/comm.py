@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _C
+from . import _ext
 
 __all__ = ["CommStats", "comm_stats", "count_collective", "KINDS"]
 
@@ -31,7 +31,7 @@ Key = Tuple[str, str]
 
 
 def _counters() -> Dict[Key, Tuple[int, int]]:
-    return {tuple(k): tuple(v) for k, v in _C.comm_counters().items()}
+    return {tuple(k): tuple(v) for k, v in _ext.comm_counters().items()}
 
 
 def count_collective(pg: dist.ProcessGroup, kind: str, message: Union[Tensor, int]) -> None:
@@ -40,7 +40,7 @@ def count_collective(pg: dist.ProcessGroup, kind: str, message: Union[Tensor, in
     if torch.compiler.is_compiling():  # a host-side counter has no place in a traced graph
         return
     nbytes = message if isinstance(message, int) else message.numel() * message.element_size()
-    _C.count_collective(pg.group_name, kind, int(nbytes))
+    _ext.count_collective(pg.group_name, kind, int(nbytes))
 
 
 class CommStats:

@@ -50,7 +50,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _ext
+from .run import at_end_run
 
 __all__ = ["own", "owned_group", "group_broken_reason", "settings", "guarded", "wire_group"]
 
@@ -84,7 +85,7 @@ def settings() -> Dict[str, object]:
             "tpx's own gloo groups runs as SCHED_BATCH) or 'keep' (leave it as gloo starts "
             f"it); got '{policy}'")
     return {"TPX_GLOO_ALLREDUCE": allreduce, "TPX_GLOO_LOOP_POLICY": policy,
-            "TPX_DEFAULT_CHUNKS": int(_C.build_info()["default_chunks"])}
+            "TPX_DEFAULT_CHUNKS": int(_ext.build_info()["default_chunks"])}
 
 
 def _is_pure_gloo(pg: dist.ProcessGroup) -> bool:
@@ -172,7 +173,7 @@ def own(pg: dist.ProcessGroup) -> None:
             "environment.")
     if mine["TPX_GLOO_LOOP_POLICY"] == "batch":
         _batch(threads)
-    _C.register_owned_group(name, owned.group_name,
+    _ext.register_owned_group(name, owned.group_name,
                             mine["TPX_GLOO_ALLREDUCE"] == "exchange" and pg.size() == 2)
     _OWNED[name] = (weakref.ref(pg), owned.group_name)
     _IDS[owned.group_name] = group_id
@@ -204,7 +205,7 @@ def group_broken_reason(group: dist.ProcessGroup) -> Optional[str]:
     """Why tpx no longer runs collectives for ``group`` (an earlier op failed with messages
     in flight and the ranks may be out of step), or ``None``."""
     own_pg = owned_group(group)
-    return _C.group_broken_reason((own_pg or group).group_name)
+    return _ext.group_broken_reason((own_pg or group).group_name)
 
 
 def wire_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -215,7 +216,7 @@ def wire_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         return group
     own_pg = owned_group(group)
     target = own_pg or group
-    why = _C.group_broken_reason(target.group_name)
+    why = _ext.group_broken_reason(target.group_name)
     if why is not None:
         raise RuntimeError(
             f"tpx: process group '{group.group_name}' can no longer be used by tpx: {why}. The "
@@ -317,7 +318,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_communication_failure(exc: BaseException, groups) -> bool:
-    if any(_C.group_broken_reason(pg.group_name) is not None for pg, _, _ in groups):
+    if any(_ext.group_broken_reason(pg.group_name) is not None for pg, _, _ in groups):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection" in text
@@ -402,7 +403,7 @@ def _handle_failure(exc: BaseException) -> Optional[BaseException]:
             except Exception:
                 break
     for pg, _, _ in groups:
-        _C.mark_group_broken(pg.group_name, why)
+        _ext.mark_group_broken(pg.group_name, why)
         _close(pg)
     if not told:
         # This rank's own error, or its collective failed (a peer died): the error says so
@@ -417,6 +418,7 @@ def _handle_failure(exc: BaseException) -> Optional[BaseException]:
     return replacement
 
 
-def _forget_all() -> None:  # tests
+@at_end_run
+def forget_all() -> None:
     _OWNED.clear()
 

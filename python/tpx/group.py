@@ -17,6 +17,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .run import run_cache
+
 try:  # DeviceMesh is importable on every supported torch, but keep the import soft.
     from torch.distributed.device_mesh import DeviceMesh
 except ImportError:  # pragma: no cover
@@ -29,7 +31,7 @@ __all__ = ["resolve_group", "shard_range", "check_same_on_ranks", "scatter_shard
 
 
 # The groups this rank was found to be a member of (weakly held: a destroyed group drops out).
-_MEMBER_OF: "weakref.WeakSet" = weakref.WeakSet()
+_MEMBER_OF: "weakref.WeakSet" = run_cache(weakref.WeakSet())
 
 
 def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
@@ -52,8 +54,6 @@ def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
                 "needs a 1-D mesh. Pass the TP dimension of it, e.g. mesh['tp']."
             )
         pg = group.get_group()
-        from .nn.dtensor_io import remember_mesh
-
         remember_mesh(pg, group)  # the DTensors of layers over pg live on this mesh
         return pg
     if isinstance(group, dist.ProcessGroup):
@@ -72,6 +72,36 @@ def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
     )
 
 
+def group_ranks(pg: dist.ProcessGroup) -> Tuple[int, ...]:
+    """The global ranks of ``pg``, in group-rank order."""
+    return tuple(dist.get_process_group_ranks(pg))
+
+
+# (group name, device type) -> (the group, its 1-D DeviceMesh).
+_MESHES: dict = run_cache({})
+
+
+def remember_mesh(pg: dist.ProcessGroup, mesh) -> None:
+    """``mesh`` (a 1-D ``DeviceMesh`` whose group is ``pg``, as the user passed it) is the mesh
+    of the ``DTensor`` s tpx builds over ``pg`` from now on (a sub-mesh of a ("dp", "tp") mesh
+    keeps its parent, which FSDP2 needs)."""
+    _MESHES[(pg.group_name, mesh.device_type)] = (pg, mesh)
+
+
+def mesh_for_group(pg: dist.ProcessGroup, device_type: str, mesh=None):
+    """The 1-D ``DeviceMesh`` over ``pg`` (``mesh`` itself when it is one over the same ranks)."""
+    if mesh is not None and getattr(mesh, "ndim", None) == 1 and mesh.device_type == device_type:
+        if tuple(mesh.mesh.flatten().tolist()) == group_ranks(pg):
+            return mesh
+    key = (pg.group_name, device_type)
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not pg:  # a group of the same name made anew
+        from torch.distributed.device_mesh import DeviceMesh
+
+        cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device_type))
+    return cached[1]
+
+
 def shard_range(size: int, group: GroupLike = None) -> Tuple[int, int]:
     """The slice ``[start, end)`` of a dimension of ``size`` entries that this rank holds when
     it is sharded over ``group``, with ``torch.chunk``'s split: every rank but the last ones
@@ -83,10 +113,13 @@ def shard_range(size: int, group: GroupLike = None) -> Tuple[int, int]:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ValueError(f"tpx.shard_range: `size` must be a non-negative int; got {size!r}")
     pg = resolve_group(group)
-    return _range(size, dist.get_rank(pg), pg.size())
+    return shard_bounds(size, dist.get_rank(pg), pg.size())
 
 
-def _range(size: int, rank: int, world: int) -> Tuple[int, int]:
+def shard_bounds(size: int, rank: int, world: int) -> Tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s block when ``size`` entries are split over ``world``
+    ranks in blocks of ``ceil(size / world)`` (the last blocks may be short or empty): the
+    layout of :func:`shard_range`, for any rank."""
     per = -(-size // world) if size else 0
     start = min(rank * per, size)
     return start, min(start + per, size)
@@ -94,7 +127,7 @@ def _range(size: int, rank: int, world: int) -> Tuple[int, int]:
 
 def shard_sizes(size: int, world: int) -> list:
     """The local sizes of every rank for a dimension of ``size`` sharded with ``shard_range``."""
-    return [e - s for s, e in (_range(size, r, world) for r in range(world))]
+    return [e - s for s, e in (shard_bounds(size, r, world) for r in range(world))]
 
 
 def rank_checks_enabled() -> bool:
@@ -165,36 +198,6 @@ def tensor_checksum(t: Optional[torch.Tensor]) -> Optional[float]:
     return float(total.sum())
 
 
-def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[int] = None,
-                 device: Optional[torch.device] = None) -> Tuple[int, int]:
-    """``(start, full_size)`` of this rank's block of a dimension sharded over ``pg`` whose
-    local size is ``local_size``. With ``vocab_size`` the layout is ``shard_range(vocab_size)``
-    (checked, no communication); without it the ranks' local sizes are all-gathered (one
-    integer each, on tpx's own copy of ``pg`` and counted by ``tpx.comm_stats``) and the
-    blocks follow rank order, so any split is accepted."""
-    rank, world = dist.get_rank(pg), pg.size()
-    if vocab_size is not None:
-        start, end = _range(vocab_size, rank, world)
-        if end - start != local_size:
-            raise ValueError(
-                f"tpx: this rank holds {local_size} vocabulary entries but shard_range("
-                f"{vocab_size}) gives it {end - start} ([{start}, {end})); shard the vocabulary "
-                "with tpx.shard_range, or pass the right vocab_size")
-        return start, vocab_size
-    if world == 1:
-        return 0, local_size
-    from .comm import count_collective
-    from .comm_groups import own, wire_group
-
-    own(pg)  # on tpx's own copy of the group, counted as tpx's other collectives
-    mine = torch.tensor([local_size], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(mine) for _ in range(world)]
-    count_collective(pg, "all_gather", mine)
-    dist.all_gather(sizes, mine, group=wire_group(pg))
-    sizes = [int(s) for s in sizes]
-    return sum(sizes[:rank]), sum(sizes)
-
-
 class SharesGroupOnCopy:
     """Mixin for modules that hold a ``group``: ``copy.deepcopy`` shares the process group
     (which cannot be copied) instead of failing."""
@@ -244,7 +247,7 @@ def check_src_rank(what: str, src_rank: Any, world: int) -> None:
             "initial weights every rank takes.")
 
 
-def _comm_device(pg: dist.ProcessGroup, device: torch.device) -> torch.device:
+def comm_device(pg: dist.ProcessGroup, device: torch.device) -> torch.device:
     """The device of the buffers that carry ``device`` tensors over ``pg`` (a CUDA staging
     buffer for CPU tensors on an NCCL-only group)."""
     try:
@@ -339,7 +342,7 @@ def _scatter_rows(pg: dist.ProcessGroup, src_rank: int, out: torch.Tensor,
     piece = max(1, chunk_bytes // world)
     rows_per_step = [max(1, piece // rb) for rb in row_bytes]
     steps = max(-(-sh[0] // k) for sh, k in zip(shapes, rows_per_step))
-    dev = _comm_device(pg, out.device)
+    dev = comm_device(pg, out.device)
     spans = [[(min(i * k, sh[0]), min((i + 1) * k, sh[0])) for sh, k in zip(shapes, rows_per_step)]
              for i in range(steps)]
     sizes = [[(b - a) * rb for (a, b), rb in zip(step, row_bytes)] for step in spans]
@@ -406,7 +409,7 @@ def broadcast_(pg: dist.ProcessGroup, src_rank: int, tensors: Sequence[torch.Ten
         t = t.detach()
         if t.numel() == 0:
             continue
-        dev = _comm_device(pg, t.device)
+        dev = comm_device(pg, t.device)
         nbytes = t.numel() * t.element_size()
         if nbytes < chunk_bytes:
             if bucket_dev[0] != dev or sum(_aligned(b.numel() * b.element_size())

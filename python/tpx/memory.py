@@ -10,7 +10,7 @@ diagnostic, not something to leave on in production.
 
 from __future__ import annotations
 
-from . import _C
+from . import _ext
 
 __all__ = ["track_cpu", "CpuMemoryTracker", "cpu_memory_allocated"]
 
@@ -23,13 +23,13 @@ class CpuMemoryTracker:
         self.peak_extra = 0
 
     def __enter__(self) -> "CpuMemoryTracker":
-        _C.enable_cpu_memory_stats()
-        _C.reset_cpu_memory_peak()
-        self.start = _C.cpu_memory_stats()[0]
+        _ext.enable_cpu_memory_stats()
+        _ext.reset_cpu_memory_peak()
+        self.start = _ext.cpu_memory_stats()[0]
         return self
 
     def __exit__(self, *exc) -> None:
-        _current, peak = _C.cpu_memory_stats()
+        _current, peak = _ext.cpu_memory_stats()
         self.peak_extra = peak - self.start
 
 
@@ -44,4 +44,4 @@ def cpu_memory_allocated() -> int:
     (0 before it). A process group's worker threads free their temporaries shortly after a
     collective's ``wait()`` returns: a caller that wants a quiet baseline can poll this until
     it stops falling."""
-    return _C.cpu_memory_stats()[0]
+    return _ext.cpu_memory_stats()[0]

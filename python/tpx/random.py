@@ -89,7 +89,7 @@ def _key(device: torch.device) -> torch.device:
     return device
 
 
-class _Swap:
+class Swap:
     """Swaps the device's default generator to the tensor-parallel stream and back."""
 
     def __init__(self, device) -> None:
@@ -144,7 +144,7 @@ def fork(device=None) -> Iterator[None]:
         raise RuntimeError("tpx.random.fork: call tpx.random.manual_seed(seed, group) on every "
                            "rank first")
     devices = _default_devices() if device is None else [device]
-    swaps = [_Swap(d) for d in devices]
+    swaps = [Swap(d) for d in devices]
     entered = []
     try:
         for swap in swaps:

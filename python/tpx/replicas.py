@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,9 @@ class ReplicaMismatch:
 def _replicated(model: nn.Module):
     """(name, parameter) of every parameter no tpx layer shards, ordered by name (the same on
     every rank whatever order the model registered them in)."""
-    from .checkpoint import _mesh_params, _sharded_params
+    from .checkpoint import mesh_params, sharded_params
 
-    sharded = {sh.key for sh in _sharded_params(model)} | {ms.key for ms in _mesh_params(model)}
+    sharded = {sh.key for sh in sharded_params(model)} | {ms.key for ms in mesh_params(model)}
     seen = set()
     for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
         if name in sharded or id(p) in seen:

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import time
+from typing import Callable, List, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["end_run"]
+__all__ = ["end_run", "at_end_run", "run_cache"]
+
+_C = TypeVar("_C")
+
+# What end_run resets: every cache tpx keeps of process groups, meshes or tensors derived
+# from them registers its reset here (one registry, so a new cache cannot be forgotten).
+_AT_END: List[Callable[[], None]] = []
+
+
+def at_end_run(reset: Callable[[], None]) -> Callable[[], None]:
+    """Registers ``reset`` to run in :func:`end_run` (before the groups are destroyed)."""
+    _AT_END.append(reset)
+    return reset
+
+
+def run_cache(cache: _C) -> _C:
+    """``cache`` (a dict or set keyed by groups, meshes or devices), emptied by :func:`end_run`."""
+    at_end_run(cache.clear)
+    return cache
 
 # How long the calling thread sleeps (and so releases the GIL) before the groups are destroyed.
 _GLOO_GRACE_S = 0.2
@@ -27,12 +46,7 @@ def end_run() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
-    from . import comm_groups
-    from . import sharding
-    from .nn import dtensor_io
-
-    comm_groups._forget_all()
-    dtensor_io._MESHES.clear()
-    sharding._BLOCK_MESHES.clear()
+    for reset in _AT_END:
+        reset()
     time.sleep(_GLOO_GRACE_S)
     dist.destroy_process_group()

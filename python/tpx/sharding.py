@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .nn.dtensor_io import DTensor, Replicate, Shard
+from .run import run_cache
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
            "KeepsParamSharding", "local_of", "local_params", "raw_state_dict"]
@@ -193,7 +194,7 @@ class MeshSharding:
         return self
 
 
-_BLOCK_MESHES: dict = {}
+_BLOCK_MESHES: dict = run_cache({})
 
 
 def sharding_of(param) -> Optional[object]:

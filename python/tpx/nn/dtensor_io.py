@@ -13,11 +13,13 @@ layer and of a DTensor agree.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..group import group_ranks, mesh_for_group, remember_mesh  # noqa: F401  (re-exported)
 
 try:  # public since torch 2.5
     from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -26,10 +28,6 @@ except ImportError:  # pragma: no cover - older layout of the same classes
 
 __all__ = ["DTensor", "Partial", "Placement", "Replicate", "Shard", "local_input",
            "mesh_for_group", "remember_mesh", "wrap_output"]
-
-
-def _group_ranks(pg: dist.ProcessGroup) -> Tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(pg))
 
 
 def local_input(x, placement: Placement, pg: dist.ProcessGroup, who: str):
@@ -44,10 +42,10 @@ def local_input(x, placement: Placement, pg: dist.ProcessGroup, who: str):
             f"tpx.{who}: the input is a DTensor on a {mesh.ndim}-D mesh; a 1-D tpx layer takes a "
             "DTensor on the 1-D TP mesh it was built on (take the TP sub-mesh, e.g. mesh['tp'], "
             "or pass x.to_local())")
-    if tuple(mesh.mesh.flatten().tolist()) != _group_ranks(pg):
+    if tuple(mesh.mesh.flatten().tolist()) != group_ranks(pg):
         raise ValueError(
             f"tpx.{who}: the input DTensor lives on the ranks {mesh.mesh.flatten().tolist()}, but "
-            f"the layer is sharded over the ranks {list(_group_ranks(pg))}; redistribute the "
+            f"the layer is sharded over the ranks {list(group_ranks(pg))}; redistribute the "
             "input onto the layer's mesh first")
     if isinstance(placement, Shard) and placement.dim < 0:
         placement = Shard(placement.dim % x.dim())
@@ -68,9 +66,9 @@ def gathered_local(x, placement: Placement, pg: dist.ProcessGroup):
     own gather, as the local full tensor (or ``None`` where this does not apply: another
     redistribution, an uneven split, another mesh). The result carries the handle the
     column-parallel layers use to reduce-scatter their partial input gradients once
-    (:func:`tpx.autograd.gather_dim_for_partial_grads`), where ``DTensor.redistribute``
+    (:func:`tpx.mappings.gather_dim_for_partial_grads`), where ``DTensor.redistribute``
     would leave them an all-reduce each."""
-    from .. import autograd as tpx_autograd
+    from .. import mappings
 
     if not (isinstance(x, DTensor) and isinstance(placement, Replicate)
             and x.device_mesh.ndim == 1 and len(x.placements) == 1
@@ -78,9 +76,9 @@ def gathered_local(x, placement: Placement, pg: dist.ProcessGroup):
         return None
     d = x.placements[0].dim
     if x.shape[d] % pg.size() or \
-            tuple(x.device_mesh.mesh.flatten().tolist()) != _group_ranks(pg):
+            tuple(x.device_mesh.mesh.flatten().tolist()) != group_ranks(pg):
         return None
-    return tpx_autograd.gather_dim_for_partial_grads(x.to_local(), d, pg)
+    return mappings.gather_dim_for_partial_grads(x.to_local(), d, pg)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -96,30 +94,6 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
-
-
-_MESHES: Dict[Tuple[str, str], object] = {}
-
-
-def remember_mesh(pg: dist.ProcessGroup, mesh) -> None:
-    """``mesh`` (a 1-D ``DeviceMesh`` whose group is ``pg``, as the user passed it) is the mesh
-    of the ``DTensor`` s tpx builds over ``pg`` from now on (a sub-mesh of a ("dp", "tp") mesh
-    keeps its parent, which FSDP2 needs)."""
-    _MESHES[(pg.group_name, mesh.device_type)] = (pg, mesh)
-
-
-def mesh_for_group(pg: dist.ProcessGroup, device_type: str, mesh=None):
-    """The 1-D ``DeviceMesh`` over ``pg`` (``mesh`` itself when it is one over the same ranks)."""
-    if mesh is not None and getattr(mesh, "ndim", None) == 1 and mesh.device_type == device_type:
-        if tuple(mesh.mesh.flatten().tolist()) == _group_ranks(pg):
-            return mesh
-    key = (pg.group_name, device_type)
-    cached = _MESHES.get(key)
-    if cached is None or cached[0] is not pg:  # a group of the same name made anew
-        from torch.distributed.device_mesh import DeviceMesh
-
-        cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device_type))
-    return cached[1]
 
 
 def wrap_output(y: Tensor, placement: Placement, pg: dist.ProcessGroup, global_shape: Sequence[int],

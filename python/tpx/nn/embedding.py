@@ -7,13 +7,13 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .. import autograd as tpx_autograd  # also registers the backward of every op
+from .. import mappings
 from .. import ops
 from ..comm_groups import guarded
 from ..checks import check_values
 from .dtensor_io import Replicate, local_input
 from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
-from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
+from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, shard_bounds, load_initial,
                      resolve_group, shard_sizes)
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
@@ -99,14 +99,14 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
-        self.vocab_start, self.vocab_end = _range(num_embeddings, self.rank, self.world_size)
+        self.vocab_start, self.vocab_end = shard_bounds(num_embeddings, self.rank, self.world_size)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim,
                                                device=device, dtype=dtype))
         self.src_rank = src_rank
         self._init_weight(_full_weight)
 
     def _init_weight(self, full_weight: Optional[Tensor]) -> None:
-        ranges = [[_range(self.num_embeddings, r, self.world_size)]
+        ranges = [[shard_bounds(self.num_embeddings, r, self.world_size)]
                   for r in range(self.world_size)]
         load_initial(self.group, "VocabParallelEmbedding", dict(
             num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
@@ -178,7 +178,7 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
 
     def _shards(self):
         """(parameter name, sharded dim, rows of the full table held by each rank)."""
-        yield "weight", 0, [[_range(self.num_embeddings, r, self.world_size)]
+        yield "weight", 0, [[shard_bounds(self.num_embeddings, r, self.world_size)]
                             for r in range(self.world_size)]
 
     def extra_repr(self) -> str:
@@ -215,7 +215,7 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         self.world_size, self.rank = self.group.size(), torch.distributed.get_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.gather_output = padding_idx, bool(gather_output)
-        self.dim_start, self.dim_end = _range(embedding_dim, self.rank, self.world_size)
+        self.dim_start, self.dim_end = shard_bounds(embedding_dim, self.rank, self.world_size)
         self.dim_sizes = shard_sizes(embedding_dim, self.world_size)
         self.weight = nn.Parameter(torch.empty(num_embeddings, self.dim_end - self.dim_start,
                                                device=device, dtype=dtype))
@@ -223,7 +223,7 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         self._init_weight(_full_weight)
 
     def _init_weight(self, full_weight: Optional[Tensor]) -> None:
-        ranges = [[_range(self.embedding_dim, r, self.world_size)]
+        ranges = [[shard_bounds(self.embedding_dim, r, self.world_size)]
                   for r in range(self.world_size)]
         load_initial(self.group, "ColumnParallelEmbedding", dict(
             num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim,
@@ -257,12 +257,12 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         weight, = local_params(self.weight)
         y = torch.nn.functional.embedding(ids, weight, self.padding_idx)
         if self.gather_output:
-            y = tpx_autograd.gather_last_dim(y, self.dim_sizes, self.dim_start, self.group)
+            y = mappings.gather_last_dim(y, self.dim_sizes, self.dim_start, self.group)
         return y
 
     def _shards(self):
         """(parameter name, sharded dim, columns of the full table held by each rank)."""
-        yield "weight", 1, [[_range(self.embedding_dim, r, self.world_size)]
+        yield "weight", 1, [[shard_bounds(self.embedding_dim, r, self.world_size)]
                             for r in range(self.world_size)]
 
     def extra_repr(self) -> str:

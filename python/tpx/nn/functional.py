@@ -2,23 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .. import autograd as _autograd  # noqa: F401  (registers the backward of every op)
 from .. import ops
-from ..comm_groups import guarded
-from ..amp import loss_dtype
 from ..checks import check_values
-from ..group import GroupLike, resolve_group, vocab_layout
+from ..comm import count_collective
+from ..comm_groups import guarded, own, wire_group
+from ..ops.amp import loss_dtype
+from ..group import GroupLike, resolve_group, shard_bounds
 from .dtensor_io import DTensor, Replicate, Shard
 from ..sharding import local_params
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 
 _REDUCTIONS = ("none", "mean", "sum")
+
+
+def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> Tuple[int, int]:
+    """``(start, full_size)`` of this rank's block of a dimension sharded over ``pg`` whose
+    local size is ``local_size``. With ``vocab_size`` the layout is ``shard_range(vocab_size)``
+    (checked, no communication); without it the ranks' local sizes are all-gathered (one
+    integer each, on tpx's own copy of ``pg`` and counted by ``tpx.comm_stats``) and the
+    blocks follow rank order, so any split is accepted."""
+    rank, world = dist.get_rank(pg), pg.size()
+    if vocab_size is not None:
+        start, end = shard_bounds(vocab_size, rank, world)
+        if end - start != local_size:
+            raise ValueError(
+                f"tpx: this rank holds {local_size} vocabulary entries but shard_range("
+                f"{vocab_size}) gives it {end - start} ([{start}, {end})); shard the vocabulary "
+                "with tpx.shard_range, or pass the right vocab_size")
+        return start, vocab_size
+    if world == 1:
+        return 0, local_size
+    own(pg)  # on tpx's own copy of the group, counted as tpx's other collectives
+    mine = torch.tensor([local_size], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    count_collective(pg, "all_gather", mine)
+    dist.all_gather(sizes, mine, group=wire_group(pg))
+    sizes = [int(s) for s in sizes]
+    return sum(sizes[:rank]), sum(sizes)
 
 
 def _check_loss_args(fn: str, logits: Tensor, target: Tensor, reduction: str,

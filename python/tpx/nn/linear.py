@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import autograd as tpx_autograd
+from .. import mappings
 from .. import ops
 from ..comm_groups import guarded
-from ..amp import autocast_casts
-from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, _range, load_initial,
+from ..ops.amp import autocast_casts
+from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, shard_bounds, load_initial,
                      resolve_group, shard_sizes)
 from .dtensor_io import Replicate, Shard, local_input
 from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
@@ -56,7 +56,7 @@ def _check_chunks(cls: str, chunks: Optional[int]) -> None:
         raise ValueError(f"tpx.{cls}: `chunks` must be None or an int >= 1; got {chunks!r}")
 
 
-def _full_linear_init(in_features: int, out_features: int, bias: bool, device, dtype
+def full_linear_init(in_features: int, out_features: int, bias: bool, device, dtype
                       ) -> Tuple[Tensor, Optional[Tensor]]:
     """The full weight and bias drawn exactly as ``nn.Linear(in, out)`` draws them (same RNG
     calls, same order), so a seeded TP model and a seeded single-device model start equal."""
@@ -155,7 +155,7 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         def full_fn():
             if full_weights is not None:
                 return full_weights[0], full_weights[1]
-            return _full_linear_init(self.in_features, self.out_features,
+            return full_linear_init(self.in_features, self.out_features,
                                      self.bias is not None, self.weight.device,
                                      self.weight.dtype)
 
@@ -231,9 +231,9 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.sequence_parallel = bool(gather_output), bool(sequence_parallel)
         self.sequence_dim, self.chunks = sequence_dim, chunks
         if out_rows is None:
-            self.out_start, self.out_end = _range(out_features, self.rank, self.world_size)
+            self.out_start, self.out_end = shard_bounds(out_features, self.rank, self.world_size)
             self.out_sizes = shard_sizes(out_features, self.world_size)
-            self.out_rows = [[_range(out_features, r, self.world_size)]
+            self.out_rows = [[shard_bounds(out_features, r, self.world_size)]
                              for r in range(self.world_size)]
             self.replicated_rows = False
         else:
@@ -287,19 +287,19 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_input(x, self.in_features, "in_features")
         weight, bias = self._row_params(self.weight, self.bias)
         w_t = weight.t()
-        twin = None if self.sequence_parallel else tpx_autograd.partial_grad_input(x, self.group)
+        twin = None if self.sequence_parallel else mappings.partial_grad_input(x, self.group)
         if self.sequence_parallel:
             _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
                                          bias=bias, return_gathered=False)
         elif twin is not None:
             # x was gathered from sequence shards by a plan style: the partial input gradient
             # is left unreduced, summed with those of the other column layers reading x, and
-            # reduce-scattered once (tpx.autograd.gather_dim_for_partial_grads).
+            # reduce-scattered once (tpx.mappings.gather_dim_for_partial_grads).
             y = F.linear(twin, weight, bias)
         else:
             y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
         if self.gather_output:
-            y = tpx_autograd.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
+            y = mappings.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
         return y
 
     def _row_params(self, *params):
@@ -311,7 +311,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if not self.replicated_rows:
             return local
         return tuple(None if t is None else
-                     tpx_autograd.sum_grad_over_holders(t, self.out_rows, self.group)
+                     mappings.sum_grad_over_holders(t, self.out_rows, self.group)
                      for t in local)
 
     def extra_repr(self) -> str:
@@ -373,7 +373,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim, self.chunks = sequence_dim, chunks
-        self.in_start, self.in_end = _range(in_features, self.rank, self.world_size)
+        self.in_start, self.in_end = shard_bounds(in_features, self.rank, self.world_size)
         self.in_sizes = shard_sizes(in_features, self.world_size)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(
@@ -387,14 +387,14 @@ class RowParallelLinear(_ParallelLinear):
                             reduce_output=self.reduce_output)
 
     def _weight_layout(self):
-        return [[_range(self.in_features, r, self.world_size)] for r in range(self.world_size)], 1
+        return [[shard_bounds(self.in_features, r, self.world_size)] for r in range(self.world_size)], 1
 
     def _bias_layout(self):
         return None, 0  # replicated
 
     def _shards(self):
         """(parameter name, sharded dim, columns of the full weight held by each rank)."""
-        yield "weight", 1, [[_range(self.in_features, r, self.world_size)]
+        yield "weight", 1, [[shard_bounds(self.in_features, r, self.world_size)]
                             for r in range(self.world_size)]
 
     @classmethod
@@ -424,7 +424,7 @@ class RowParallelLinear(_ParallelLinear):
         added on its first rank, its gradient whole on every rank."""
         if bias is None:
             return y
-        return y + tpx_autograd.scale_forward(bias, 1.0 if self.rank == 0 else 0.0)
+        return y + mappings.scale_forward(bias, 1.0 if self.rank == 0 else 0.0)
 
     def _local_columns(self, x: Tensor, who: str) -> Tensor:
         """This rank's columns of the input: a ``DTensor`` redistributed to ``S(-1)`` (``R``
@@ -438,7 +438,7 @@ class RowParallelLinear(_ParallelLinear):
                               f"in_features={self.in_features}")
             return x
         self._check_input(x, self.in_features, "in_features")
-        return tpx_autograd.split_last_dim(x, self.in_sizes, self.in_start, self.group)
+        return mappings.split_last_dim(x, self.in_sizes, self.in_start, self.group)
 
     def _scatter_dim(self, x: Tensor) -> int:
         """The sequence dimension the output is reduce-scattered along (its size must divide

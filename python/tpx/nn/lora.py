@@ -54,11 +54,11 @@ try:
 except ImportError as e:  # pragma: no cover - only imported when peft is in use
     raise ImportError("tpx.nn.lora needs peft (pip install peft)") from e
 
-from .. import autograd as tpx_autograd
+from .. import mappings
 from .. import ops
 from .. import random as tpx_random
 from ..comm_groups import guarded
-from ..group import SharesGroupOnCopy, ShardSpec, _range, load_initial
+from ..group import SharesGroupOnCopy, ShardSpec, shard_bounds, load_initial
 from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -196,7 +196,7 @@ class _ParallelLora:
             if new_b.bias is not None:
                 specs.append(ShardSpec(new_b.bias, rows, 0))
         else:
-            cols = [[_range(base.in_features, q, world)] for q in range(world)]
+            cols = [[shard_bounds(base.in_features, q, world)] for q in range(world)]
             s, e = cols[rank][0]
             new_a = _LoraFactor(A, (r, e - s), [("weight", 1, cols)], pg, a_full)
             new_b = _LoraFactor(B, b_full, [], pg, b_full)
@@ -294,7 +294,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
             return self._tpx_forward_sequence_parallel(x, active)
         x = local_input(x, Replicate(), pg, type(self).__name__)
         base._check_input(x, base.in_features, "in_features")
-        twin = tpx_autograd.partial_grad_input(x, pg)
+        twin = mappings.partial_grad_input(x, pg)
         weight, bias = base._row_params(base.weight, base.bias)
         if twin is not None:
             # x was gathered from sequence shards by a plan style: the input gradients of the
@@ -303,7 +303,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
             hs = []
             for a in active:
                 (wa,) = local_params(self.lora_A[a].weight)
-                hs.append(F.linear(self._dropout(a, twin), tpx_autograd.all_reduce_grad(wa, pg)))
+                hs.append(F.linear(self._dropout(a, twin), mappings.all_reduce_grad(wa, pg)))
             return self._tpx_add_lora(F.linear(twin, weight, bias), active, hs)
         # h = A(dropout(x)) on the replicated input (the replicated random stream draws the
         # same mask on every rank); each rank's B block makes its gradient a partial sum,
@@ -314,7 +314,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
             hs.append(F.linear(self._dropout(a, x), wa))
         needs = [t for t in (x, *hs) if t.requires_grad]
         if needs and pg.size() > 1:
-            reduced = iter(tpx_autograd.all_reduce_grads(needs, pg))
+            reduced = iter(mappings.all_reduce_grads(needs, pg))
             x = next(reduced) if x.requires_grad else x
             hs = [next(reduced) if h.requires_grad else h for h in hs]
         return self._tpx_add_lora(F.linear(x, weight, bias), active, hs)
@@ -330,7 +330,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
             y = y + F.linear(h.to(wb.dtype), wb, bb) * self.scaling[a]
         y = y.to(out_dtype)
         if base.gather_output:
-            y = tpx_autograd.gather_last_dim(y, base.out_sizes, base.out_start, pg)
+            y = mappings.gather_last_dim(y, base.out_sizes, base.out_start, pg)
         return y
 
 
@@ -348,7 +348,7 @@ class ColumnParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         factors = []
         for a in active:
             (wa,) = local_params(self.lora_A[a].weight)
-            factors.append(tpx_autograd.all_reduce_grad(wa, pg).to(weight.dtype))
+            factors.append(mappings.all_reduce_grad(wa, pg).to(weight.dtype))
         w_cat = torch.cat([weight, *factors], 0)
         b_cat = None if bias is None else torch.cat([bias, bias.new_zeros(sum(
             f.shape[0] for f in factors))])
@@ -428,9 +428,9 @@ class RowParallelLoraLinear(_ParallelLora, _PeftLoraLinear):
         out_dtype = y.dtype
         for a, h in zip(active, pieces[1:]):
             wb, bb = local_params(self.lora_B[a].weight, self.lora_B[a].bias)
-            wb = tpx_autograd.all_reduce_grad(wb, pg)
+            wb = mappings.all_reduce_grad(wb, pg)
             if bb is not None:
-                bb = tpx_autograd.all_reduce_grad(bb, pg)
+                bb = mappings.all_reduce_grad(bb, pg)
             y = y + F.linear(h.to(wb.dtype), wb, bb) * self.scaling[a]
         return y.to(out_dtype)
 
@@ -444,7 +444,7 @@ def _sum_packed(parts: List[Tensor], pg) -> List[Tensor]:
     for dtype in dict.fromkeys(p.dtype for p in parts):
         idx = [i for i, p in enumerate(parts) if p.dtype == dtype]
         packed = torch.cat([parts[i] for i in idx], -1)
-        summed = tpx_autograd.all_reduce_sum(packed, pg)
+        summed = mappings.all_reduce_sum(packed, pg)
         for i, piece in zip(idx, summed.split([parts[i].shape[-1] for i in idx], -1)):
             out[i] = piece
     return out  # type: ignore[return-value]

@@ -105,20 +105,16 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         src_rank=src_rank, plan=plan_desc, module=_structure(module)))
     check_src_rank("parallelize_module", src_rank, pg.size())
     before = dict(module.named_parameters(remove_duplicate=False))
-    hint = device_mesh if (DeviceMesh and isinstance(device_mesh, DeviceMesh)
-                           and device_mesh.ndim == 1) else None
-    _style._MESH_HINT[0] = hint
-    try:
-        if _style.is_style(plan):
-            new = apply_style(plan, module, pg, src_rank)
-            if new is not module:
-                _check_can_become(module, new, "the module given")
-                _become(module, new)
-            keep = set()
-        else:
-            keep = _apply_plan(module, pg, plan, src_rank, strict)
-    finally:
-        _style._MESH_HINT[0] = None
+    # A 1-D mesh given as device_mesh was remembered by resolve_group: the DTensors of the
+    # styles (parameters, outputs) are built on it (tpx.group.mesh_for_group).
+    if _style.is_style(plan):
+        new = apply_style(plan, module, pg, src_rank)
+        if new is not module:
+            check_can_become_module(module, new, "the module given")
+            become_module(module, new)
+        keep = set()
+    else:
+        keep = _apply_plan(module, pg, plan, src_rank, strict)
     _keep_parameter_objects(module, before, keep)
     _guard_save_pretrained(module)
     if src_rank is not None and pg.size() > 1:
@@ -136,7 +132,7 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def _check_can_become(old: nn.Module, new: nn.Module, what: str) -> None:
+def check_can_become_module(old: nn.Module, new: nn.Module, what: str) -> None:
     """Raises (before anything changes) when ``old`` cannot be turned into ``new`` in place."""
     def slots(cls):
         return [c for c in cls.__mro__ if "__slots__" in c.__dict__ and c.__slots__]
@@ -148,7 +144,7 @@ def _check_can_become(old: nn.Module, new: nn.Module, what: str) -> None:
             "layout); nothing was changed. Shard a plain nn.Linear / nn.Embedding")
 
 
-def _become(old: nn.Module, new: nn.Module) -> None:
+def become_module(old: nn.Module, new: nn.Module) -> None:
     """Turns the object ``old`` into ``new`` in place: every reference to ``old`` (the caller's,
     a parent's, a list's) now holds the parallel module. Hooks registered on ``old`` are kept
     (before the style's own), and so is its train/eval mode."""
@@ -329,12 +325,12 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
     for name, style in work:
         old = module if name == "" else module.get_submodule(name)
         parent_name, _, child = name.rpartition(".")
-        if child == "base_layer" and _style._is_peft_layer(module.get_submodule(parent_name)):
+        if child == "base_layer" and _style.is_peft_layer(module.get_submodule(parent_name)):
             raise ValueError(
                 f"tpx.parallelize_module: the plan names {name!r}, the base layer of a peft "
                 f"(LoRA) layer; name the LoRA layer itself ({parent_name!r}): tpx shards its "
                 "base layer and its adapters together. Nothing was changed")
-        if _style._is_peft_layer(old) and not _peft_aware(style):
+        if _style.is_peft_layer(old) and not _peft_aware(style):
             raise ValueError(
                 f"tpx.parallelize_module: {name!r} is peft's {type(old).__module__}."
                 f"{type(old).__name__} (an adapter on what the plan shards with {style!r}); "
@@ -343,7 +339,7 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
         try:
             new = apply_style(style, old, pg, src_rank)
             if new is not old:
-                _check_can_become(old, new, repr(name))
+                check_can_become_module(old, new, repr(name))
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
@@ -364,7 +360,7 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
         partial.append(tie)
         keep.add(id(getattr(module.get_submodule(tie[0][0]), tie[0][1])))
     for _, old, new in replaced:
-        _become(old, new)
+        become_module(old, new)
     for tie in ties:
         if tie not in partial:
             _retie(module, tie)
@@ -387,7 +383,7 @@ def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
         setattr(module.get_submodule(m), p_name, keep)
 
 
-def _mesh_group(mesh) -> dist.ProcessGroup:
+def tp_mesh_group(mesh) -> dist.ProcessGroup:
     """A process group over every rank of ``mesh``."""
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD
@@ -406,7 +402,7 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
         raise TypeError("tpx.parallelize_module: over a multi-dimensional mesh the plan must be a "
                         "dict from module-name patterns to mesh styles (tpx.plans.auto(model, "
                         f"layout={info.layout!r})); got {type(plan).__name__}")
-    pg = _mesh_group(mesh)
+    pg = tp_mesh_group(mesh)
     check_same_on_ranks(pg, "parallelize_module", dict(
         src_rank=src_rank, layout=info.layout, mesh=tuple(mesh.shape),
         plan=[(k, repr(v)) for k, v in plan.items()], module=_structure(module)))
@@ -453,13 +449,13 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
             if new is not old:
                 if name == "":
                     raise ValueError("the style of the model itself ('') must keep the module")
-                _check_can_become(old, new, repr(name))
+                check_can_become_module(old, new, repr(name))
         except (ValueError, TypeError) as e:
             raise fail(name, old, style, e) from e
         if new is not old:
             replaced.append((old, new))
     for old, new in replaced:
-        _become(old, new)
+        become_module(old, new)
     for name, style, old in in_place:
         try:
             new = style.apply_mesh(old, mesh, src_rank)
@@ -469,8 +465,8 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
             if name == "":
                 raise ValueError("tpx.parallelize_module: the style of the model itself ('') "
                                  "must keep the module")
-            _check_can_become(old, new, repr(name))
-            _become(old, new)
+            check_can_become_module(old, new, repr(name))
+            become_module(old, new)
     _keep_parameter_objects(module, before)
     if src_rank is not None and pg.size() > 1:
         # The replaced layers took their blocks from the source rank; everything else (a

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,10 +173,10 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     from .api import parallelize_module
 
     from ..mesh import mesh_layout
-    from .api import _mesh_group
+    from .api import tp_mesh_group
 
     multidim = hasattr(group, "mesh_dim_names") and mesh_layout(group) in ("2d", "2.5d", "3d")
-    pg = _mesh_group(group) if multidim else resolve_group(group)
+    pg = tp_mesh_group(group) if multidim else resolve_group(group)
     ref = copy.deepcopy(model)
     parallelize_module(model, group if multidim else pg, plan)
     names_ref = dict(ref.named_modules())
@@ -222,10 +222,10 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
         parts = _parts_of(captured[name], local, sharded_modules.get(name), pg)
         errors.append(min(_rel(local, part) for part in parts) if parts else -1.0)
 
-    from ..checkpoint import _mesh_params, _sharded_params
+    from ..checkpoint import mesh_params, sharded_params
 
-    shards = {sh.key: sh for sh in _sharded_params(model)}
-    shards.update({ms.key: ms for ms in _mesh_params(model)})
+    shards = {sh.key: sh for sh in sharded_params(model)}
+    shards.update({ms.key: ms for ms in mesh_params(model)})
     grad_names, grad_errs = [], []
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():

@@ -49,18 +49,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import autograd as tpx_autograd
+from .. import mappings
 from .. import ops
 from ..comm_groups import guarded
 from .. import random as tpx_random
 from ..group import (DeviceMesh, SharesGroupOnCopy, ShardSpec, load_initial, resolve_group,
-                     _range)
+                     shard_bounds)
 from ..nn import RowParallelLinear
 from ..nn.dtensor_io import local_input
 from ..sharding import KeepsParamSharding, describe_params
-from .api import _become, _check_can_become, parallelize_module
+from .api import become_module, check_can_become_module, parallelize_module
 from .style import (ColwiseParallel as _Colwise, ParallelStyle, Replicate,
-                    RowwiseParallel as _Rowwise, Shard, _head_rows, apply_style, redistribute)
+                    RowwiseParallel as _Rowwise, Shard, head_rows, apply_style, redistribute)
 
 __all__ = ["DeviceMesh", "parallelize_module", "PairwiseParallel", "SequenceParallel", "ColwiseParallel", "RowwiseParallel",
            "ParallelMultiheadAttention",
@@ -373,9 +373,9 @@ class ParallelMultiheadAttention(KeepsParamSharding, SharesGroupOnCopy, nn.Multi
         self.local_num_heads = h // world
         self.head_start = rank * self.local_num_heads
         # Per rank, the rows it holds of a [q | k | v] projection and of one of them.
-        self._rows_qkv = _head_rows((e, e, e), self.head_dim, False, world)
-        self._rows_one = _head_rows((e,), self.head_dim, False, world)
-        assert self._rows_one == [[_range(e, r, world)] for r in range(world)]
+        self._rows_qkv = head_rows((e, e, e), self.head_dim, False, world)
+        self._rows_one = head_rows((e,), self.head_dim, False, world)
+        assert self._rows_one == [[shard_bounds(e, r, world)] for r in range(world)]
         factory = {"device": mha.out_proj.weight.device, "dtype": mha.out_proj.weight.dtype}
         specs, fulls = [], []
 
@@ -587,7 +587,7 @@ class ParallelMultiheadAttention(KeepsParamSharding, SharesGroupOnCopy, nn.Multi
         out = self.out_proj(out.transpose(1, 2).reshape(n, tgt, heads * hd))
         if need_weights:
             # Every rank's heads, in order: [N, H, L, S] replicated.
-            weights = tpx_autograd.gather_dim(weights, 1, [heads] * self.world_size,
+            weights = mappings.gather_dim(weights, 1, [heads] * self.world_size,
                                               self.head_start, pg)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
@@ -643,7 +643,7 @@ def _tp_stream_dropout(module: nn.Module) -> None:
     def enter(mod, args):
         if (mod.training and getattr(mod, "p", 0) > 0 and tpx_random.is_seeded() and args
                 and isinstance(args[0], Tensor)):
-            swap = tpx_random._Swap(args[0].device)
+            swap = tpx_random.Swap(args[0].device)
             swap.enter()
             state["swap"] = swap
 
@@ -868,9 +868,9 @@ class PairwiseParallel(ParallelStyle):
             work.append((r_path, row, _LegacyLinear(False, Shard(-1), last_out, self._name)
                          .apply(row, pg, src_rank)))
         for path, old, new in work:
-            _check_can_become(old, new, repr(path))
+            check_can_become_module(old, new, repr(path))
         for _, old, new in work:
-            _become(old, new)
+            become_module(old, new)
         for mod in found.fast:
             _guard_fastpath(mod)
         if world > 1:

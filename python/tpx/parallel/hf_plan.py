@@ -42,8 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import autograd as tpx_autograd
+from .. import mappings
+from .generate import with_generate
 from .moe import MoEIdentityExpert
+from .sequence import Chain, GatherSequence, PadSequence, SeqLength, SplitSequence, find_module
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
                     ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
                     ShardedAttention)
@@ -63,7 +65,7 @@ class AllReduceOutput(ParallelStyle):
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
         if pg.size() > 1:
             module.register_forward_hook(
-                lambda m, a, out: tpx_autograd.all_reduce_sum(out, pg)
+                lambda m, a, out: mappings.all_reduce_sum(out, pg)
                 if isinstance(out, Tensor) else out)
         return module
 
@@ -104,7 +106,7 @@ class SplitRopeGrad(ParallelStyle):
             if pg.size() == 1 or not isinstance(out, Tensor):
                 return out
             keep, rope = out.split([out.shape[-1] - n, n], dim=-1)
-            return torch.cat([keep, tpx_autograd.all_reduce_grad(rope, pg)], dim=-1)
+            return torch.cat([keep, mappings.all_reduce_grad(rope, pg)], dim=-1)
 
         module.register_forward_hook(hook)
         return module
@@ -423,8 +425,6 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     config leaves out) are dropped, as transformers does. ``experts``: how the experts a plan
     marks ``moe_tp_experts`` are split: ``"tp"`` (expert TP, Hugging Face's meaning) or ``"ep"``
     (expert parallelism: whole experts per rank; docs/experts.md)."""
-    from . import plans as _plans
-
     if experts not in ("tp", "ep"):
         raise ValueError(f"tpx.hf_plan.translate: `experts` must be 'tp' or 'ep'; got "
                          f"{experts!r}")
@@ -526,7 +526,7 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                 for k in keys:
                     ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
-    return _plans._with_generate(ordered, model, head, loss_parallel)
+    return with_generate(ordered, model, head, loss_parallel)
 
 
 def _check_whole_feature_statistics(modules: Dict[str, nn.Module], names: List[str],
@@ -584,7 +584,7 @@ class _PartialGradParams(ParallelStyle):
         module.register_forward_pre_hook(lambda mod, args: self._see(state, args))
         for p in module.parameters():
             if p.requires_grad:
-                p.register_hook(lambda g, pg=pg: tpx_autograd.sum_over_group(g, pg)
+                p.register_hook(lambda g, pg=pg: mappings.sum_over_group(g, pg)
                                 if state["partial"] else g)
         return module
 
@@ -782,10 +782,8 @@ def _head_params(model: nn.Module, plan: Plan, owner: str, params: Dict[str, str
                     f"tpx.hf_plan.translate: the plan entry {key!r}: 'colwise' on a parameter "
                     f"of attention split by heads needs one row per query head ({heads}); got "
                     f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
-    from .plans import _Chain
-
     for k in attn_parents[owner] if owner in attn_parents else ():
-        plan[k] = _Chain(plan[k], HeadParams(tuple(params), heads))
+        plan[k] = Chain(plan[k], HeadParams(tuple(params), heads))
 
 
 class HeadParams(ParallelStyle):
@@ -872,14 +870,12 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     size), their norms on the block; attention gathers the sequence before it (trimmed to
     the real positions) and its output projection reduce-scatters it; the MLP gathers
     it (padded) and its down projection reduce-scatters; the final norm gathers it back."""
-    from .plans import (_Chain, _find, _GatherSequence, _PadSequence, _SeqLength,
-                        _SplitSequence)
 
     def fail(why):
         return ValueError(f"tpx.plans.auto: sequence_parallel=True is not supported for "
                           f"model_type={model_type!r}: {why}; use sequence_parallel=False")
 
-    layers = _find(model, "layers")
+    layers = find_module(model, "layers")
     if layers is None or not isinstance(model.get_submodule(layers), nn.ModuleList):
         raise fail("no `layers` list of decoder layers")
     pre = layers + ".*."
@@ -910,19 +906,19 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     finals = [n for n, m in base_mod.named_children() if "norm" in type(m).__name__.lower()]
     if len(finals) != 1:
         raise fail("no single final norm after the decoder layers")
-    n = _SeqLength()
+    n = SeqLength()
     for key in rows:
         st = plan[key]
         new = RowwiseParallel(input_layouts=st.input_layouts, output_layouts=Shard(1))
-        plan[key] = _Chain(new, _PadSequence(n)) if key.startswith(attn[0] + ".") else new
-    plan[attn[0]] = _Chain(plan[attn[0]], _GatherSequence(n, "input"))
+        plan[key] = Chain(new, PadSequence(n)) if key.startswith(attn[0] + ".") else new
+    plan[attn[0]] = Chain(plan[attn[0]], GatherSequence(n, "input"))
     # tpx's own plan hands local tensors between the blocks (no DTensor on the hot path)
     plan[pre + mlp_child] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Replicate(),),
                                                use_local_output=True)
-    plan[pre.replace("*", "0").rstrip(".")] = _SplitSequence(n)
+    plan[pre.replace("*", "0").rstrip(".")] = SplitSequence(n)
     for name, sub in layer.named_children():
         if name not in (attn_child, mlp_child):
             plan[pre + name] = SequenceParallel(use_local_output=True)
-    plan[base + finals[0]] = _Chain(SequenceParallel(use_local_output=True),
-                                    _GatherSequence(n, "output"))
+    plan[base + finals[0]] = Chain(SequenceParallel(use_local_output=True),
+                                    GatherSequence(n, "output"))

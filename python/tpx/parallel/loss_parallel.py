@@ -48,7 +48,7 @@ class _MeshLogits:
     rank's block ``index``."""
 
     def __init__(self, mesh, hidden_mesh_dim: Optional[str]) -> None:
-        from ..nn.multidim import _block, _splits
+        from ..nn.multidim import block_of, mesh_splits
         from .mesh_styles import mesh_info
 
         info = mesh_info(mesh, "loss_parallel")
@@ -61,10 +61,10 @@ class _MeshLogits:
             raise ValueError("tpx.loss_parallel: `hidden_mesh_dim` is only for 3-D meshes")
         else:
             hidden = None
-        bdims, hdims = _splits(info, hidden)
+        bdims, hdims = mesh_splits(info, hidden)
         self.vocab_group = info.groups[hdims[0]]
         self.batch_groups = [info.group_name(d) for d in bdims]
-        self.index, self.blocks = _block(info, bdims)
+        self.index, self.blocks = block_of(info, bdims)
 
     def local_target(self, target: Tensor, rows: int) -> Tensor:
         """This rank's batch block of ``target`` (given whole, or already as the block)."""

@@ -224,8 +224,8 @@ class MeshInput(MeshStyle):
                 raise ValueError(f"tpx.MeshInput: `{key}` has {x.shape[0]} rows in dim 0 and "
                                  f"the ids {batch}: pass it for the whole batch (or with one "
                                  "row, broadcast)")
-            bdims, _ = md._splits(info, hidden if three_d else None)
-            index, count = md._block(info, bdims)
+            bdims, _ = md.mesh_splits(info, hidden if three_d else None)
+            index, count = md.block_of(info, bdims)
             if x.shape[0] % count:
                 raise ValueError(f"tpx.MeshInput: `{key}`.shape[0] (batch) = {x.shape[0]} must "
                                  f"divide by {count}, the number of batch blocks of the "

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import autograd as tpx_autograd
-from ..group import ShardSpec, _range, load_initial
+from .. import mappings
+from ..group import ShardSpec, shard_bounds, load_initial
 from ..sharding import describe_params, guard_state_dict
 from .style import ParallelStyle
 
@@ -158,7 +158,7 @@ class ExpertsTensorParallel(ParallelStyle):
         dn_rows: List[Ranges] = []
         unit = align if align > 1 and inter % align == 0 else 1
         for r in range(world):
-            s, e = (x * unit for x in _range(inter // unit, r, world))
+            s, e = (x * unit for x in shard_bounds(inter // unit, r, world))
             dn_rows.append(((s, e),))
             if not gated:
                 gu_rows.append(((s, e),))
@@ -245,7 +245,7 @@ class ExpertsTensorParallel(ParallelStyle):
             values = [v.to_local() if hasattr(v, "to_local") else v for v in values]
             keep = [i for i in (0, 2) if isinstance(values[i], Tensor) and
                     values[i].is_floating_point()]
-            summed = tpx_autograd.all_reduce_grads([values[i] for i in keep], pg)
+            summed = mappings.all_reduce_grads([values[i] for i in keep], pg)
             for i, v in zip(keep, summed):
                 values[i] = v
             if values[1] is not None and values[2] is not None:
@@ -260,7 +260,7 @@ class ExpertsTensorParallel(ParallelStyle):
             if dn_bias is not None:  # each rank adds bias / P: the group's sum adds it once
                 del mod._parameters[bias_name]
                 object.__setattr__(mod, bias_name,
-                                   tpx_autograd.scale_forward(dn_bias, 1.0 / world))
+                                   mappings.scale_forward(dn_bias, 1.0 / world))
             return tuple(args), kwargs
 
         def post(mod, args, kwargs, output):
@@ -268,7 +268,7 @@ class ExpertsTensorParallel(ParallelStyle):
                 mod.__dict__.pop(bias_name, None)
                 mod._parameters[bias_name] = dn_bias
             if isinstance(output, Tensor):
-                return tpx_autograd.all_reduce_sum(output, pg)
+                return mappings.all_reduce_sum(output, pg)
             return output
 
         module.register_forward_pre_hook(pre, with_kwargs=True)

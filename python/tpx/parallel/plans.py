@@ -27,31 +27,20 @@ sequence is padded to a multiple of the TP size inside the decoder layers).
 
 from __future__ import annotations
 
-import types
 from typing import Dict, List, Optional
 
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from .. import autograd as tpx_autograd
-
-from ..nn import multidim as md
-from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel, mesh_info
+from . import hf_plan
+from .generate import MeshInputFullLogits, with_generate
+from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
+from .sequence import Chain, find_module
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
-                    RowwiseParallel, SequenceParallel, Shard, ShardedAttention, apply_style)
+                    RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
 
 __all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder", "check", "PlanReport"]
 
 Plan = Dict[str, ParallelStyle]
-
-
-def _find(model: nn.Module, suffix: str) -> Optional[str]:
-    """The name of the first module whose name ends with ``suffix`` ('' for the root)."""
-    for name, _ in model.named_modules():
-        if name == suffix or name.endswith("." + suffix):
-            return name
-    return None
 
 
 def _prefix(name: Optional[str], suffix: str) -> str:
@@ -61,202 +50,6 @@ def _prefix(name: Optional[str], suffix: str) -> str:
 def _head_output(loss_parallel: bool, seq) -> ColwiseParallel:
     return ColwiseParallel(input_layouts=seq,
                            output_layouts=Shard(-1) if loss_parallel else Replicate())
-
-
-def _with_generate(plan: Plan, model: nn.Module, head: Optional[str],
-                   loss_parallel: bool) -> Plan:
-    """Adds :class:`_FullLogitsInGenerate` on the model itself when its LM head keeps the
-    logits vocab-sharded and the model can ``generate()``."""
-    if loss_parallel and head is not None and callable(getattr(type(model), "generate", None)):
-        plan[""] = _FullLogitsInGenerate(head)
-    return plan
-
-
-class _FullLogitsInGenerate(ParallelStyle):
-    """On the model itself (plan key ``""``) when the plan's LM head keeps the logits sharded
-    over the vocabulary (``loss_parallel=True``): while the model's ``generate()`` runs, every
-    forward pass gathers the logits it returns over the vocabulary (the positions Hugging Face
-    keeps, one per decoding step), so each rank picks its next token from the full vocabulary
-    and every rank generates what one device generates. Outside ``generate()`` the logits stay
-    vocab-sharded, for the loss under ``tpx.loss_parallel()``."""
-
-    def __init__(self, head: str) -> None:
-        self.head = head
-
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        head_name = self.head
-
-        def gather(root, logits):
-            head = root.get_submodule(head_name)
-            return tpx_autograd.gather_last_dim(logits, head.out_sizes, head.out_start,
-                                                head.group)
-
-        _gather_logits_in_generate(module, gather)
-        return module
-
-    def __repr__(self) -> str:
-        return f"_FullLogitsInGenerate(head={self.head!r})"
-
-
-class _MeshInputFullLogits(MeshInput):
-    """:class:`MeshInput`, and on a model whose LM head keeps the logits in the layout's blocks
-    (``loss_parallel=True``): the full logits while the model's ``generate()`` runs."""
-
-    def __init__(self, input_kwargs, head: str) -> None:
-        super().__init__(input_kwargs)
-        self.head = head
-
-    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
-        module = super().apply_mesh(module, mesh, src_rank)
-        info = mesh_info(mesh, "MeshInput")
-        head_name = self.head
-
-        def gather(root, logits):
-            kw = {}
-            if info.layout == "3d":
-                kw["hidden_mesh_dim"] = root.get_submodule(head_name).output_mesh_dim
-            return md.gather_output(logits, info, **kw)
-
-        _gather_logits_in_generate(module, gather)
-        return module
-
-
-def _gather_logits_in_generate(module: nn.Module, gather) -> None:
-    """Runs ``module.generate`` (Hugging Face's) with the logits each forward pass returns
-    replaced by ``gather(module, logits)``; other calls of the module are left alone."""
-    if "_tpx_gather_logits" not in module.__dict__:
-        module.generate = types.MethodType(_generate_full_logits, module)
-        module.register_forward_hook(_gather_logits_when_generating)
-    module.__dict__["_tpx_gather_logits"] = gather
-
-
-def _generate_full_logits(self, *args, **kwargs):
-    """The model's own ``generate``, with the LM head's vocab shards gathered during it."""
-    self.__dict__["_tpx_generating"] = self.__dict__.get("_tpx_generating", 0) + 1
-    try:
-        return type(self).generate(self, *args, **kwargs)
-    finally:
-        self.__dict__["_tpx_generating"] -= 1
-
-
-def _gather_logits_when_generating(module, args, output):
-    if not module.__dict__.get("_tpx_generating"):
-        return output
-    logits = getattr(output, "logits", None)
-    if not isinstance(logits, Tensor):
-        return output
-    output.logits = module.__dict__["_tpx_gather_logits"](module, logits)
-    return output
-
-
-class _SeqLength:
-    """The sequence length of the forward pass under way, shared by the entries of a
-    sequence-parallel plan that pads the sequence to a multiple of the TP size."""
-
-    def __init__(self) -> None:
-        self.length = self.padded = 0
-
-
-def _hidden(args, kwargs):
-    return args[0] if args else kwargs.get("hidden_states")
-
-
-def _replace_hidden(args, kwargs, x):
-    if args:
-        return (x,) + tuple(args[1:]), kwargs
-    kwargs["hidden_states"] = x
-    return args, kwargs
-
-
-class _SplitSequence(ParallelStyle):
-    """At the entry of the first decoder layer: ``hidden_states R -> S(1)``. A sequence whose
-    length does not divide by the TP size P is padded at its end to the next multiple of P
-    (rows of zeros that never reach a real position: attention reads the sequence trimmed
-    back, every other module works row by row), so every rank holds an equal block."""
-
-    def __init__(self, seq: _SeqLength) -> None:
-        self.seq = seq
-
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        seq, world, rank = self.seq, pg.size(), dist.get_rank(pg)
-
-        def hook(mod, args, kwargs):
-            x = _hidden(args, kwargs)
-            if not isinstance(x, Tensor):
-                return None
-            if x.dim() != 3:
-                raise ValueError(f"tpx.plans (sequence_parallel=True): the first decoder layer "
-                                 f"expects hidden states [batch, sequence, hidden]; got shape "
-                                 f"{tuple(x.shape)}")
-            n = x.shape[1]
-            per = -(-n // world)
-            seq.length, seq.padded = n, per * world
-            if seq.padded != n:
-                x = F.pad(x, (0, 0, 0, seq.padded - n))
-            x = tpx_autograd.split_dim(x, 1, [per] * world, rank * per, pg)
-            return _replace_hidden(args, kwargs, x)
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-
-def _gather_sequence(x: Tensor, seq: _SeqLength, pg: dist.ProcessGroup, trim: bool) -> Tensor:
-    world = pg.size()
-    per = x.shape[1]
-    if per * world != seq.padded:
-        raise ValueError(f"tpx.plans (sequence_parallel=True): a block of {per} positions on "
-                         f"each of {world} ranks, but the first decoder layer split "
-                         f"{seq.padded}; call the model as a whole, not a layer on its own")
-    if not (trim and seq.length != seq.padded):
-        # Nothing to trim: the column-parallel projections reading the result (q, k, v) leave
-        # their input gradients partial; their sum is reduce-scattered once.
-        return tpx_autograd.gather_dim_for_partial_grads(x, 1, pg)
-    x = tpx_autograd.gather_dim(x, 1, [per] * world, dist.get_rank(pg) * per, pg)
-    return x.narrow(1, 0, seq.length) if trim and seq.length != seq.padded else x
-
-
-class _GatherSequence(ParallelStyle):
-    """``hidden_states S(1) -> R`` at a module's input (``where="input"``; attention: trimmed to
-    the real sequence) or at its output (``where="output"``: the final norm, so the model
-    returns the full sequence and the LM head reads every position, e.g. only the last)."""
-
-    def __init__(self, seq: _SeqLength, where: str) -> None:
-        self.seq, self.where = seq, where
-
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        seq = self.seq
-        if self.where == "input":
-            def pre(mod, args, kwargs):
-                x = _hidden(args, kwargs)
-                if not isinstance(x, Tensor):
-                    return None
-                return _replace_hidden(args, kwargs, _gather_sequence(x, seq, pg, True))
-
-            module.register_forward_pre_hook(pre, with_kwargs=True)
-        else:
-            module.register_forward_hook(
-                lambda mod, args, out: _gather_sequence(out, seq, pg, True))
-        return module
-
-
-class _PadSequence(ParallelStyle):
-    """Before a row-parallel projection that scatters its output along the sequence: pads its
-    input (the real positions) back to the length the first decoder layer split."""
-
-    def __init__(self, seq: _SeqLength) -> None:
-        self.seq = seq
-
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        seq = self.seq
-
-        def pre(mod, args):
-            x = args[0]
-            if isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] < seq.padded:
-                return (F.pad(x, (0, 0, 0, seq.padded - x.shape[1])),) + tuple(args[1:])
-            return None
-
-        module.register_forward_pre_hook(pre)
-        return module
 
 
 def _set_attrs(**names):
@@ -276,25 +69,8 @@ def llama(model: nn.Module, *, sequence_parallel: bool = False,
     heads, KV heads replicated when there are fewer than ranks, o_proj rowwise, gate/up
     colwise, down rowwise, embedding vocab-parallel, LM head colwise; sequence parallelism
     supported). Kept under this name for the code that calls it."""
-    from . import hf_plan
-
     return hf_plan.translate(model, sequence_parallel=sequence_parallel,
                              loss_parallel=loss_parallel)
-
-
-class _Chain(ParallelStyle):
-    """Several styles applied to one module, in order."""
-
-    def __init__(self, *styles: ParallelStyle) -> None:
-        self.styles = styles
-
-    def apply(self, module, pg, src_rank=0):
-        for style in self.styles:
-            module = apply_style(style, module, pg, src_rank)
-        return module
-
-    def __repr__(self) -> str:
-        return " + ".join(map(repr, self.styles))
 
 
 def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
@@ -307,7 +83,7 @@ def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
     if getattr(cfg, "add_cross_attention", False):
         raise NotImplementedError("tpx.plans.gpt2: cross-attention GPT-2 is not supported")
     d, heads = cfg.hidden_size, cfg.num_attention_heads
-    h = _find(model, "h")
+    h = find_module(model, "h")
     pre = f"{h}.*." if h else "h.*."
     base = _prefix(h, "h")
     plan: Plan = {
@@ -322,12 +98,12 @@ def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
         pre + "mlp.c_fc": ColwiseParallel(),
         pre + "mlp.c_proj": RowwiseParallel(),
     }
-    head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
+    head = "lm_head" if find_module(model, "lm_head") == "lm_head" else None
     if head is not None:
         plan["lm_head"] = _head_output(loss_parallel, Replicate())
     elif loss_parallel:
         raise ValueError("tpx.plans.gpt2: loss_parallel=True needs a model with an `lm_head`")
-    return _with_generate(plan, model, head, loss_parallel)
+    return with_generate(plan, model, head, loss_parallel)
 
 
 def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
@@ -336,8 +112,6 @@ def gpt_neox(model: nn.Module, *, sequence_parallel: bool = False,
     plan read by :func:`tpx.parallel.hf_plan.translate` (the fused ``query_key_value``, whose
     rows are ``[q k v]`` per head, split in whole heads; ``dense`` rowwise; the MLP; ``embed_in``
     vocab-parallel and the LM head colwise). Kept under this name for the code that calls it."""
-    from . import hf_plan
-
     return hf_plan.translate(model, sequence_parallel=sequence_parallel,
                              loss_parallel=loss_parallel)
 
@@ -348,7 +122,7 @@ def decoder(model: nn.Module, *, sequence_parallel: bool = False,
     gpt-fast's (fused ``wqkv``). Head counts are read from the attention modules
     (``n_heads``/``n_head``, ``n_kv_heads``/``n_local_heads``, ``head_dim``) or from the
     projections' widths."""
-    attn_name = _find(model, "attention")
+    attn_name = find_module(model, "attention")
     if attn_name is None:
         raise ValueError("tpx.plans.decoder: no `layers.*.attention` module found")
     attn = model.get_submodule(attn_name)
@@ -388,13 +162,13 @@ def decoder(model: nn.Module, *, sequence_parallel: bool = False,
         plan[pre + "attention.wq"] = ColwiseParallel(head_size=head_dim)
         plan[pre + "attention.wk"] = ColwiseParallel(head_size=head_dim, replicate_heads=True)
         plan[pre + "attention.wv"] = ColwiseParallel(head_size=head_dim, replicate_heads=True)
-    if _find(model, "output") == "output":
+    if find_module(model, "output") == "output":
         plan["output"] = _head_output(loss_parallel, seq)
     if sequence_parallel:
         # a ready-made plan hands local tensors between the blocks (no DTensor on the hot path)
         gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                       use_local_output=True)
-        plan[pre + "attention"] = _Chain(plan[pre + "attention"], PrepareModuleInput(**gather))
+        plan[pre + "attention"] = Chain(plan[pre + "attention"], PrepareModuleInput(**gather))
         plan[pre + "feed_forward"] = PrepareModuleInput(**gather)
         for norm in (pre + "attention_norm", pre + "ffn_norm", "norm"):
             plan[norm] = SequenceParallel(use_local_output=True)
@@ -416,7 +190,7 @@ def _mesh_plan(model: nn.Module, *, heads: int, kv_heads: int, embedding: str,
     activation split by "weight"), attention told its local heads, the model's inputs split
     at its entry and the LM head's output gathered (kept sharded with ``loss_parallel``)."""
     pre = f"{layers}.*."
-    root = (_MeshInputFullLogits(input_kwargs, head)
+    root = (MeshInputFullLogits(input_kwargs, head)
             if loss_parallel and head is not None
             and callable(getattr(type(model), "generate", None)) else MeshInput(input_kwargs))
     plan: Plan = {"": root, embedding: MeshParallel(),
@@ -442,9 +216,9 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
         cfg = model.config
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
-        layers = _find(model, "layers") or "layers"
+        layers = find_module(model, "layers") or "layers"
         base = _prefix(layers, "layers")
-        head = "lm_head" if _find(model, "lm_head") == "lm_head" else None
+        head = "lm_head" if find_module(model, "lm_head") == "lm_head" else None
         if getattr(cfg, "tie_word_embeddings", False) and head is not None:
             raise NotImplementedError(
                 f"tpx.plans.auto(layout={layout!r}): tied input and output embeddings are not "
@@ -466,7 +240,7 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
                          f"with layout={layout!r}; beyond 1-D: llama, mistral, qwen2 and the "
                          "plain decoder (torchtitan's names). Write the plan by hand with "
                          "tpx.parallel.mesh_styles")
-    attn_name = _find(model, "attention")
+    attn_name = find_module(model, "attention")
     if attn_name is None or not hasattr(model.get_submodule(attn_name), "wq"):
         raise ValueError(f"tpx.plans.auto(layout={layout!r}): no `layers.*.attention` with "
                          "wq/wk/wv/wo found (torchtitan's names); write the plan by hand with "
@@ -487,8 +261,8 @@ def _mesh_auto(model: nn.Module, layout: str, loss_parallel: bool) -> Plan:
         into=["attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
               "feed_forward.w3"],
         out_of=["attention.wo", "feed_forward.w2"],
-        head="output" if _find(model, "output") == "output" else None,
-        final_norm="norm" if _find(model, "norm") == "norm" else None,
+        head="output" if find_module(model, "output") == "output" else None,
+        final_norm="norm" if find_module(model, "norm") == "norm" else None,
         update=_set_attrs(n_heads=lambda h, k, m: h, n_kv_heads=lambda h, k, m: k),
         loss_parallel=loss_parallel, input_kwargs=())
 
@@ -547,8 +321,6 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
         if model_type in _HF_FAMILIES:
             return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
                                             loss_parallel=loss_parallel)
-        from . import hf_plan
-
         if hf_plan.has_plan(model):
             return hf_plan.translate(model, sequence_parallel=sequence_parallel,
                                      loss_parallel=loss_parallel, experts=experts)

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import autograd as tpx_autograd
+from .. import mappings
 from ..comm_groups import guarded
-from ..group import shard_sizes, _range
+from ..group import mesh_for_group, shard_bounds, shard_sizes
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, gathered_local, wrap_output
@@ -39,20 +39,8 @@ def _check_placement(style: str, name: str, value, allowed: tuple) -> None:
                     f"placements, which tpx.Replicate / tpx.Shard are); got {value!r}")
 
 
-# The DeviceMesh a parallelize_module call was given: DTensor outputs are built on it.
-_MESH_HINT = [None]
-
-
-def _mesh_hint():
-    return _MESH_HINT[0]
-
-
-def _mesh_hint_or(mesh):
-    return mesh if mesh is not None else _MESH_HINT[0]
-
-
 @guarded
-def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh=None):
+def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True):
     """Changes the placement of a tensor from ``src`` to ``dst`` (R <-> S(d)).
 
     A plain tensor is this rank's part of ``src``; a ``DTensor`` carries its own placement
@@ -93,14 +81,14 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh
                     f"group size {world}, and the shards of a plain tensor are equal-sized; pad "
                     f"dim {d} (the sequence) to a multiple of {world}")
             sizes = shard_sizes(x.shape[d], world)
-            start, _ = _range(x.shape[d], dist.get_rank(pg), world)
-            y = tpx_autograd.split_dim(x, d, sizes, start, pg)
+            start, _ = shard_bounds(x.shape[d], dist.get_rank(pg), world)
+            y = mappings.split_dim(x, d, sizes, start, pg)
         elif isinstance(src, Shard) and isinstance(dst, Replicate):
             d = src.dim % x.dim()
             # Shards of a plain tensor are equal-sized: the full size is local * world. The
             # column-parallel layers that read the result send their (partial) input
             # gradients back with one reduce-scatter of their sum.
-            y = tpx_autograd.gather_dim_for_partial_grads(x, d, pg)
+            y = mappings.gather_dim_for_partial_grads(x, d, pg)
         else:
             raise ValueError(f"tpx: cannot redistribute a tensor from {src} to {dst}")
     if local:
@@ -111,7 +99,7 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True, mesh
     shape = list(y.shape)
     if isinstance(placement, Shard):
         shape[placement.dim % y.dim()] *= pg.size()
-    return wrap_output(y, placement, pg, shape, _mesh_hint_or(mesh))
+    return wrap_output(y, placement, pg, shape)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -121,7 +109,7 @@ def _is_conv1d(module: nn.Module) -> bool:
             and tuple(module.weight.shape) == (module.nx, module.nf))
 
 
-def _is_peft_layer(module: nn.Module) -> bool:
+def is_peft_layer(module: nn.Module) -> bool:
     """A layer one of peft's tuners put in place of a model's module (read without importing
     peft)."""
     return any(c.__module__.split(".")[0] == "peft" for c in type(module).__mro__)
@@ -141,7 +129,7 @@ def _shard_peft_layer(style: "ParallelStyle", module: nn.Module, pg: dist.Proces
     if not style.use_local_output:
         if isinstance(style, ColwiseParallel):
             base = new.base_layer
-            if base.out_rows != [[_range(base.out_features, r, pg.size())]
+            if base.out_rows != [[shard_bounds(base.out_features, r, pg.size())]
                                  for r in range(pg.size())]:
                 raise ValueError("tpx.ColwiseParallel: use_local_output=False needs the "
                                  "contiguous split of the output features that Shard(-1) "
@@ -188,7 +176,7 @@ def _linear_parts(style: str, module: nn.Module):
                      f"got {type(module).__name__}")
 
 
-def _head_rows(segments: Sequence[int], head_size: Optional[int], replicate_heads: bool,
+def head_rows(segments: Sequence[int], head_size: Optional[int], replicate_heads: bool,
                world: int) -> List[List[Tuple[int, int]]]:
     """Per rank, the row ranges it holds of a projection whose output is the concatenation of
     ``segments``, each split over the ranks separately (in whole heads of ``head_size`` when
@@ -198,7 +186,7 @@ def _head_rows(segments: Sequence[int], head_size: Optional[int], replicate_head
     for i, n in enumerate(segments):
         if head_size is None:
             for r in range(world):
-                s, e = _range(n, r, world)
+                s, e = shard_bounds(n, r, world)
                 rows[r].append((offset + s, offset + e))
         else:
             if n % head_size:
@@ -272,9 +260,7 @@ def _apply_with_pytorch(style, module: nn.Module, pg: dist.ProcessGroup) -> nn.M
     (``style._apply(module, mesh)``) on the 1-D mesh over ``pg``."""
     device = next((t.device.type for t in module.parameters()), None) or \
         next((t.device.type for t in module.buffers()), "cpu")
-    from ..nn.dtensor_io import mesh_for_group
-
-    return style._apply(module, mesh_for_group(pg, device, _mesh_hint()))
+    return style._apply(module, mesh_for_group(pg, device))
 
 
 def _own_forward_linear(module: nn.Module) -> bool:
@@ -341,7 +327,7 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup,
               src_rank: Optional[int] = 0) -> nn.Module:
-        if _is_peft_layer(module):
+        if is_peft_layer(module):
             return _shard_peft_layer(self, module, pg, src_rank)
         sp = isinstance(self.input_layouts, Shard)
         gather = isinstance(self.output_layouts, Replicate)
@@ -365,8 +351,8 @@ class ColwiseParallel(ParallelStyle):
             if sum(segments) != out_f:
                 raise ValueError(f"tpx.ColwiseParallel: segments={segments} add up to "
                                  f"{sum(segments)}, but the layer has {out_f} output features")
-            rows = _head_rows(segments, self.head_size, self.replicate_heads, pg.size())
-            default = [[_range(out_f, r, pg.size())] for r in range(pg.size())]
+            rows = head_rows(segments, self.head_size, self.replicate_heads, pg.size())
+            default = [[shard_bounds(out_f, r, pg.size())] for r in range(pg.size())]
             out_rows = None if rows == default else rows
         new = ColumnParallelLinear(
             in_f, out_f, bias=bias is not None, group=pg, gather_output=gather,
@@ -382,18 +368,18 @@ class ColwiseParallel(ParallelStyle):
         if self.use_local_output:
             return new
         if getattr(new, "out_rows", None) is not None and (
-                new.out_rows != [[_range(features, r, pg.size())] for r in range(pg.size())]):
+                new.out_rows != [[shard_bounds(features, r, pg.size())] for r in range(pg.size())]):
             raise ValueError("tpx.ColwiseParallel: use_local_output=False needs the contiguous "
                              "split of the output features that Shard(-1) describes; a split by "
                              "segments or replicated heads has no DTensor placement (keep "
                              "use_local_output=True)")
-        placement, mesh = self.output_layouts, _mesh_hint()
+        placement = self.output_layouts
 
         def hook(mod, args, y):
             shape = list(y.shape)
             if isinstance(placement, Shard):
                 shape[-1] = features
-            return wrap_output(y, placement, pg, shape, mesh)
+            return wrap_output(y, placement, pg, shape)
 
         new.register_forward_hook(hook)
         return new
@@ -435,12 +421,12 @@ class RowwiseParallel(ParallelStyle):
     def apply(self, module: nn.Module, pg: dist.ProcessGroup,
               src_rank: Optional[int] = 0) -> nn.Module:
         partial = isinstance(self.output_layouts, Partial)
-        if partial and (_is_peft_layer(module) or isinstance(module, nn.Embedding)):
+        if partial and (is_peft_layer(module) or isinstance(module, nn.Embedding)):
             raise ValueError(
                 f"tpx.RowwiseParallel: output_layouts=Partial() is for a linear layer; "
                 f"{type(module).__name__} takes Replicate() or Shard(d) outputs (reduce them, "
                 "then pass the result on)")
-        if _is_peft_layer(module):
+        if is_peft_layer(module):
             return _shard_peft_layer(self, module, pg, src_rank)
         sp = isinstance(self.output_layouts, Shard)
         seq_dim = self.output_layouts.dim if sp else 1
@@ -475,13 +461,13 @@ class RowwiseParallel(ParallelStyle):
         communication): ``Replicate()``, ``Shard(d)`` along the sequence or ``Partial()``."""
         if self.use_local_output:
             return new
-        placement, mesh = self.output_layouts, _mesh_hint()
+        placement = self.output_layouts
 
         def hook(mod, args, y):
             shape = list(y.shape)
             if isinstance(placement, Shard):
                 shape[placement.dim % y.dim()] *= pg.size()
-            return wrap_output(y, placement, pg, shape, mesh)
+            return wrap_output(y, placement, pg, shape)
 
         new.register_forward_hook(hook)
         return new
@@ -524,7 +510,7 @@ class SequenceParallel(ParallelStyle):
         if pg.size() > 1:
             for p in module.parameters():
                 if p.requires_grad:
-                    p.register_hook(lambda g, pg=pg: tpx_autograd.all_reduce_grad_value(g, pg))
+                    p.register_hook(lambda g, pg=pg: mappings.all_reduce_grad_value(g, pg))
         seq = Shard(self.sequence_dim)
         want = bool(self.use_local_output)
         state = {}
@@ -545,10 +531,9 @@ class SequenceParallel(ParallelStyle):
             if want or not isinstance(out, Tensor):
                 return out
             if shape is not None and len(shape) == out.dim():
-                return wrap_output(out, seq, pg, shape, _mesh_hint_or(mesh))
-            return redistribute(out, seq, seq, pg, local=False, mesh=mesh)
+                return wrap_output(out, seq, pg, shape)
+            return redistribute(out, seq, seq, pg, local=False)
 
-        mesh = _mesh_hint()
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -589,7 +574,7 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        local, mesh = bool(self.use_local_output), _mesh_hint()
+        local = bool(self.use_local_output)
 
         def hook(mod, args, kwargs):
             if self.input_layouts and len(args) != len(self.input_layouts):
@@ -600,13 +585,12 @@ class PrepareModuleInput(ParallelStyle):
             args = list(args)
             for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
                 if src is not None or dst is not None:
-                    args[i] = redistribute(args[i], src, dst, pg, local=local,
-                                           mesh=mesh)
+                    args[i] = redistribute(args[i], src, dst, pg, local=local)
             for key, src in self.kwarg_layouts.items():
                 if key in kwargs:
                     kwargs[key] = redistribute(kwargs[key], src,
                                                self.desired_kwarg_layouts.get(key), pg,
-                                               local=local, mesh=mesh)
+                                               local=local)
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -626,12 +610,12 @@ class PrepareModuleOutput(ParallelStyle):
                              "must have the same length")
 
     def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
-        local, mesh = bool(self.use_local_output), _mesh_hint()
+        local = bool(self.use_local_output)
 
         def hook(mod, args, output):
             single = not isinstance(output, tuple)
             outs = (output,) if single else list(output)
-            outs = [redistribute(o, src, dst, pg, local=local, mesh=mesh)
+            outs = [redistribute(o, src, dst, pg, local=local)
                     if i < len(self.output_layouts)
                     else o
                     for i, (o, src, dst) in enumerate(zip(
@@ -669,7 +653,7 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
                             getattr(p, "_tpx_grad_sum_group", None) == pg.group_name:
                         continue  # frozen, or shared with a module styled already
                     p._tpx_grad_sum_group = pg.group_name
-                    p.register_hook(lambda g, pg=pg: tpx_autograd.sum_over_group(g, pg))
+                    p.register_hook(lambda g, pg=pg: mappings.sum_over_group(g, pg))
 
             hook_trainable()
             if not all(p.requires_grad for p in params):
@@ -792,7 +776,7 @@ class ShardedAttention(ParallelStyle):
                 # The output projection is looked up here, after the plan replaced it.
                 proj.register_forward_pre_hook(lambda m, a: leave())
                 proj._tpx_leaves_fork = True
-            state["swap"] = tpx_random._Swap(device_of(mod))
+            state["swap"] = tpx_random.Swap(device_of(mod))
             state["swap"].enter()
 
         module.register_forward_pre_hook(enter)

@@ -53,8 +53,7 @@ parameter: for each dim, the mesh dims splitting it, outermost first); the initi
 :mod:`tpx.checkpoint` use it.
 """
 
-from ... import autograd_multidim  # noqa: F401  (registers the autograd of the ops)
-from .blocks import BlockSpec, _block, _block_specs, _splits
+from .blocks import BlockSpec, block_of, block_specs, mesh_splits
 from .embedding import Embedding2D, Embedding2p5D, Embedding3D
 from .layout import gather_output, split_input
 from .linear import Linear2D, Linear2p5D, Linear3D

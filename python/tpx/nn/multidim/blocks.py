@@ -14,25 +14,26 @@ from torch import Tensor, nn
 from ... import ops
 from ...group import ShardSpec, check_same_on_ranks, load_initial
 from ...mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
+from ...run import run_cache
 from ...sharding import KeepsParamSharding, describe_params, local_of
 
 
-_HIDDEN_3D = ("output", "weight")
+HIDDEN_3D = ("output", "weight")
 
 
-def _other_3d(hidden_mesh_dim: str) -> str:
+def other_3d(hidden_mesh_dim: str) -> str:
     return "weight" if hidden_mesh_dim == "output" else "output"
 
 
-def _check_hidden_dim(who: str, hidden_mesh_dim: str) -> str:
-    if hidden_mesh_dim not in _HIDDEN_3D:
+def check_hidden_dim(who: str, hidden_mesh_dim: str) -> str:
+    if hidden_mesh_dim not in HIDDEN_3D:
         raise ValueError(f"tpx.{who}: `hidden_mesh_dim` must be 'output' or 'weight' (the 3-D "
                          f"mesh dimension that splits the hidden features of the input); got "
                          f"{hidden_mesh_dim!r}")
     return hidden_mesh_dim
 
 
-def _splits(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[List[str], List[str]]:
+def mesh_splits(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[List[str], List[str]]:
     """The mesh dims splitting (batch dim 0, hidden dim -1), outermost first."""
     if info.layout == "2d":
         return ["row"], ["col"]
@@ -40,11 +41,11 @@ def _splits(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[List[str], 
         return ["depth", "row"], ["col"]
     if info.layout == "3d":
         h = hidden_mesh_dim or "output"
-        return ["input", _other_3d(h)], [h]
+        return ["input", other_3d(h)], [h]
     return [], []
 
 
-def _block(info: MeshInfo, dims: Sequence[str], coord: Optional[Dict[str, int]] = None
+def block_of(info: MeshInfo, dims: Sequence[str], coord: Optional[Dict[str, int]] = None
            ) -> Tuple[int, int]:
     """(block index, number of blocks) for a tensor dim split by ``dims`` (outermost first), of
     this rank or of the rank at ``coord``."""
@@ -79,7 +80,7 @@ class BlockSpec:
         """Per dim, the ``(start, end)`` of the full tensor held by this rank (or ``coord``)."""
         out = []
         for size, dims in zip(self.full_shape, self.splits):
-            idx, count = _block(info, dims, coord)
+            idx, count = block_of(info, dims, coord)
             n = size // count
             out.append((idx * n, (idx + 1) * n))
         return tuple(out)
@@ -94,19 +95,19 @@ class BlockSpec:
         t = local.detach().contiguous()
         for d, dims in enumerate(self.splits):
             if dims:
-                t = _gather_dim(t, info, d, dims)
+                t = gather_block_dim(t, info, d, dims)
         return t
 
 
-def _block_specs(module: nn.Module) -> List[BlockSpec]:
+def block_specs(module: nn.Module) -> List[BlockSpec]:
     """The :class:`BlockSpec` of every parameter ``module`` holds (absent ones skipped)."""
     return [s for s in module._param_splits() if getattr(module, s.name, None) is not None]
 
 
-_MESH_GROUPS: Dict[Tuple[int, ...], Tuple[object, "dist.ProcessGroup"]] = {}
+_MESH_GROUPS: Dict[Tuple[int, ...], Tuple[object, "dist.ProcessGroup"]] = run_cache({})
 
 
-def _mesh_group(info: MeshInfo) -> "dist.ProcessGroup":
+def tp_mesh_group(info: MeshInfo) -> "dist.ProcessGroup":
     """A process group of all the mesh's ranks: the default group when the mesh spans it
     (as ``tpx.init_mesh`` builds it), else one group built once per set of ranks (every rank
     of the mesh takes part in building it)."""
@@ -133,7 +134,7 @@ def _check_src_rank(who: str, src_rank, info: MeshInfo) -> None:
                          f"weights every rank takes its block of.")
 
 
-class _MeshParams(KeepsParamSharding):
+class MeshParams(KeepsParamSharding):
     """Construction of a multi-dimensional layer's parameters from full tensors of one rank.
 
     ``_begin`` validates the mesh and compares the layer's arguments across the mesh's ranks
@@ -148,7 +149,7 @@ class _MeshParams(KeepsParamSharding):
 
     def _begin(self, mesh, who: str, args: dict, src_rank) -> MeshInfo:
         info = check_mesh(mesh, self._layout, who)
-        pg = _mesh_group(info)
+        pg = tp_mesh_group(info)
         check_same_on_ranks(pg, who, dict(args, layout=self._layout, mesh=info.ranks,
                                           src_rank=src_rank))
         _check_src_rank(who, src_rank, info)
@@ -189,8 +190,8 @@ class _MeshParams(KeepsParamSharding):
               full_fn: Callable[[], Dict[str, Optional[Tensor]]], *, drawn: bool) -> None:
         describe_params(self)  # each parameter knows its layout (tpx.sharding)
         info = self.mesh_info
-        pg = _mesh_group(info)
-        specs = _block_specs(self)
+        pg = tp_mesh_group(info)
+        specs = block_specs(self)
         if not specs:
             return
         ranks = [dist.get_global_rank(pg, g) for g in range(pg.size())]
@@ -209,7 +210,7 @@ class _MeshParams(KeepsParamSharding):
         load_initial(pg, who, config, shard_specs, fulls, src_rank=src, drawn=drawn)
 
 
-def _mesh_info(mesh, who: str) -> MeshInfo:
+def block_mesh_info(mesh, who: str) -> MeshInfo:
     if isinstance(mesh, MeshInfo):  # validated when it was made (the styles' hooks pass it)
         return mesh
     layout = mesh_layout(mesh) if hasattr(mesh, "mesh_dim_names") else None
@@ -220,13 +221,13 @@ def _mesh_info(mesh, who: str) -> MeshInfo:
     return check_mesh(mesh, layout, who)
 
 
-def _check_divides(who: str, what: str, size: int, parts: int, how: str) -> None:
+def check_divides(who: str, what: str, size: int, parts: int, how: str) -> None:
     if size % parts != 0:
         raise ValueError(f"tpx.{who}: {what} = {size} must divide by {parts} ({how}); pad or "
                          f"choose a size that is a multiple of {parts}")
 
 
-def _gather_dim(t: Tensor, info: MeshInfo, dim: int, dims: Sequence[str]) -> Tensor:
+def gather_block_dim(t: Tensor, info: MeshInfo, dim: int, dims: Sequence[str]) -> Tensor:
     for d in reversed(dims):  # innermost first
         stacked = ops.mesh_all_gather(t, info.group_name(d))  # [W, *t.shape]
         moved = stacked.movedim(0, dim)

@@ -10,9 +10,9 @@ from ...sharding import local_params
 from torch import Tensor, nn
 
 from ...mesh import check_mesh
-from .blocks import BlockSpec, _MeshParams, _check_divides, _check_hidden_dim, _splits
-from .layout import _check_layout, _layout_of, _mark
-from .norm import _sum_over
+from .blocks import BlockSpec, MeshParams, check_divides, check_hidden_dim, mesh_splits
+from .layout import check_layout, layout_of, mark_layout
+from .norm import sum_over
 
 # Embedding ------------------------------------------------------------------------------------
 
@@ -30,10 +30,10 @@ class _SumGradOver(torch.autograd.Function):
     @staticmethod
     @guarded
     def backward(ctx, grad):
-        return _sum_over(grad.contiguous(), ctx.groups), None
+        return sum_over(grad.contiguous(), ctx.groups), None
 
 
-class Embedding2D(_MeshParams, nn.Module):
+class Embedding2D(MeshParams, nn.Module):
     """``nn.Embedding`` producing a 2-D activation: ids ``[B/q, ...]`` (batch block "row",
     replicated over "col"; ``tpx.split_input(ids, mesh)``) -> ``[B/q, ..., D/q]`` (D block
     "col"). The table holds all rows and block "col" of the columns (``[V, D/q]``), replicated
@@ -93,20 +93,20 @@ class Embedding2D(_MeshParams, nn.Module):
         who = type(self).__name__
         info = check_mesh(mesh, self._layout, who)
         if self._layout == "3d":
-            hidden_mesh_dim = _check_hidden_dim(who, hidden_mesh_dim or "output")
+            hidden_mesh_dim = check_hidden_dim(who, hidden_mesh_dim or "output")
         elif hidden_mesh_dim is not None:
             raise ValueError(f"tpx.{who}: `hidden_mesh_dim` is only for the 3-D layers")
-        bdims, hdims = _splits(info, hidden_mesh_dim)
+        bdims, hdims = mesh_splits(info, hidden_mesh_dim)
         q, d = info.q, emb.embedding_dim
-        _check_divides(who, "embedding_dim", d, q, f"split over mesh dim {hdims}")
+        check_divides(who, "embedding_dim", d, q, f"split over mesh dim {hdims}")
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, d
         self.padding_idx = emb.padding_idx
         self.hidden_mesh_dim = hidden_mesh_dim
         self.mesh_info = info
         self._hdims = tuple(hdims)
         self._batch_groups = [info.group_name(b) for b in bdims]
-        self._ids_layout = _layout_of(info, hidden_mesh_dim, "ids")
-        self._out_layout = _layout_of(info, hidden_mesh_dim)
+        self._ids_layout = layout_of(info, hidden_mesh_dim, "ids")
+        self._out_layout = layout_of(info, hidden_mesh_dim)
 
     def _param_splits(self) -> List[BlockSpec]:
         """The table's rows are whole, its columns split (see :class:`BlockSpec`)."""
@@ -121,10 +121,10 @@ class Embedding2D(_MeshParams, nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.is_floating_point():
             raise TypeError(f"tpx.{type(self).__name__}: `ids` must be an integer Tensor")
-        _check_layout(type(self).__name__, ids, self._ids_layout)
+        check_layout(type(self).__name__, ids, self._ids_layout)
         w, = local_params(self.weight)
         w = _SumGradOver.apply(w, self._batch_groups) if w.requires_grad else w
-        return _mark(nn.functional.embedding(ids, w, self.padding_idx), self._out_layout)
+        return mark_layout(nn.functional.embedding(ids, w, self.padding_idx), self._out_layout)
 
 
 class Embedding2p5D(Embedding2D):

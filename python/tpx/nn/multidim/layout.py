@@ -12,8 +12,8 @@ from ...comm_groups import guarded
 from torch import Tensor
 
 from ...mesh import MeshInfo
-from .blocks import (_HIDDEN_3D, _block, _check_divides, _check_hidden_dim, _gather_dim,
-                     _mesh_info, _splits)
+from .blocks import (HIDDEN_3D, block_of, check_divides, check_hidden_dim, gather_block_dim,
+                     block_mesh_info, mesh_splits)
 
 __all__ = ["split_input", "gather_output"]
 
@@ -63,8 +63,8 @@ class _Layout:
                 f"features by {self.hidden[0]!r}")
 
 
-def _layout_of(info: MeshInfo, hidden_mesh_dim: Optional[str], kind: str = "act") -> _Layout:
-    bdims, hdims = _splits(info, hidden_mesh_dim)
+def layout_of(info: MeshInfo, hidden_mesh_dim: Optional[str], kind: str = "act") -> _Layout:
+    bdims, hdims = mesh_splits(info, hidden_mesh_dim)
     mesh = (info.layout, tuple(info.ranks), tuple(info.shape))
     if kind == "act":
         return _Layout(mesh, tuple(bdims), tuple(hdims))
@@ -75,7 +75,7 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _mark(t: Tensor, layout: _Layout) -> Tensor:
+def mark_layout(t: Tensor, layout: _Layout) -> Tensor:
     """Records that ``t`` (a tensor just made by a tpx layer) is in ``layout``."""
     if _compiling():
         return t
@@ -141,7 +141,7 @@ def _alternation_hint(got: _Layout, want: _Layout, linear: bool) -> str:
     return "pass it the tensor it reads"
 
 
-def _check_layout(who: str, t: Tensor, want: _Layout, linear: bool = False) -> None:
+def check_layout(who: str, t: Tensor, want: _Layout, linear: bool = False) -> None:
     """Raises ValueError when ``t`` is known to be in a layout other than ``want``
     (``linear``: the reader is a Linear3D, whose message explains the alternation)."""
     found = {lay for lay in _layouts_of(t) if lay.kind != "full"}
@@ -166,16 +166,16 @@ class _SplitInput(torch.autograd.Function):
     @guarded
     def forward(ctx, x, info, bdims, hdims):
         ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
-        bi, bn = _block(info, bdims)
-        hi, hn = _block(info, hdims)
+        bi, bn = block_of(info, bdims)
+        hi, hn = block_of(info, hdims)
         b, h = x.shape[0] // bn, x.shape[-1] // hn
         return x.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous()
 
     @staticmethod
     @guarded
     def backward(ctx, grad):
-        g = _gather_dim(grad.contiguous(), ctx.info, grad.dim() - 1, ctx.hdims)
-        g = _gather_dim(g, ctx.info, 0, ctx.bdims)
+        g = gather_block_dim(grad.contiguous(), ctx.info, grad.dim() - 1, ctx.hdims)
+        g = gather_block_dim(g, ctx.info, 0, ctx.bdims)
         return g, None, None, None
 
 
@@ -187,14 +187,14 @@ class _GatherOutput(torch.autograd.Function):
     def forward(ctx, y, info, bdims, hdims):
         ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
         ctx.shape = y.shape
-        g = _gather_dim(y.contiguous(), info, y.dim() - 1, hdims)
-        return _gather_dim(g, info, 0, bdims)
+        g = gather_block_dim(y.contiguous(), info, y.dim() - 1, hdims)
+        return gather_block_dim(g, info, 0, bdims)
 
     @staticmethod
     @guarded
     def backward(ctx, grad):
-        bi, _ = _block(ctx.info, ctx.bdims)
-        hi, _ = _block(ctx.info, ctx.hdims)
+        bi, _ = block_of(ctx.info, ctx.bdims)
+        hi, _ = block_of(ctx.info, ctx.hdims)
         b, h = ctx.shape[0], ctx.shape[-1]
         return grad.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous(), None, None, None
 
@@ -216,15 +216,15 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
 
     Raises ValueError when B or H does not divide by the number of blocks, or when ``x`` is
     already a block of an activation split over this mesh."""
-    info = _mesh_info(mesh, "split_input")
+    info = block_mesh_info(mesh, "split_input")
     if info.layout == "3d":
-        _check_hidden_dim("split_input", hidden_mesh_dim or "output")
+        check_hidden_dim("split_input", hidden_mesh_dim or "output")
     elif hidden_mesh_dim is not None:
         raise ValueError("tpx.split_input: `hidden_mesh_dim` is only for 3-D meshes")
     if info.layout == "1d":
         return x
-    bdims, hdims = _splits(info, hidden_mesh_dim)
-    mesh_sig = _layout_of(info, hidden_mesh_dim).mesh
+    bdims, hdims = mesh_splits(info, hidden_mesh_dim)
+    mesh_sig = layout_of(info, hidden_mesh_dim).mesh
     done = [lay for lay in _layouts_of(x) if lay.kind != "full" and lay.mesh == mesh_sig]
     if done:
         raise ValueError(f"tpx.split_input: `x` is already this rank's block "
@@ -234,19 +234,19 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
         # Token ids (an integer tensor) have no hidden dimension: batch split only.
         if x.dim() < 1:
             raise ValueError("tpx.split_input: ids must have a batch dimension")
-        _check_divides("split_input", "x.shape[0] (batch)", x.shape[0],
-                       _block(info, bdims)[1], f"split over mesh dims {bdims}")
-        bi, bn = _block(info, bdims)
+        check_divides("split_input", "x.shape[0] (batch)", x.shape[0],
+                       block_of(info, bdims)[1], f"split over mesh dims {bdims}")
+        bi, bn = block_of(info, bdims)
         b = x.shape[0] // bn
-        return _mark(x.narrow(0, bi * b, b), _layout_of(info, hidden_mesh_dim, "ids"))
+        return mark_layout(x.narrow(0, bi * b, b), layout_of(info, hidden_mesh_dim, "ids"))
     if x.dim() < 2:
         raise ValueError(f"tpx.split_input: `x` must be [batch, ..., hidden]; got shape "
                          f"{tuple(x.shape)}")
-    _check_divides("split_input", "x.shape[0] (batch)", x.shape[0], _block(info, bdims)[1],
+    check_divides("split_input", "x.shape[0] (batch)", x.shape[0], block_of(info, bdims)[1],
                    f"split over mesh dims {bdims}")
-    _check_divides("split_input", "x.shape[-1] (hidden)", x.shape[-1], _block(info, hdims)[1],
+    check_divides("split_input", "x.shape[-1] (hidden)", x.shape[-1], block_of(info, hdims)[1],
                    f"split over mesh dim {hdims}")
-    return _mark(_SplitInput.apply(x, info, bdims, hdims), _layout_of(info, hidden_mesh_dim))
+    return mark_layout(_SplitInput.apply(x, info, bdims, hdims), layout_of(info, hidden_mesh_dim))
 
 
 @guarded
@@ -262,10 +262,10 @@ def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> 
     a ``y`` whose layout is unknown (made under ``torch.no_grad()`` by other ops) raises
     ValueError asking for it. A ``hidden_mesh_dim``, or a mesh, that differs from the recorded
     one raises ValueError."""
-    info = _mesh_info(mesh, "gather_output")
+    info = block_mesh_info(mesh, "gather_output")
     if info.layout == "3d":
         if hidden_mesh_dim is not None:
-            _check_hidden_dim("gather_output", hidden_mesh_dim)
+            check_hidden_dim("gather_output", hidden_mesh_dim)
     elif hidden_mesh_dim is not None:
         raise ValueError("tpx.gather_output: `hidden_mesh_dim` is only for 3-D meshes")
     if info.layout == "1d":
@@ -283,7 +283,7 @@ def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> 
                              "`output_mesh_dim`), 'output' for tpx.split_input's layout and the "
                              "output of a Linear3D(hidden_mesh_dim='weight')")
         hidden_mesh_dim = (found[0].hidden[0] if len(found) == 1
-                           and found[0].hidden[0] in _HIDDEN_3D else "output")
-    _check_layout("gather_output", y, _layout_of(info, hidden_mesh_dim))
-    bdims, hdims = _splits(info, hidden_mesh_dim)
-    return _mark(_GatherOutput.apply(y, info, bdims, hdims), _layout_of(info, None, "full"))
+                           and found[0].hidden[0] in HIDDEN_3D else "output")
+    check_layout("gather_output", y, layout_of(info, hidden_mesh_dim))
+    bdims, hdims = mesh_splits(info, hidden_mesh_dim)
+    return mark_layout(_GatherOutput.apply(y, info, bdims, hdims), layout_of(info, None, "full"))

@@ -8,23 +8,23 @@ from torch import Tensor, nn
 
 from ... import ops
 from ...comm_groups import guarded
-from ...amp import autocast_casts
+from ...ops.amp import autocast_casts
 from ...mesh import check_mesh
 from ...sharding import local_of, local_params
-from ..linear import _full_linear_init
-from .blocks import (BlockSpec, _MeshParams, _check_divides, _check_hidden_dim, _other_3d)
-from .layout import _check_layout, _layout_of, _mark
+from ..linear import full_linear_init
+from .blocks import (BlockSpec, MeshParams, check_divides, check_hidden_dim, other_3d)
+from .layout import check_layout, layout_of, mark_layout
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D"]
 
 
-def _check_positive(who: str, **sizes) -> None:
+def check_positive(who: str, **sizes) -> None:
     for name, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"tpx.{who}: `{name}` must be a positive int; got {v!r}")
 
 
-class _MultiDimLinear(_MeshParams, nn.Module):
+class _MultiDimLinear(MeshParams, nn.Module):
     _layout = ""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True,
@@ -34,12 +34,12 @@ class _MultiDimLinear(_MeshParams, nn.Module):
         self._check_kw(who, kw)
         self._begin(mesh, who, dict(in_features=in_features, out_features=out_features,
                                     bias=bool(bias), **kw), src_rank)
-        _check_positive(who, in_features=in_features, out_features=out_features)
+        check_positive(who, in_features=in_features, out_features=out_features)
         self._configure(in_features, out_features, mesh, **kw)
         self._alloc(("weight", "bias") if bias else ("weight",), device, dtype)
 
         def full():
-            w, b = _full_linear_init(in_features, out_features, bias, device, dtype)
+            w, b = full_linear_init(in_features, out_features, bias, device, dtype)
             return {"weight": w, "bias": b}
 
         self._fill(who, self._layer_config(), full, drawn=True)
@@ -130,13 +130,13 @@ class Linear2D(_MultiDimLinear):
         who = type(self).__name__
         info = check_mesh(mesh, self._layout, who)
         q = info.q
-        _check_divides(who, "in_features", in_features, q, f"q = {q} blocks along 'row'")
-        _check_divides(who, "out_features", out_features, q, f"q = {q} blocks along 'col'")
+        check_divides(who, "in_features", in_features, q, f"q = {q} blocks along 'row'")
+        check_divides(who, "out_features", out_features, q, f"q = {q} blocks along 'col'")
         self.in_features, self.out_features, self.q = in_features, out_features, q
         self.mesh_info = info
         self._groups = (info.group_name("row"), info.group_name("col"),
                         info.group_name("depth") if self._layout == "2.5d" else None)
-        self._in_layout = self._out_layout = _layout_of(info, None)
+        self._in_layout = self._out_layout = layout_of(info, None)
 
     def _weight_splits(self):
         return ("col",), ("row",)
@@ -144,9 +144,9 @@ class Linear2D(_MultiDimLinear):
     @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
-        _check_layout(type(self).__name__, x, self._in_layout)
+        check_layout(type(self).__name__, x, self._in_layout)
         weight, bias = local_params(self.weight, self.bias)
-        return _mark(ops.linear_2d(x, weight, bias, *self._groups), self._out_layout)
+        return mark_layout(ops.linear_2d(x, weight, bias, *self._groups), self._out_layout)
 
 
 class Linear2p5D(Linear2D):
@@ -200,25 +200,25 @@ class Linear3D(_MultiDimLinear):
                 f"the MLP's down projection). Consecutive Linear3D layers alternate: each "
                 f"returns its output split by the other dim. There is no default: both layouts "
                 f"have the same local shape, and the wrong one gives wrong numbers.")
-        _check_hidden_dim(who, kw["hidden_mesh_dim"])
+        check_hidden_dim(who, kw["hidden_mesh_dim"])
 
     def _configure(self, in_features, out_features, mesh, hidden_mesh_dim: Optional[str] = None,
                    chunks: Optional[int] = None) -> None:
         who = type(self).__name__
         info = check_mesh(mesh, "3d", who)
-        h = _check_hidden_dim(who, hidden_mesh_dim)
-        o = _other_3d(h)
+        h = check_hidden_dim(who, hidden_mesh_dim)
+        o = other_3d(h)
         if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"tpx.{who}: `chunks` must be None or an int >= 1; got {chunks!r}")
         q = info.q
-        _check_divides(who, "in_features", in_features, q, f"q = {q} blocks along {h!r}")
-        _check_divides(who, "out_features", out_features, q * q,
+        check_divides(who, "in_features", in_features, q, f"q = {q} blocks along {h!r}")
+        check_divides(who, "out_features", out_features, q * q,
                        f"q^2 = {q * q} blocks along ({o!r}, 'input')")
         self.in_features, self.out_features, self.q = in_features, out_features, q
         self.mesh_info = info
         self.hidden_mesh_dim, self.output_mesh_dim, self.chunks = h, o, chunks
         self._groups = (info.group_name("input"), info.group_name(o), info.group_name(h))
-        self._in_layout, self._out_layout = _layout_of(info, h), _layout_of(info, o)
+        self._in_layout, self._out_layout = layout_of(info, h), layout_of(info, o)
 
     def _weight_splits(self):
         return (self.output_mesh_dim, "input"), (self.hidden_mesh_dim,)
@@ -226,10 +226,10 @@ class Linear3D(_MultiDimLinear):
     @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
-        _check_layout(type(self).__name__, x, self._in_layout, linear=True)
+        check_layout(type(self).__name__, x, self._in_layout, linear=True)
         weight, bias = local_params(self.weight, self.bias)
         y = ops.linear_3d(x, weight, bias, *self._groups, self.chunks)[0]
-        return _mark(y, self._out_layout)
+        return mark_layout(y, self._out_layout)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", hidden_mesh_dim={self.hidden_mesh_dim!r}"

@@ -10,26 +10,26 @@ from torch import Tensor, nn
 
 from ... import ops
 from ...comm_groups import guarded
-from ...amp import norm_input
+from ...ops.amp import norm_input
 from ...mesh import MeshInfo, check_mesh
 from ...sharding import local_params
-from .blocks import (BlockSpec, _MeshParams, _block, _check_divides, _check_hidden_dim,
-                     _splits)
-from .layout import _check_layout, _layout_of, _mark
-from .linear import _check_positive
+from .blocks import (BlockSpec, MeshParams, block_of, check_divides, check_hidden_dim,
+                     mesh_splits)
+from .layout import check_layout, layout_of, mark_layout
+from .linear import check_positive
 
 # Norms ------------------------------------------------------------------------------------------
 
 
 def _norm_groups(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[str, List[str]]:
     """(the group that splits the hidden features, the groups that split the batch)."""
-    bdims, hdims = _splits(info, hidden_mesh_dim)
+    bdims, hdims = mesh_splits(info, hidden_mesh_dim)
     return info.group_name(hdims[0]), [info.group_name(d) for d in bdims]
 
 
-def _sum_over(t: Tensor, groups: Sequence[str]) -> Tensor:
+def sum_over(t: Tensor, groups: Sequence[str]) -> Tensor:
     for g in groups:
-        t = torch.ops.tpx.mesh_all_reduce(t, g)
+        t = ops.sum_by_name(t, g)
     return t
 
 
@@ -83,7 +83,7 @@ class _LayerNormFn(torch.autograd.Function):
         if need_b and has_bias:
             parts.append(rows.sum(0))
         if parts:
-            summed = _sum_over(torch.stack(parts), batch_groups)
+            summed = sum_over(torch.stack(parts), batch_groups)
             if need_w:
                 grad_w = summed[0].to(weight.dtype)
             if need_b and has_bias:
@@ -124,7 +124,7 @@ class _RMSNormFn(torch.autograd.Function):
             grad_x = (rstd * (g - xf * rstd.square() * s / features)).to(dy.dtype)
         if need_w and weight is not None:
             rows = (dyf * xf * rstd).reshape(-1, xf.shape[-1])
-            grad_w = _sum_over(rows.sum(0), batch_groups).to(weight.dtype)
+            grad_w = sum_over(rows.sum(0), batch_groups).to(weight.dtype)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -138,28 +138,28 @@ def _normalized_size(who: str, normalized_shape) -> int:
     return int(shape[0])
 
 
-class _MultiDimNorm(_MeshParams, nn.Module):
+class _MultiDimNorm(MeshParams, nn.Module):
     _layout = ""
 
     def _configure(self, features: int, mesh, hidden_mesh_dim: Optional[str]) -> None:
         who = type(self).__name__
-        _check_positive(who, normalized_shape=features)
+        check_positive(who, normalized_shape=features)
         info = check_mesh(mesh, self._layout, who)
         if self._layout == "3d":
-            hidden_mesh_dim = _check_hidden_dim(who, hidden_mesh_dim or "output")
+            hidden_mesh_dim = check_hidden_dim(who, hidden_mesh_dim or "output")
         elif hidden_mesh_dim is not None:
             raise ValueError(f"tpx.{who}: `hidden_mesh_dim` is only for the 3-D layers")
-        bdims, hdims = _splits(info, hidden_mesh_dim)
+        bdims, hdims = mesh_splits(info, hidden_mesh_dim)
         q = info.q
-        _check_divides(who, "normalized_shape", features, q, f"split over mesh dim {hdims}")
+        check_divides(who, "normalized_shape", features, q, f"split over mesh dim {hdims}")
         self.normalized_shape = (features,)
         self.hidden_mesh_dim = hidden_mesh_dim
         self.mesh_info = info
-        hi, _ = _block(info, hdims)
+        hi, _ = block_of(info, hdims)
         self._range = (hi * features // q, (hi + 1) * features // q)
         self._hdims = tuple(hdims)
         self._groups = _norm_groups(info, hidden_mesh_dim)
-        self._in_layout = _layout_of(info, hidden_mesh_dim)
+        self._in_layout = layout_of(info, hidden_mesh_dim)
 
     def _param_splits(self) -> List[BlockSpec]:
         """Per parameter, the mesh dims splitting it (see :class:`BlockSpec`)."""
@@ -240,13 +240,13 @@ class LayerNorm2D(_MultiDimNorm):
     @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
-        _check_layout(type(self).__name__, x, self._in_layout)
-        x = norm_input(x)  # fp32 where torch's autocast lists layer_norm as fp32 (tpx.amp)
+        check_layout(type(self).__name__, x, self._in_layout)
+        x = norm_input(x)  # fp32 where torch's autocast lists layer_norm as fp32 (tpx.ops.amp)
         hidden, batch = self._groups
         weight, bias = local_params(self.weight, self.bias)
         y = _LayerNormFn.apply(x, weight, bias, self.eps, self.normalized_shape[0],
                                hidden, batch)
-        return _mark(y, self._in_layout)
+        return mark_layout(y, self._in_layout)
 
 
 def _shape_arg(normalized_shape):
@@ -346,13 +346,13 @@ class RMSNorm2D(_MultiDimNorm):
     @guarded
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
-        _check_layout(type(self).__name__, x, self._in_layout)
-        x = norm_input(x)  # fp32 where torch's autocast lists rms_norm as fp32 (tpx.amp)
+        check_layout(type(self).__name__, x, self._in_layout)
+        x = norm_input(x)  # fp32 where torch's autocast lists rms_norm as fp32 (tpx.ops.amp)
         hidden, batch = self._groups
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         weight, = local_params(self.weight)
         y = _RMSNormFn.apply(x, weight, eps, self.normalized_shape[0], hidden, batch)
-        return _mark(y, self._in_layout)
+        return mark_layout(y, self._in_layout)
 
 class RMSNorm2p5D(RMSNorm2D):
     """:class:`RMSNorm2D` on a 2.5-D activation (``[B/(d q), ..., H/q]``); the weight

@@ -1,0 +1,138 @@
+"""What every tpx operator shares: the eager call path (an autograd Function per operator,
+or the operator itself where no gradient is wanted), the registration of an operator's
+autograd (:func:`register`), and the checks that resolve a group and, with
+``TPX_DEBUG_CHECKS=1``, compare the arguments that shape a collective across ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _ext  # noqa: F401  (loads the operator library)
+from ..comm_groups import guarded, own, own_by_name
+from ..group import GroupLike, check_same_on_ranks, resolve_group
+from . import amp
+
+# Eager calls of the differentiable operators go through a plain ``torch.autograd.Function``
+# per operator, registered here by :func:`register` with the same
+# forward and backward as the operator's own autograd registration. The operator is then
+# called below the autograd dispatch key, which skips the generic per-call work of
+# ``torch.library``'s autograd kernel (about 40 us a call on a CPU). ``torch.compile`` and
+# direct ``torch.ops.tpx.*`` calls use the operator's registration: one graph node per op.
+# Under torch.autocast the eager path casts before the Function (tpx.ops.amp.eager_call), where
+# the operator's own Autocast kernel would cast inside it.
+_EAGER_FUNCTIONS: dict = {}
+
+
+def register_eager_function(op: str, function: type) -> None:
+    """Makes ``function.apply(*args)`` the eager path of ``torch.ops.tpx.<op>(*args)``
+    (``function.operator``, the operator's overload, is called directly, below autograd, where
+    no input needs a gradient)."""
+    _EAGER_FUNCTIONS[op] = function
+
+
+def call(op: str, *args):
+    function = _EAGER_FUNCTIONS.get(op)
+    if function is None or torch.compiler.is_compiling():
+        return getattr(torch.ops.tpx, op)(*args)
+    if torch._C._is_any_autocast_enabled():
+        # Cast above the Function, so autograd records the casts (tpx.ops.amp).
+        return amp.eager_call(op, function, args)
+    if not (torch.is_grad_enabled() and any_requires_grad(args)):
+        # No gradient is wanted: the operator itself, with no autograd node to build.
+        with torch._C._AutoDispatchBelowAutograd():
+            return function.operator(*args)
+    return function.apply(*args)
+
+
+def any_requires_grad(args) -> bool:
+    for t in args:
+        if isinstance(t, Tensor) and t.requires_grad:
+            return True
+    return False
+
+
+def group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
+    """Resolves ``group`` and makes sure tpx has its own copy of it where it needs one
+    (:mod:`tpx.comm_groups`); with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
+    collective, that every rank calls ``op`` with the same shapes, dtypes and arguments that
+    shape its collectives, so that a mismatch raises the same error on every rank instead of
+    hanging one of them."""
+    pg = resolve_group(group)
+    own(pg)
+    if debug_checks_enabled() and pg.size() > 1 and not torch.compiler.is_compiling():
+        check_same(pg, op, tensors, same)
+    return pg.group_name
+
+
+def check_same(pg, op: str, tensors, same: dict) -> None:
+    meta = [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]
+    check_same_on_ranks(pg, f"tpx.ops.{op}", dict(op=op, tensors=meta, **same))
+
+
+def mesh_groups(op: str, names, tensors, **same) -> None:
+    """The multi-dimensional ops' groups (given by name): tpx's own copies, and with
+    ``TPX_DEBUG_CHECKS=1`` the arguments compared over each group."""
+    if torch.compiler.is_compiling():
+        return
+    for name in names:
+        if name is not None:
+            own_by_name(name)
+    if debug_checks_enabled():
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for name in names:
+            if name is not None:
+                pg = _resolve_process_group(name)
+                if pg.size() > 1:
+                    check_same(pg, op, tensors, same)
+
+
+def debug_checks_enabled() -> bool:
+    """``TPX_DEBUG_CHECKS=1``: every collective op first checks that the ranks agree."""
+    return os.environ.get("TPX_DEBUG_CHECKS", "0") == "1"
+
+
+def world(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name).size()
+
+
+def dim_first_shape(t: Tensor, dim: int) -> list:
+    return list(t.movedim(dim, 0).shape)
+
+def register(op: str, backward, setup_context) -> None:
+    """The autograd of ``torch.ops.tpx.<op>``: ``backward(ctx, *grads)`` and
+    ``setup_context(ctx, inputs, output)`` become both the operator's own registration
+    (``torch.library.register_autograd``: direct calls, ``torch.compile``) and one
+    ``torch.autograd.Function`` that the op wrappers use in eager mode (see
+    ``tpx.register_eager_function``); the Function runs the operator below the autograd
+    key, so both paths compute the same thing. Under ``torch.autocast`` the op wrappers cast
+    the inputs before ``Function.apply`` (:func:`tpx.ops.amp.eager_call`), above autograd as the
+    operator's own Autocast kernel does."""
+    backward = guarded(backward)
+    torch.library.register_autograd(f"tpx::{op}", backward, setup_context=setup_context)
+    overload = getattr(torch.ops.tpx, op).default
+
+    # forward(ctx, ...) rather than a separate setup_context: Function.apply then binds no
+    # signature per call (inspect.signature costs as much as the dispatch work saved). Not
+    # guarded itself: only the op wrappers apply it, and they are.
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = overload(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    function = type(f"{op}_function", (torch.autograd.Function,), dict(
+        forward=staticmethod(forward), backward=staticmethod(backward), operator=overload,
+        __module__="tpx.ops",
+        __doc__=f"Eager autograd of ``torch.ops.tpx.{op}`` (see :func:`register`)."))
+    register_eager_function(op, function)
+
+
+def grad_or_zeros(grad, like: Tensor) -> Tensor:
+    return grad if grad is not None else torch.zeros_like(like)

@@ -1,0 +1,365 @@
+"""The collective matmuls of the 1-D layers and their backward pairs: the operator wrappers
+(placements in :mod:`tpx.ops`), their fake implementations for ``torch.compile``, and their
+autograd, side by side.
+
+=========================  ==================================================================
+forward                    backward
+=========================  ==================================================================
+all_gather_matmul          grad_a = matmul_reduce_scatter(grad, b.T), overlapped with
+                           grad_b = a_gathered.T @ grad  (``tpx::all_gather_matmul_backward``)
+matmul_reduce_scatter      grad_a = all_gather_matmul(grad, b.T); every gathered piece also
+                           feeds grad_b += a.T @ piece  (``tpx::matmul_reduce_scatter_backward``)
+matmul_all_reduce          local: grad_a = grad @ b.T, grad_b = a.T @ grad
+                           (``tpx::matmul_all_reduce_backward``)
+replicated_matmul          grad_a = all_reduce(grad @ b.T), issued before the weight-gradient
+                           GEMM and waited after it (``tpx::replicated_matmul_backward``)
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _ext
+from ..comm_groups import guarded
+from ..group import GroupLike
+from .core import call, dim_first_shape, group_name, register, world
+
+
+@guarded
+def all_gather_matmul(
+    a: Tensor,
+    b: Tensor,
+    gather_dim: int,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    return_gathered: bool = True,
+) -> Tuple[Optional[Tensor], Tensor]:
+    """``out = all_gather(a, gather_dim) @ b (+ bias)``, with the all-gather of one piece of
+    ``a`` in flight while the GEMM of another runs.
+
+    Placement: ``a S(gather_dim), b S(1) -> a_gathered R, out S(1)`` (``b`` and ``bias`` may
+    also be replicated, giving ``out R``).
+
+    Args:
+        a: ``[..., k]``, this rank's shard along ``gather_dim`` (any dim but the last); every
+            rank's shard has the same shape.
+        b: ``[k, n]``; a transposed view such as ``linear.weight.t()`` is used without a copy.
+        gather_dim: the dimension of ``a`` that is gathered.
+        group: ``None`` (default group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        chunks: pipeline depth; ``1`` is the non-overlapped reference, ``None`` the default.
+        bias: optional ``[n]``, added to every row of ``out``.
+        return_gathered: ``False`` returns ``None`` for ``a_gathered``: the op gathers ``a``
+            chunk by chunk, and putting the chunks in rank order costs one copy when the
+            pipeline has more than one chunk, which callers that only want ``out`` skip.
+
+    Returns:
+        ``(a_gathered, out)``: ``a`` gathered along ``gather_dim`` in rank order, and the
+        product, both with ``a.shape[gather_dim] * world_size`` entries along ``gather_dim``.
+    """
+    # b (and bias) may hold a different number of columns on each rank; a may not differ.
+    name = group_name("all_gather_matmul", group, a, gather_dim=gather_dim, k=b.shape[0],
+                       chunks=chunks)
+    staged, out = call("all_gather_matmul", a, b, gather_dim, name, chunks, bias)
+    if not return_gathered:
+        return None, out
+    return _rank_major(staged, a, gather_dim, world(name), chunks), out
+
+
+def _rank_major(staged: Tensor, a: Tensor, gather_dim: int, world: int,
+                chunks: Optional[int]) -> Tensor:
+    """``all_gather_matmul``'s gathered input in rank order. The op gathers pipeline chunk
+    ``j`` of every rank into one block (chunk-major: chunk 0 of ranks 0..W-1, then chunk 1,
+    ...); with one chunk that already is rank order."""
+    gd = gather_dim % a.dim()
+    extent = a.shape[gd]
+    # The op chose its depth from the bytes of the tensor it gathered: under autocast that is
+    # the cast copy of `a` (the dtype of `staged`), not `a` itself.
+    depth = 1 if world == 1 else _ext.pipeline_depth(chunks, extent,
+                                                   a.numel() * staged.element_size())
+    if depth == 1:
+        return staged
+    base, extra = divmod(extent, depth)
+    order, lo = [], 0
+    spans = []
+    for j in range(depth):
+        length = base + (1 if j < extra else 0)
+        spans.append((lo, length))
+        lo += length
+    for lo, length in spans:  # staged position -> rank-major position
+        for r in range(world):
+            order.extend(range(r * extent + lo, r * extent + lo + length))
+    index = torch.empty(len(order), dtype=torch.long)
+    index[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return staged.index_select(gd, index.to(staged.device))
+
+
+@guarded
+def matmul_reduce_scatter(
+    a: Tensor,
+    b: Tensor,
+    scatter_dim: int,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``out = reduce_scatter(a @ b (+ bias), scatter_dim)``: the GEMM of one piece runs while
+    the previous piece is being reduce-scattered.
+
+    Placement: ``a S(-1), b S(0) -> out S(scatter_dim)``; the sum over ranks of ``a @ b`` is
+    the full product, and rank ``r`` receives the ``r``-th block of it along ``scatter_dim``.
+
+    Args:
+        a: ``[..., k_r]``, this rank's slice of the contraction dimension; ``a.shape[scatter_dim]``
+            must divide by the group size.
+        b: ``[k_r, n]``; a transposed view such as ``weight.t()`` is used without a copy.
+        scatter_dim: the dimension of the product that is scattered (not the last).
+        group, chunks: as in :func:`all_gather_matmul`.
+        bias: optional replicated ``[n]``, added once to the reduced result.
+    """
+    name = group_name("matmul_reduce_scatter", group, bias, scatter_dim=scatter_dim,
+                       out_shape=(*a.shape[:-1], b.shape[1]), a_dtype=str(a.dtype),
+                       chunks=chunks)
+    return call("matmul_reduce_scatter", a, b, scatter_dim, name, chunks, bias)
+
+
+@guarded
+def matmul_all_reduce(
+    a: Tensor,
+    b: Tensor,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``out = all_reduce(a @ b (+ bias))``: the GEMM of row chunk ``i+1`` runs while chunk
+    ``i`` is all-reduced.
+
+    Placement: ``a S(-1), b S(0) -> out R``.
+
+    Args:
+        a: ``[..., k_r]``, this rank's slice of the contraction dimension.
+        b: ``[k_r, n]``.
+        group, chunks: as in :func:`all_gather_matmul`.
+        bias: optional replicated ``[n]``, added once to the reduced result.
+    """
+    # The contraction width (b.shape[0]) may differ by rank; the output shape may not.
+    name = group_name("matmul_all_reduce", group, bias, out_shape=(*a.shape[:-1], b.shape[1]),
+                       a_dtype=str(a.dtype), chunks=chunks)
+    return call("matmul_all_reduce", a, b, name, chunks, bias)
+
+
+@guarded
+def replicated_matmul(
+    a: Tensor,
+    b: Tensor,
+    group: GroupLike = None,
+    chunks: Optional[int] = None,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``out = a @ b (+ bias)`` for a replicated input: no communication forward; backward
+    all-reduces the input gradient, issued before the weight-gradient GEMM and waited after it
+    (the column-parallel linear without sequence parallelism).
+
+    Placement: ``a R, b S(1) -> out S(-1)``; ``grad_a`` is R (summed over ranks).
+    """
+    name = group_name("replicated_matmul", group, a, chunks=chunks)
+    return call("replicated_matmul", a, b, name, chunks, bias)
+
+
+def local_matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``out = a @ b (+ bias)`` on this rank alone, with the GEMM the engine runs (see
+    :func:`cpu_gemm_backend`): no communication, no autograd. Useful to time a rank's compute
+    apart from its collectives.
+
+    Placement: local (no group); ``a [..., k]``, ``b [k, n]`` -> ``out [..., n]``.
+    """
+    return torch.ops.tpx.local_matmul(a, b, bias)
+
+
+def default_chunks() -> int:
+    """The pipeline depth the ops use when ``chunks=None`` (``TPX_DEFAULT_CHUNKS``, else 2;
+    a small message still runs as one chunk)."""
+    return int(_ext.build_info()["default_chunks"])
+
+
+def cpu_gemm_backend() -> str:
+    """The GEMM that tpx's ops run for float32 CPU tensors: ``"onednn"`` (oneDNN's matmul,
+    which PyTorch ships; fp32 accuracy) or ``"aten"`` (ATen's default BLAS, the one
+    ``nn.Linear`` uses). CUDA tensors always use ATen (cuBLAS).
+
+    Chosen by ``TPX_CPU_GEMM``, read on every call: ``auto`` (default: oneDNN when PyTorch has
+    it, ``torch.backends.mkldnn.enabled`` is set, and a first small product agreed exactly
+    with ATen's), ``aten``, or ``onednn`` (an error when it is not available). Operands oneDNN
+    cannot read in place (other strides) and other dtypes always use ATen, as do products
+    under 4096 multiply-adds (under ``auto``: under 2**22, where oneDNN's call overhead
+    outweighs its faster kernel)."""
+    return torch.ops.tpx.cpu_gemm_backend()
+
+
+@torch.library.register_fake("tpx::all_gather_matmul")
+def _all_gather_matmul_fake(a, b, gather_dim, group_name, chunks=None, bias=None):
+    gd = gather_dim % a.dim()
+    shape = dim_first_shape(a, gd)
+    shape[0] = shape[0] * world(group_name)
+    gathered = a.new_empty(shape)
+    out = a.new_empty(shape[:-1] + [b.shape[1]])
+    return gathered.movedim(0, gd), out.movedim(0, gd).contiguous()
+
+
+@torch.library.register_fake("tpx::all_gather_matmul_backward")
+def _all_gather_matmul_backward_fake(grad_out, grad_a_gathered, a_gathered, b, gather_dim,
+                                     group_name, chunks, need_a, need_b, bias_grad):
+    gd = gather_dim % a_gathered.dim()
+    shape = dim_first_shape(a_gathered, gd)
+    shape[0] = shape[0] // world(group_name)
+    grad_a = a_gathered.new_empty(shape).movedim(0, gd) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
+
+
+@torch.library.register_fake("tpx::matmul_reduce_scatter")
+def _matmul_reduce_scatter_fake(a, b, scatter_dim, group_name, chunks=None, bias=None):
+    sd = scatter_dim % a.dim()
+    shape = dim_first_shape(a, sd)
+    shape[0] = shape[0] // world(group_name)
+    shape[-1] = b.shape[1]
+    return a.new_empty(shape).movedim(0, sd).contiguous()
+
+
+@torch.library.register_fake("tpx::matmul_reduce_scatter_backward")
+def _matmul_reduce_scatter_backward_fake(grad_out, a, b, scatter_dim, group_name, chunks,
+                                         need_a, need_b, bias_grad):
+    sd = scatter_dim % a.dim()
+    grad_a = a.new_empty(dim_first_shape(a, sd)).movedim(0, sd) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
+
+
+def _local_matmul_fake(a, b, group_name, chunks=None, bias=None):
+    return a.new_empty(list(a.shape[:-1]) + [b.shape[1]])
+
+
+torch.library.register_fake("tpx::matmul_all_reduce")(_local_matmul_fake)
+torch.library.register_fake("tpx::replicated_matmul")(_local_matmul_fake)
+
+
+@torch.library.register_fake("tpx::local_matmul")
+def _local_matmul_only_fake(a, b, bias=None):
+    return _local_matmul_fake(a, b, None, bias=bias)
+
+
+@torch.library.register_fake("tpx::matmul_all_reduce_backward")
+def _matmul_all_reduce_backward_fake(grad_out, a, b, need_a, need_b, bias_grad):
+    grad_a = a.new_empty(a.shape) if need_a else None
+    grad_b = b.new_empty((b.shape[1], b.shape[0])).t() if need_b else None
+    grad_bias = grad_out.new_empty((b.shape[1],)) if bias_grad else None
+    return grad_a, grad_b, grad_bias
+
+
+@torch.library.register_fake("tpx::replicated_matmul_backward")
+def _replicated_matmul_backward_fake(grad_out, a, b, group_name, chunks, need_a, need_b,
+                                     bias_grad):
+    return _matmul_all_reduce_backward_fake(grad_out, a, b, need_a, need_b, bias_grad)
+
+
+
+# all_gather_matmul ---------------------------------------------------------------------------
+
+
+def _all_gather_matmul_setup(ctx, inputs, output):
+    a, b, gather_dim, group_name, chunks, bias = inputs
+    ctx.save_for_backward(output[0], b)
+    ctx.args = (gather_dim, group_name, chunks, bias is not None)
+
+
+def _all_gather_matmul_backward(ctx, grad_a_gathered, grad_out):
+    a_gathered, b = ctx.saved_tensors
+    gather_dim, group_name, chunks, has_bias = ctx.args
+    if grad_out is None:
+        grad_out = a_gathered.new_zeros(list(a_gathered.shape[:-1]) + [b.shape[1]])
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = has_bias and ctx.needs_input_grad[5]
+    grad_a, grad_b, grad_bias = torch.ops.tpx.all_gather_matmul_backward(
+        grad_out, grad_a_gathered, a_gathered, b, gather_dim, group_name, chunks, need_a, need_b,
+        need_bias)
+    return grad_a, grad_b, None, None, None, grad_bias
+
+
+register("all_gather_matmul", _all_gather_matmul_backward, _all_gather_matmul_setup)
+
+
+# matmul_reduce_scatter -----------------------------------------------------------------------
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output):
+    a, b, scatter_dim, group_name, chunks, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.args = (scatter_dim, group_name, chunks, bias is not None)
+
+
+def _matmul_reduce_scatter_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    scatter_dim, group_name, chunks, has_bias = ctx.args
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = has_bias and ctx.needs_input_grad[5]
+    grad_a, grad_b, grad_bias = torch.ops.tpx.matmul_reduce_scatter_backward(
+        grad_out, a, b, scatter_dim, group_name, chunks, need_a, need_b, need_bias)
+    return grad_a, grad_b, None, None, None, grad_bias
+
+
+register("matmul_reduce_scatter", _matmul_reduce_scatter_backward, _matmul_reduce_scatter_setup)
+
+
+# matmul_all_reduce: the output is replicated, so the gradients are local ---------------------
+
+
+def _matmul_all_reduce_setup(ctx, inputs, output):
+    a, b, group_name, chunks, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.has_bias = bias is not None
+
+
+def _matmul_all_reduce_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = ctx.has_bias and ctx.needs_input_grad[4]
+    grad_a, grad_b, grad_bias = torch.ops.tpx.matmul_all_reduce_backward(
+        grad_out, a, b, need_a, need_b, need_bias)
+    return grad_a, grad_b, None, None, grad_bias
+
+
+register("matmul_all_reduce", _matmul_all_reduce_backward, _matmul_all_reduce_setup)
+
+
+# replicated_matmul ---------------------------------------------------------------------------
+
+
+def _replicated_matmul_setup(ctx, inputs, output):
+    a, b, group_name, chunks, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.args = (group_name, chunks, bias is not None)
+
+
+def _replicated_matmul_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    group_name, chunks, has_bias = ctx.args
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_bias = has_bias and ctx.needs_input_grad[4]
+    grad_a, grad_b, grad_bias = torch.ops.tpx.replicated_matmul_backward(
+        grad_out, a, b, group_name, chunks, need_a, need_b, need_bias)
+    return grad_a, grad_b, None, None, grad_bias
+
+
+register("replicated_matmul", _replicated_matmul_backward, _replicated_matmul_setup)
+
+

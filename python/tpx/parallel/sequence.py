@@ -1,0 +1,150 @@
+"""Pieces of the model-family plans (:mod:`tpx.parallel.plans`, :mod:`tpx.parallel.hf_plan`):
+sequence parallelism over a decoder's layers (the sequence split at the first layer, padded to
+a multiple of the TP size, gathered before attention and at the final norm), several styles on
+one module, and a module found by the end of its name."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import mappings
+from .style import ParallelStyle, apply_style
+
+__all__ = ["Chain", "GatherSequence", "PadSequence", "SeqLength", "SplitSequence", "find_module"]
+
+
+def find_module(model: nn.Module, suffix: str) -> Optional[str]:
+    """The name of the first module whose name ends with ``suffix`` ('' for the root)."""
+    for name, _ in model.named_modules():
+        if name == suffix or name.endswith("." + suffix):
+            return name
+    return None
+
+
+class SeqLength:
+    """The sequence length of the forward pass under way, shared by the entries of a
+    sequence-parallel plan that pads the sequence to a multiple of the TP size."""
+
+    def __init__(self) -> None:
+        self.length = self.padded = 0
+
+
+def _hidden(args, kwargs):
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _replace_hidden(args, kwargs, x):
+    if args:
+        return (x,) + tuple(args[1:]), kwargs
+    kwargs["hidden_states"] = x
+    return args, kwargs
+
+
+class SplitSequence(ParallelStyle):
+    """At the entry of the first decoder layer: ``hidden_states R -> S(1)``. A sequence whose
+    length does not divide by the TP size P is padded at its end to the next multiple of P
+    (rows of zeros that never reach a real position: attention reads the sequence trimmed
+    back, every other module works row by row), so every rank holds an equal block."""
+
+    def __init__(self, seq: SeqLength) -> None:
+        self.seq = seq
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        seq, world, rank = self.seq, pg.size(), dist.get_rank(pg)
+
+        def hook(mod, args, kwargs):
+            x = _hidden(args, kwargs)
+            if not isinstance(x, Tensor):
+                return None
+            if x.dim() != 3:
+                raise ValueError(f"tpx.plans (sequence_parallel=True): the first decoder layer "
+                                 f"expects hidden states [batch, sequence, hidden]; got shape "
+                                 f"{tuple(x.shape)}")
+            n = x.shape[1]
+            per = -(-n // world)
+            seq.length, seq.padded = n, per * world
+            if seq.padded != n:
+                x = F.pad(x, (0, 0, 0, seq.padded - n))
+            x = mappings.split_dim(x, 1, [per] * world, rank * per, pg)
+            return _replace_hidden(args, kwargs, x)
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _gather_sequence(x: Tensor, seq: SeqLength, pg: dist.ProcessGroup, trim: bool) -> Tensor:
+    world = pg.size()
+    per = x.shape[1]
+    if per * world != seq.padded:
+        raise ValueError(f"tpx.plans (sequence_parallel=True): a block of {per} positions on "
+                         f"each of {world} ranks, but the first decoder layer split "
+                         f"{seq.padded}; call the model as a whole, not a layer on its own")
+    if not (trim and seq.length != seq.padded):
+        # Nothing to trim: the column-parallel projections reading the result (q, k, v) leave
+        # their input gradients partial; their sum is reduce-scattered once.
+        return mappings.gather_dim_for_partial_grads(x, 1, pg)
+    x = mappings.gather_dim(x, 1, [per] * world, dist.get_rank(pg) * per, pg)
+    return x.narrow(1, 0, seq.length) if trim and seq.length != seq.padded else x
+
+
+class GatherSequence(ParallelStyle):
+    """``hidden_states S(1) -> R`` at a module's input (``where="input"``; attention: trimmed to
+    the real sequence) or at its output (``where="output"``: the final norm, so the model
+    returns the full sequence and the LM head reads every position, e.g. only the last)."""
+
+    def __init__(self, seq: SeqLength, where: str) -> None:
+        self.seq, self.where = seq, where
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        seq = self.seq
+        if self.where == "input":
+            def pre(mod, args, kwargs):
+                x = _hidden(args, kwargs)
+                if not isinstance(x, Tensor):
+                    return None
+                return _replace_hidden(args, kwargs, _gather_sequence(x, seq, pg, True))
+
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+        else:
+            module.register_forward_hook(
+                lambda mod, args, out: _gather_sequence(out, seq, pg, True))
+        return module
+
+
+class PadSequence(ParallelStyle):
+    """Before a row-parallel projection that scatters its output along the sequence: pads its
+    input (the real positions) back to the length the first decoder layer split."""
+
+    def __init__(self, seq: SeqLength) -> None:
+        self.seq = seq
+
+    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+        seq = self.seq
+
+        def pre(mod, args):
+            x = args[0]
+            if isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] < seq.padded:
+                return (F.pad(x, (0, 0, 0, seq.padded - x.shape[1])),) + tuple(args[1:])
+            return None
+
+        module.register_forward_pre_hook(pre)
+        return module
+
+
+class Chain(ParallelStyle):
+    """Several styles applied to one module, in order."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        self.styles = styles
+
+    def apply(self, module, pg, src_rank=0):
+        for style in self.styles:
+            module = apply_style(style, module, pg, src_rank)
+        return module
+
+    def __repr__(self) -> str:
+        return " + ".join(map(repr, self.styles))
