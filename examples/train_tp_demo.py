@@ -174,7 +174,7 @@ def sample(model, prompt: bytes, length: int, device, args, gen, mesh=None) -> s
             context = torch.cat([pad, context], 1)
         logits = model(context)[:, -1]
         if args.loss_parallel:  # gather the vocab shards of the last position only
-            logits = tpx.autograd.gather_last_dim(logits, tpx.group.shard_sizes(VOCAB, dist.get_world_size()),
+            logits = tpx.mappings.gather_last_dim(logits, tpx.group.shard_sizes(VOCAB, dist.get_world_size()),
                                                   tpx.shard_range(VOCAB)[0], dist.group.WORLD)
         probs = torch.softmax(logits.float() / 0.8, -1).cpu()
         nxt = torch.multinomial(probs, 1, generator=gen).to(device)

@@ -410,7 +410,7 @@ def _llama_resume(rank, world, ckpt):
     torch.manual_seed(4)
     model = tiny("llama")
     tpx.parallelize_module(model, None, tpx.plans.auto(model))
-    params = tpx.checkpoint._Params(model)
+    params = tpx.checkpoint.ParamSet(model)
     kinds = {lay.kind for lay in params.by_id.values()}
     assert "gather" in kinds, kinds  # the replicated KV heads
     opt = torch.optim.Adam(model.parameters(), lr=1.0)  # lr and eps come from the checkpoint

@@ -130,6 +130,41 @@ def shard_sizes(size: int, world: int) -> list:
     return [e - s for s, e in (shard_bounds(size, r, world) for r in range(world))]
 
 
+def head_rows(segments: Sequence[int], head_size: Optional[int], replicate_heads: bool,
+               world: int) -> List[List[Tuple[int, int]]]:
+    """Per rank, the row ranges it holds of a projection whose output is the concatenation of
+    ``segments``, each split over the ranks separately (in whole heads of ``head_size`` when
+    given; a segment with fewer heads than ranks is replicated when ``replicate_heads``)."""
+    rows: List[List[Tuple[int, int]]] = [[] for _ in range(world)]
+    offset = 0
+    for i, n in enumerate(segments):
+        if head_size is None:
+            for r in range(world):
+                s, e = shard_bounds(n, r, world)
+                rows[r].append((offset + s, offset + e))
+        else:
+            if n % head_size:
+                raise ValueError(f"tpx.ColwiseParallel: segment {i} has {n} features, not a whole "
+                                 f"number of heads of head_size={head_size}")
+            heads = n // head_size
+            if heads % world == 0:
+                per = heads // world
+                for r in range(world):
+                    rows[r].append((offset + r * per * head_size, offset + (r + 1) * per * head_size))
+            elif replicate_heads and world % heads == 0:
+                for r in range(world):
+                    h = r * heads // world
+                    rows[r].append((offset + h * head_size, offset + (h + 1) * head_size))
+            else:
+                extra = (" and the TP size is not a multiple of it either (KV heads can be "
+                         "replicated only when it is)") if replicate_heads else ""
+                raise ValueError(
+                    f"tpx.ColwiseParallel: {heads} heads (head_size={head_size}) do not divide by "
+                    f"the TP size {world}{extra}; choose a TP size that divides the head count")
+        offset += n
+    return rows
+
+
 def rank_checks_enabled() -> bool:
     """Whether modules compare their configuration across ranks when they are built
     (``TPX_RANK_CHECKS=0`` turns it off)."""

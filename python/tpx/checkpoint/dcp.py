@@ -1,0 +1,236 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint``, resharded on load (any TP
+size, 1-D or multi-dimensional); models that FSDP2 shards too go through torch's own state-dict
+functions, in the same checkpoint format."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, is_chunked, mesh_dtensor,
+                   mesh_params, sharded_params)
+from .optim import get_optimizer_state_dict, load_optimizer_part
+from ..nn.dtensor_io import DTensor
+from ..sharding import local_of, raw_state_dict
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints through torch.distributed.checkpoint, resharded on load.
+
+@torch.no_grad()
+def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
+    """The model's state as ``torch.distributed.checkpoint`` saves it, in the ORIGINAL model's
+    keys and global shapes: a tensor sharded with ``shard_range`` becomes a ``DTensor`` with
+    placement ``Shard(dim)`` over its layer's group (each rank writes only its block); a
+    tensor with another layout (per-part fused projections, replicated KV heads) is gathered
+    to its full value; a parameter of a multi-dimensional layer becomes a ``DTensor`` over its
+    mesh, ``Shard(d)`` on each mesh dimension that splits dim ``d`` of the original tensor and
+    ``Replicate()`` on the others (one copy of each block is written); everything else is the
+    replicated tensor itself. A model that FSDP2 shards too: torch's
+    ``get_model_state_dict`` (every parameter a ``DTensor`` over the 2-D mesh). Collective."""
+    if fsdp_managed(model):
+        return _torch_model_state(model)
+    with raw_state_dict():
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+    for key, value in state.items():
+        if isinstance(value, DTensor) and all(p.is_replicate() for p in value.placements):
+            state[key] = value._local_tensor  # a replicated parameter: saved as before
+    for sh in sharded_params(model):
+        if sh.key not in state:
+            continue
+        if is_chunked(sh):
+            state[sh.key] = chunked_dtensor(sh, sh.local())
+        else:
+            state[sh.key] = gather_full(sh)
+    for ms in mesh_params(model):
+        if ms.key in state:
+            state[ms.key] = mesh_dtensor(ms)
+    return state
+
+
+def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
+         optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Saves ``model`` (sharded by tpx) with ``torch.distributed.checkpoint``: every rank writes
+    its own blocks into the directory ``checkpoint_id``. The checkpoint holds the original
+    model's keys and global shapes, so :func:`load` reads it back at ANY TP degree or layout
+    (TP 2 -> TP 4, TP 2 -> TP 1, 2-D -> 1-D, 3-D -> one device, ...), and
+    ``torch.distributed.checkpoint.load`` into the unsharded model reads it too.
+
+    With ``optimizer``, its state is saved too, under the key ``"optim"`` in the layout of
+    :func:`get_optimizer_state_dict` (the one of
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``): each state tensor
+    of a parameter's shape (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``)
+    with the parameter's global shape and placement, keyed by the parameter's name in the
+    original model; scalar state (``step``) once. Collective over the default group.
+
+    The directory appears whole or not at all: the ranks write into ``<checkpoint_id>.partial``
+    and rank 0 renames it to ``checkpoint_id`` once every rank's blocks and the metadata are on
+    disk (a checkpoint saved over an existing one replaces it at that moment). A run killed
+    while saving leaves at most the ``.partial`` directory, which :func:`load` refuses and the
+    next save replaces; :func:`is_complete` tells the two apart. The directory must be on a
+    file system every rank sees (as ``torch.distributed.checkpoint``'s file writer assumes)."""
+    import torch.distributed.checkpoint as dcp
+
+    fsdp = fsdp_managed(model)
+    state = _torch_model_state(model) if fsdp else sharded_state_dict(model)
+    if optimizer is not None:
+        if any(k == OPTIM_KEY or k.startswith(OPTIM_KEY + ".") for k in state):
+            raise ValueError(f"tpx.checkpoint.save: the model has state under {OPTIM_KEY!r}, the key "
+                             "the optimizer state is saved under; rename that submodule or "
+                             "save the optimizer separately with get_optimizer_state_dict")
+        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    final = os.path.normpath(os.fspath(checkpoint_id))
+    staging = final + _PARTIAL
+    rank = dist.get_rank()
+    if rank == 0 and os.path.exists(staging):
+        shutil.rmtree(staging)  # what a killed save left
+    dist.barrier()
+    dcp.save(state, checkpoint_id=staging)
+    dist.barrier()  # every rank's files and the metadata are written
+    if rank == 0:
+        replaced = final + ".replaced"
+        if os.path.exists(final):
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+        os.replace(staging, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    dist.barrier()
+
+
+_PARTIAL = ".partial"
+
+
+def is_complete(checkpoint_id: Union[str, os.PathLike]) -> bool:
+    """Whether ``checkpoint_id`` is a checkpoint :func:`save` finished (a directory with its
+    metadata, not the ``.partial`` directory of a save that was interrupted). No
+    communication."""
+    path = os.path.normpath(os.fspath(checkpoint_id))
+    return (not path.endswith(_PARTIAL) and os.path.isdir(path)
+            and os.path.isfile(os.path.join(path, ".metadata")))
+
+
+def _read_metadata(where: str, checkpoint_id: Union[str, os.PathLike]):
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(checkpoint_id)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tpx.checkpoint.{where}: no checkpoint directory at {path!r}")
+    if not is_complete(path):
+        raise FileNotFoundError(f"tpx.checkpoint.{where}: {path!r} is not a complete checkpoint "
+                                "(the save that wrote it was interrupted, or it is not a "
+                                "checkpoint directory); load an earlier one")
+    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _check_model_keys(checkpoint_id, metadata, state: Dict[str, Any]) -> None:
+    """Every tensor of ``state`` is in the checkpoint, with its global shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    held = metadata.state_dict_metadata
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            continue
+        md = held.get(key)
+        if md is None:
+            raise ValueError(f"tpx.checkpoint.load: {os.fspath(checkpoint_id)!r} does not hold "
+                             f"{key!r} (a parameter or buffer of the model); load into the model "
+                             "the checkpoint was saved from")
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(value.shape):
+            shape = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "a non-tensor"
+            raise ValueError(f"tpx.checkpoint.load: {key} has shape {shape} in "
+                             f"{os.fspath(checkpoint_id)!r}; the model expects "
+                             f"{tuple(value.shape)} (global shape)")
+
+
+@torch.no_grad()
+def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
+         optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Loads a checkpoint written by :func:`save` (at any TP degree, or from an unsharded model
+    saved with ``torch.distributed.checkpoint``) into ``model``, sharded by tpx at this run's
+    TP degree, or over a 2-D / 2.5-D / 3-D mesh: each rank reads only the blocks it holds
+    where the layout is ``shard_range`` or a multi-dimensional layer's.
+
+    With ``optimizer`` (built over ``model``'s parameters, before or after
+    ``parallelize_module``), the optimizer state saved by ``save(..., optimizer=...)`` is
+    loaded too, each state tensor resharded to this run's layout, and the param groups'
+    hyper-parameters restored: the next ``optimizer.step()`` is the one the saved run would
+    have taken. Shapes are checked against the checkpoint (``ValueError`` naming the
+    parameter) and a checkpoint without optimizer state raises ``ValueError``, before
+    anything is modified. Collective over the default group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    metadata = _read_metadata("load", checkpoint_id)
+    if fsdp_managed(model):
+        _load_fsdp(model, checkpoint_id, metadata, optimizer)
+        return
+    state = sharded_state_dict(model)
+    _check_model_keys(checkpoint_id, metadata, state)
+    optim_state = None
+    if optimizer is not None:
+        optim_state = load_optimizer_part("load", model, optimizer, checkpoint_id, metadata)
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    sharded = {sh.key: sh for sh in sharded_params(model)}
+    blocks = {ms.key: ms for ms in mesh_params(model)}
+    with raw_state_dict():
+        own = model.state_dict(keep_vars=True)
+    for key, value in state.items():
+        if key in blocks:
+            blocks[key].local().copy_(value.to_local())
+        elif key in sharded:
+            sh = sharded[key]
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                sh.local().copy_(local.t() if sh.transposed else local)
+            else:
+                sh.local().copy_(sh.slice_of(value))
+        elif key in own:
+            if isinstance(own[key], DTensor) and not isinstance(value, DTensor):
+                local_of(own[key]).copy_(value)
+            else:
+                own[key].copy_(value)
+    if optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models whose parameters FSDP2 shards too (tpx's TP on one mesh dimension, fully_shard on
+# another): every parameter is a DTensor over the 2-D mesh, which torch's own state-dict
+# functions state in the original names and global shapes; save and load go through them, in
+# the same checkpoint format (model keys at the top, the optimizer under "optim").
+
+def _torch_model_state(model: nn.Module) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return dict(get_model_state_dict(model))
+
+
+def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
+    """:func:`load` into a model FSDP2 shards too: the checkpoint is read into torch's state
+    dicts of this run's layout (any layout the checkpoint was saved from), then set with
+    torch's ``set_state_dict``. Shapes and the optimizer part are checked first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = _torch_model_state(model)
+    _check_model_keys(checkpoint_id, metadata, state)
+    if optimizer is not None:
+        held = metadata.planner_data or {}
+        if not any(isinstance(p, tuple) and len(p) > 1 and p[0] == OPTIM_KEY
+                   for p in held.values()):
+            raise ValueError(f"tpx.checkpoint.load: {os.fspath(checkpoint_id)!r} holds no "
+                             "optimizer state (it was saved without `optimizer`); call load "
+                             "without optimizer=, or save with tpx.checkpoint.save(model, "
+                             "checkpoint_id, optimizer=optimizer)")
+        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    optim = state.pop(OPTIM_KEY, None)
+    set_model_state_dict(model, state)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim)
