@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .mappings import gather_dim
 from .nn.dtensor_io import DTensor, Replicate, Shard
 from .run import run_cache
 
@@ -57,6 +59,42 @@ class GroupSharding:
     full_shape: Tuple[int, ...]
     rank: int
     in_dtensor: bool = False  # the parameter is a DTensor whose placements say all of this
+    transposed: bool = False  # the original model stores the transpose (HF Conv1D's weight)
+
+    def full_size(self) -> int:
+        """Entries of the full tensor along ``dim``."""
+        return self.full_shape[self.dim]
+
+    def orig_dim(self) -> int:
+        """The sharded dim in the original model's orientation."""
+        return 1 - self.dim if self.transposed else self.dim
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor cut from the full tensor in the ORIGINAL orientation."""
+        d = self.orig_dim()
+        pieces = [full.narrow(d, s, e - s) for s, e in self.rows[self.rank]]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
+        return out.t() if self.transposed else out
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor in the original orientation, assembled from every rank's ``local``
+        (a tensor of this rank's local shape). Collective over ``group``."""
+        local = local.detach()
+        sizes = [sum(e - s for s, e in r) for r in self.rows]
+        gathered = gather_dim(local, self.dim, sizes, sum(sizes[:self.rank]), self.group)
+        flat = [r for ranges in self.rows for r in ranges]
+        if all(a[1] == b[0] for a, b in zip(flat, flat[1:])) and flat[0][0] == 0:
+            full = gathered  # ranks hold consecutive blocks: the gather is the full tensor
+        else:
+            shape = list(local.shape)
+            shape[self.dim] = self.full_size()
+            full = local.new_empty(shape)
+            offset = 0
+            for ranges in self.rows:
+                for s, e in ranges:
+                    full.narrow(self.dim, s, e - s).copy_(gathered.narrow(self.dim, offset, e - s))
+                    offset += e - s
+        return full.t() if self.transposed else full
 
     @property
     def chunked(self) -> bool:
@@ -207,6 +245,46 @@ def _attach(param: Optional[nn.Parameter], desc) -> None:
         setattr(param, ATTR, desc)
 
 
+def group_layouts(module: nn.Module) -> Iterator[Tuple[str, GroupSharding]]:
+    """``(name, layout)`` of each parameter a 1-D layer shards, from the layer's own
+    ``_shards()`` (name, sharded dim, each rank's row ranges) and ``_transposed_weight`` (a
+    layer made from a Hugging Face ``Conv1D``, whose weight the original model stores as
+    ``[in, out]``): the one description checkpoints, clipping and the state-dict hooks read.
+    Nothing for a module that is not such a layer."""
+    if not hasattr(module, "_shards") or not hasattr(module, "group"):
+        return
+    rank = dist.get_rank(module.group)
+    for name, dim, rows in module._shards():
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        rows_t = tuple(tuple((int(s), int(e)) for s, e in r) for r in rows)
+        full = list(local_of(param).shape)
+        full[dim] = max((e for r in rows_t for _, e in r), default=0)
+        yield name, GroupSharding(module.group, dim, rows_t, tuple(full), rank,
+                                  transposed=_transposed(module, name))
+
+
+def mesh_layouts(module: nn.Module, present_only: bool = True
+                 ) -> Iterator[Tuple[str, MeshSharding]]:
+    """``(name, layout)`` of each parameter of a multi-dimensional layer, from its own
+    ``_param_splits()`` (``present_only``: only the parameters it has, not a bias it was built
+    without). Nothing for a module that is not such a layer."""
+    if not hasattr(module, "_param_splits") or not hasattr(module, "mesh_info"):
+        return
+    for spec in module._param_splits():
+        if not present_only or getattr(module, spec.name, None) is not None:
+            yield spec.name, MeshSharding(spec, module.mesh_info)
+
+
+def mark_transposed_weight(module: nn.Module) -> None:
+    """Records that the original model stores ``module``'s weight transposed (a Hugging Face
+    ``Conv1D``, ``[in, out]``): its state dict, checkpoints and clipping then speak that
+    orientation."""
+    module._transposed_weight = True
+    describe_params(module)
+
+
 def describe_params(module: nn.Module) -> None:
     """Attaches the description of each parameter ``module`` shards, from the module's own
     ``_param_splits()`` (multi-dimensional layers) or ``_shards()`` (1-D layers).
@@ -218,33 +296,23 @@ def describe_params(module: nn.Module) -> None:
     another way (segments of a fused projection split separately, rows held by several
     ranks) stay this rank's plain tensor, described here."""
     if hasattr(module, "_param_splits") and hasattr(module, "mesh_info"):
-        for spec in module._param_splits():
-            param = getattr(module, spec.name, None)
-            desc = MeshSharding(spec, module.mesh_info)
+        for name, desc in mesh_layouts(module, present_only=False):
+            param = getattr(module, name, None)
             if (param is not None and getattr(module, "_tpx_dtensor_params", False)
                     and not isinstance(param, DTensor)):
-                param = _replace_param(module, spec.name, desc.dtensor(param))
+                param = _replace_param(module, name, desc.dtensor(param))
             _attach(param, desc)
         return
-    if not hasattr(module, "_shards") or not hasattr(module, "group"):
-        return
-    rank = dist.get_rank(module.group)
     as_dtensor = getattr(module, "_tpx_dtensor_params", False)
     sharded = set()
-    for name, dim, rows in module._shards():
-        param = getattr(module, name, None)
-        if param is None:
-            continue
+    for name, desc in group_layouts(module):
+        param = getattr(module, name)
         sharded.add(name)
-        rows_t = tuple(tuple((int(s), int(e)) for s, e in r) for r in rows)
-        full = list(local_of(param).shape)
-        full[dim] = max((e for r in rows_t for _, e in r), default=0)
-        desc = GroupSharding(module.group, dim, rows_t, tuple(full), rank)
         if as_dtensor and desc.chunked:
-            desc = GroupSharding(module.group, dim, rows_t, tuple(full), rank, in_dtensor=True)
+            desc = dataclasses.replace(desc, in_dtensor=True)
             if not isinstance(param, DTensor):
                 param = _replace_param(module, name, _as_dtensor(param, module.group,
-                                                                 Shard(dim), tuple(full)))
+                                                                 Shard(desc.dim), desc.full_shape))
         _attach(param, desc)
     if as_dtensor:
         for name, param in list(module._parameters.items()):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, is_chunked, mesh_dtensor,
+from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_dtensor,
                    mesh_params, sharded_params)
 from .optim import get_optimizer_state_dict, load_optimizer_part
 from ..nn.dtensor_io import DTensor
@@ -43,7 +43,7 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     for sh in sharded_params(model):
         if sh.key not in state:
             continue
-        if is_chunked(sh):
+        if sh.layout.chunked:
             state[sh.key] = chunked_dtensor(sh, sh.local())
         else:
             state[sh.key] = gather_full(sh)

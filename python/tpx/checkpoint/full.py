@@ -6,31 +6,43 @@ state dict sliced into a sharded model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..group import mesh_for_group
-from ..mappings import gather_dim
-from ..nn.multidim import BlockSpec, block_specs
+from ..nn.multidim import BlockSpec
 from ..nn.dtensor_io import DTensor
-from ..sharding import MeshSharding, local_of, raw_state_dict
+from ..sharding import GroupSharding, group_layouts, mesh_layouts, MeshSharding, local_of, raw_state_dict
 
 
 @dataclass
 class Sharded:
+    """A parameter of a 1-D layer under its key in the original model's state dict, with its
+    layout (:class:`tpx.sharding.GroupSharding`, the one description of it)."""
+
     key: str                      # key in the original model's state dict
     module: nn.Module
     name: str                     # parameter name in the tpx module
-    dim: int                      # sharded dim of the local tensor
-    rows: List[List[Tuple[int, int]]]  # per rank, ranges of the full tensor along dim
-    transposed: bool              # the original tensor is the transpose of the local one
+    layout: GroupSharding
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.module.group)
+        return self.layout.rank
+
+    @property
+    def dim(self) -> int:         # sharded dim of the local tensor
+        return self.layout.dim
+
+    @property
+    def rows(self) -> Tuple[Tuple[Tuple[int, int], ...], ...]:  # per rank, ranges along dim
+        return self.layout.rows
+
+    @property
+    def transposed(self) -> bool:  # the original tensor is the transpose of the local one
+        return self.layout.transposed
 
     def param(self) -> Tensor:
         return getattr(self.module, self.name)
@@ -39,50 +51,49 @@ class Sharded:
         return local_of(self.param())
 
     def full_size(self) -> int:
-        return max(e for r in self.rows for _, e in r)
+        return self.layout.full_size()
 
     def orig_dim(self) -> int:
-        return 1 - self.dim if self.transposed else self.dim
+        return self.layout.orig_dim()
 
     def slice_of(self, full: Tensor) -> Tensor:
         """This rank's local tensor cut from the ORIGINAL full tensor."""
-        d = self.orig_dim()
-        pieces = [full.narrow(d, s, e - s) for s, e in self.rows[self.rank]]
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
-        return out.t() if self.transposed else out
+        return self.layout.slice_of(full)
 
 
 def sharded_params(model: nn.Module) -> Iterator[Sharded]:
     """Every sharded parameter of the tpx layers in ``model``, in module order (the same on
     every rank)."""
     for prefix, mod in model.named_modules():
-        if not hasattr(mod, "_shards") or not hasattr(mod, "group"):
-            continue
         pre = f"{prefix}." if prefix else ""
-        for name, dim, rows in mod._shards():
-            transposed = name == "weight" and getattr(mod, "_transposed_weight", False)
-            yield Sharded(pre + name, mod, name, dim, rows, transposed)
+        for name, layout in group_layouts(mod):
+            yield Sharded(pre + name, mod, name, layout)
 
 
 @dataclass
 class MeshSharded:
-    """A parameter of a multi-dimensional layer: this rank holds one block of the full
-    tensor (``spec`` says which), in the original orientation."""
+    """A parameter of a multi-dimensional layer under its key in the original model's state
+    dict: this rank holds one block of the full tensor, in the original orientation (its
+    layout, :class:`tpx.sharding.MeshSharding`, says which)."""
 
     key: str
     module: nn.Module
-    spec: BlockSpec
+    layout: MeshSharding
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.layout.spec.name
+
+    @property
+    def spec(self) -> BlockSpec:
+        return self.layout.spec
 
     @property
     def info(self):
-        return self.module.mesh_info
+        return self.layout.info
 
     def local(self) -> Tensor:
-        return local_of(getattr(self.module, self.spec.name))
+        return local_of(getattr(self.module, self.name))
 
     def gather(self) -> Tensor:
         return self.spec.gather(self.local(), self.info)
@@ -102,40 +113,22 @@ class MeshSharded:
 def mesh_params(model: nn.Module) -> Iterator[MeshSharded]:
     """Every parameter of the multi-dimensional layers in ``model``, in module order."""
     for prefix, mod in model.named_modules():
-        if not hasattr(mod, "_param_splits") or not hasattr(mod, "mesh_info"):
-            continue
         pre = f"{prefix}." if prefix else ""
-        for spec in block_specs(mod):
-            yield MeshSharded(pre + spec.name, mod, spec)
+        for name, layout in mesh_layouts(mod):
+            yield MeshSharded(pre + name, mod, layout)
 
 
 def mesh_dtensor(sh: MeshSharded, local: Optional[Tensor] = None) -> Tensor:
     """The block (``local``: a tensor of the block's shape in its place, by default the
     parameter itself) as a ``DTensor`` of the full shape over the layer's mesh
     (:meth:`tpx.sharding.MeshSharding.dtensor`)."""
-    return MeshSharding(sh.spec, sh.info).dtensor(sh.local() if local is None else local)
+    return sh.layout.dtensor(sh.local() if local is None else local)
 
 
 def gather_full(sh: Sharded, local: Optional[Tensor] = None) -> Tensor:
     """The full tensor (original orientation) assembled from every rank's pieces (``local``:
     a tensor of the parameter's local shape in its place, by default the parameter)."""
-    local = (sh.local() if local is None else local).detach()
-    sizes = [sum(e - s for s, e in r) for r in sh.rows]
-    rank = sh.rank
-    gathered = gather_dim(local, sh.dim, sizes, sum(sizes[:rank]), sh.module.group)
-    shape = list(local.shape)
-    shape[sh.dim] = sh.full_size()
-    flat = [r for ranges in sh.rows for r in ranges]
-    if all(a[1] == b[0] for a, b in zip(flat, flat[1:])) and flat[0][0] == 0:
-        full = gathered  # ranks hold consecutive blocks: the gather is the full tensor
-    else:
-        full = local.new_empty(shape)
-        offset = 0
-        for ranges in sh.rows:
-            for s, e in ranges:
-                full.narrow(sh.dim, s, e - s).copy_(gathered.narrow(sh.dim, offset, e - s))
-                offset += e - s
-    return full.t() if sh.transposed else full
+    return sh.layout.gather(sh.local() if local is None else local)
 
 
 @torch.no_grad()
@@ -206,17 +199,6 @@ def as_stored(param: Tensor, local: Tensor) -> Tensor:
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return local
-
-
-def is_chunked(sh: Sharded) -> bool:
-    """Whether each rank holds ``shard_range`` of the full tensor: a DTensor ``Shard`` layout."""
-    world, full = len(sh.rows), sh.full_size()
-    per = -(-full // world)
-    for r, ranges in enumerate(sh.rows):
-        start = min(r * per, full)
-        if ranges != [(start, min(start + per, full))]:
-            return False
-    return True
 
 
 def chunked_dtensor(sh: Sharded, local: Tensor) -> Tensor:

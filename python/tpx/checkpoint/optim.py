@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .full import (OPTIM_KEY, MeshSharded, Sharded, as_stored, chunked_dtensor, fsdp_managed, gather_full,
-                   is_chunked, mesh_dtensor, mesh_params, sharded_params)
+                   mesh_dtensor, mesh_params, sharded_params)
 from ..nn.dtensor_io import DTensor
 from ..sharding import local_of
 
@@ -35,7 +35,7 @@ class _ParamLayout:
         if ms is not None:
             self.kind, self.full_shape = "mesh", tuple(ms.spec.full_shape)
         elif sh is not None:
-            self.kind = "shard" if is_chunked(sh) else "gather"
+            self.kind = "shard" if sh.layout.chunked else "gather"
             shape = list(self.local.shape)
             shape[sh.dim] = sh.full_size()
             self.full_shape = tuple(shape[::-1] if sh.transposed else shape)

@@ -17,6 +17,7 @@ from ..group import head_rows, shard_bounds
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
+from ..sharding import mark_transposed_weight
 from .base import (ParallelStyle, apply_style, apply_with_pytorch, check_placement,  # noqa: F401
                    is_style, redistribute, torch_style)
 from .module_styles import (PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
@@ -197,7 +198,8 @@ class ColwiseParallel(ParallelStyle):
             sequence_parallel=sp, sequence_dim=self.input_layouts.dim if sp else 1,
             chunks=self.chunks, device=weight.device, dtype=weight.dtype, out_rows=out_rows,
             src_rank=src_rank, _full_weights=(weight, bias))
-        new._transposed_weight = transposed
+        if transposed:
+            mark_transposed_weight(new)
         return self._wrap(new, pg, out_f)
 
     def _wrap(self, new: nn.Module, pg: dist.ProcessGroup, features: int) -> nn.Module:
@@ -291,7 +293,8 @@ class RowwiseParallel(ParallelStyle):
             input_is_parallel=isinstance(layout, Shard), sequence_parallel=sp,
             sequence_dim=seq_dim, reduce_output=not partial, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
             src_rank=src_rank, _full_weights=(weight, bias))
-        new._transposed_weight = transposed
+        if transposed:
+            mark_transposed_weight(new)
         return self._wrap(new, pg)
 
     def _wrap(self, new: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
