@@ -53,6 +53,7 @@ void count_collective(const std::string& group_name, const std::string& kind, in
   else if (kind == "all_reduce") c = Collective::kAllReduce;
   else if (kind == "broadcast") c = Collective::kBroadcast;
   else if (kind == "reduce") c = Collective::kReduce;
+  else if (kind == "scatter") c = Collective::kScatter;
   else TORCH_CHECK_VALUE(false, "tpx: unknown collective kind '", kind, "'");
   tpx::count_collective(group_name, c, bytes);
 }

@@ -295,7 +295,7 @@ def test_peak_memory_of_non_source_ranks(world):
 
 
 def test_tensor_checksum_needs_no_full_size_temporary():
-    from tpx.group import tensor_checksum
+    from tpx.agree import tensor_checksum
 
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(2048, 2048, generator=gen)  # 16 MiB of float32

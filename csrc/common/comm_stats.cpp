@@ -35,6 +35,7 @@ const char* collective_name(Collective kind) {
     case Collective::kAllReduce: return "all_reduce";
     case Collective::kBroadcast: return "broadcast";
     case Collective::kReduce: return "reduce";
+    case Collective::kScatter: return "scatter";
   }
   return "unknown";
 }

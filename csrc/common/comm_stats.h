@@ -13,7 +13,7 @@
 
 namespace tpx {
 
-enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce, kScatter };
 
 const char* collective_name(Collective kind);
 

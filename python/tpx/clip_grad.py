@@ -38,9 +38,8 @@ from torch.utils._foreach_utils import (_device_has_foreach_support,
                                         _group_tensors_by_device_and_dtype,
                                         _has_foreach_support)
 
-from .comm import count_collective
-from .comm_groups import wire_group
-from .group import comm_device
+from . import collectives
+from .initial import comm_device
 from .sharding import GroupSharding, MeshSharding, sharding_of
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
@@ -196,9 +195,7 @@ def _all_reduce(values: List[Tensor], group: dist.ProcessGroup, use_max: bool) -
         buf = torch.cat([torch.where(nan, torch.zeros_like(buf), buf), nan.to(buf.dtype)])
     dev = comm_device(group, buf.device)
     wire = buf.to(dev)
-    count_collective(group, "all_reduce", wire)
-    dist.all_reduce(wire, op=dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM,
-                    group=wire_group(group))
+    collectives.all_reduce(wire, group, op=dist.ReduceOp.MAX if use_max else dist.ReduceOp.SUM)
     buf = wire.to(buf.device)
     if use_max:
         n = len(values)

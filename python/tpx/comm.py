@@ -1,11 +1,11 @@
 """Communication accounting: the collectives tpx's ops issue, counted per process group.
 
-Every collective of a tpx op (the C++ engine's and the few issued from Python) is counted
-with the size of this rank's message: its input for an all-gather, its output for a
-reduce-scatter, the whole buffer for an all-reduce, a broadcast or a reduce to one rank. Counting is always on; it
-costs one map update per collective. The C++ ops count in compiled graphs too; the few
-layout changes issued from Python (edge gathers of the layers, gradient all-reduces of
-replicated parameters) are counted in eager mode only.
+Every collective of a tpx op (the C++ engine's, and those issued from Python, all through
+:mod:`tpx.collectives`) is counted with the size of this rank's message: its input for an
+all-gather, its output for a reduce-scatter or a scatter, the whole buffer for an all-reduce,
+a broadcast or a reduce to one rank (an object all-gather: its pickled size). Counting is
+always on; it costs one map update per collective. The C++ ops count in compiled graphs too;
+the collectives issued from Python are counted in eager mode only.
 
 >>> with tpx.comm_stats() as stats:
 ...     loss = model(x).sum(); loss.backward()
@@ -25,7 +25,7 @@ from . import _ext
 
 __all__ = ["CommStats", "comm_stats", "count_collective", "KINDS"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "scatter")
 
 Key = Tuple[str, str]
 

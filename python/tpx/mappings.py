@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .comm import count_collective
-from .comm_groups import guarded, wire_group
+from . import collectives
+from .comm_groups import guarded
 from .ops import mesh_all_reduce, sum_by_name
 from .run import run_cache
 
@@ -33,8 +33,7 @@ def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Ten
         local = F.pad(local, (0, width - local.shape[-1]))
     local = local.contiguous()
     pieces = [torch.empty_like(local) for _ in sizes]
-    count_collective(pg, "all_gather", local)
-    dist.all_gather(pieces, local, group=wire_group(pg))
+    collectives.all_gather(pieces, local, pg)
     # Concatenated along `dim` itself, so the result is contiguous (consumers that reshape it,
     # as a linear layer does with 3-D inputs, need no copy of it).
     return torch.cat([p[..., :s].movedim(-1, dim) for p, s in zip(pieces, sizes)], dim=dim)
@@ -96,8 +95,7 @@ class _PartialGradView(torch.autograd.Function):
         dim, pg = ctx.dim, ctx.pg
         g = grad.movedim(dim, 0).contiguous()
         out = g.new_empty((g.shape[0] // pg.size(), *g.shape[1:]))
-        count_collective(pg, "reduce_scatter", out)
-        dist.reduce_scatter_tensor(out, g, group=wire_group(pg))
+        collectives.reduce_scatter(out, g, pg)
         return out.movedim(0, dim), None, None, None
 
 

@@ -25,7 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .group import GroupLike, resolve_group, tensor_checksum
+from . import collectives
+from .agree import tensor_checksum
+from .checkpoint import mesh_params, sharded_params
+from .group import GroupLike, resolve_group
 from .sharding import local_of
 
 __all__ = ["check_replicas", "ReplicaMismatch", "watch_replicas"]
@@ -50,8 +53,6 @@ class ReplicaMismatch:
 def _replicated(model: nn.Module):
     """(name, parameter) of every parameter no tpx layer shards, ordered by name (the same on
     every rank whatever order the model registered them in)."""
-    from .checkpoint import mesh_params, sharded_params
-
     sharded = {sh.key for sh in sharded_params(model)} | {ms.key for ms in mesh_params(model)}
     seen = set()
     for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
@@ -99,7 +100,7 @@ def check_replicas(model: nn.Module, group: GroupLike = None, *, grads: bool = T
     device = _device_of(model, pg)
     pieces = [torch.empty(mine.shape, dtype=torch.float64, device=device)
               for _ in range(pg.size())]
-    dist.all_gather(pieces, mine.to(device), group=pg)
+    collectives.all_gather(pieces, mine.to(device), pg)
     everyone = torch.stack([p.cpu() for p in pieces])
     found = []
     for i, (name, what) in enumerate(labels):

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from .. import mappings, ops
 from .. import random as tpx_random
 from ..comm_groups import guarded
-from ..group import (SharesGroupOnCopy, ShardSpec, head_rows, load_initial, resolve_group,
-                     shard_bounds)
+from ..group import head_rows, resolve_group, shard_bounds, SharesGroupOnCopy
+from ..initial import load_initial, ShardSpec
 from ..sharding import KeepsParamSharding, describe_params
 from .dtensor_io import Replicate, local_input
 from .linear import RowParallelLinear

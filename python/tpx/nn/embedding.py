@@ -13,8 +13,8 @@ from ..comm_groups import guarded
 from ..checks import check_values
 from .dtensor_io import Replicate, local_input
 from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
-from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, shard_bounds, load_initial,
-                     resolve_group, shard_sizes)
+from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
+from ..initial import load_initial, ShardSpec
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 

@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import ops
+from .. import collectives, ops
 from ..checks import check_values
-from ..comm import count_collective
-from ..comm_groups import guarded, own, wire_group
+from ..comm_groups import guarded
 from ..ops.amp import loss_dtype
 from ..group import GroupLike, resolve_group, shard_bounds
 from .dtensor_io import DTensor, Replicate, Shard
@@ -40,11 +39,9 @@ def vocab_layout(local_size: int, pg: dist.ProcessGroup, vocab_size: Optional[in
         return start, vocab_size
     if world == 1:
         return 0, local_size
-    own(pg)  # on tpx's own copy of the group, counted as tpx's other collectives
     mine = torch.tensor([local_size], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
-    count_collective(pg, "all_gather", mine)
-    dist.all_gather(sizes, mine, group=wire_group(pg))
+    collectives.all_gather(sizes, mine, pg)
     sizes = [int(s) for s in sizes]
     return sum(sizes[:rank]), sum(sizes)
 

@@ -33,8 +33,8 @@ from .. import mappings
 from .. import ops
 from ..comm_groups import guarded
 from ..ops.amp import autocast_casts
-from ..group import (GroupLike, SharesGroupOnCopy, ShardSpec, shard_bounds, load_initial,
-                     resolve_group, shard_sizes)
+from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
+from ..initial import load_initial, ShardSpec
 from .dtensor_io import Replicate, Shard, local_input
 from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
 

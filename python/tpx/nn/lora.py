@@ -58,7 +58,8 @@ from .. import mappings
 from .. import ops
 from .. import random as tpx_random
 from ..comm_groups import guarded
-from ..group import SharesGroupOnCopy, ShardSpec, shard_bounds, load_initial
+from ..group import shard_bounds, SharesGroupOnCopy
+from ..initial import load_initial, ShardSpec
 from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear

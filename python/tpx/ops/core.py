@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .. import _ext  # noqa: F401  (loads the operator library)
 from ..comm_groups import guarded, own, own_by_name
-from ..group import GroupLike, check_same_on_ranks, resolve_group
+from ..agree import check_same_on_ranks
+from ..group import GroupLike, resolve_group
 from . import amp
 
 # Eager calls of the differentiable operators go through a plain ``torch.autograd.Function``

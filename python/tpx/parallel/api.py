@@ -10,11 +10,14 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..group import (DeviceMesh, GroupLike, broadcast_, check_same_on_ranks, check_src_rank,
-                     resolve_group)
+from ..agree import check_same_on_ranks
+from ..group import DeviceMesh, GroupLike, resolve_group
+from ..initial import broadcast_, check_src_rank
 from ..mesh import mesh_layout
 from ..nn.dtensor_io import DTensor
 from . import style as _style
+from ..replicas import watch_enabled, watch_replicas
+from .mesh_styles import MeshStyle, mesh_info
 from .style import ParallelStyle, apply_style
 
 __all__ = ["parallelize_module"]
@@ -119,8 +122,6 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     _guard_save_pretrained(module)
     if src_rank is not None and pg.size() > 1:
         broadcast_(pg, src_rank, _unsharded_tensors(module))
-    from ..replicas import watch_enabled, watch_replicas
-
     if watch_enabled() and pg.size() > 1:  # TPX_CHECK_REPLICAS=1: after every backward
         watch_replicas(module, pg)
     return module
@@ -395,8 +396,6 @@ def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
     """``parallelize_module`` over a 2-D, 2.5-D or 3-D mesh: every entry of the plan is a
     mesh style (applied with the mesh); parameters outside the replaced modules come from
     ``src_rank``."""
-    from .mesh_styles import MeshStyle, mesh_info
-
     info = mesh_info(mesh, "parallelize_module")
     if not isinstance(plan, dict):
         raise TypeError("tpx.parallelize_module: over a multi-dimensional mesh the plan must be a "

@@ -31,6 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import collectives
+from ..checkpoint import mesh_params, sharded_params
+from ..group import resolve_group
+from ..mesh import mesh_layout
+from ..replicas import check_replicas
+from .api import parallelize_module, tp_mesh_group
+
 __all__ = ["check", "PlanReport"]
 
 
@@ -168,13 +175,6 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     is compared with the block of the unsharded output it matches best; replicas are compared
     over the whole mesh for the parameters no layer shards). ``rtol`` is relative to each
     tensor's largest magnitude."""
-    from ..group import resolve_group
-    from ..replicas import check_replicas
-    from .api import parallelize_module
-
-    from ..mesh import mesh_layout
-    from .api import tp_mesh_group
-
     multidim = hasattr(group, "mesh_dim_names") and mesh_layout(group) in ("2d", "2.5d", "3d")
     pg = tp_mesh_group(group) if multidim else resolve_group(group)
     ref = copy.deepcopy(model)
@@ -222,7 +222,6 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
         parts = _parts_of(captured[name], local, sharded_modules.get(name), pg)
         errors.append(min(_rel(local, part) for part in parts) if parts else -1.0)
 
-    from ..checkpoint import mesh_params, sharded_params
 
     shards = {sh.key: sh for sh in sharded_params(model)}
     shards.update({ms.key: ms for ms in mesh_params(model)})
@@ -241,7 +240,7 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
 
     # One all-reduce (max over ranks) of every number, so every rank reports the same.
     numbers = torch.tensor([out_err, *errors, *grad_errs], dtype=torch.float64)
-    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=pg)
+    collectives.all_reduce(numbers, pg, op=dist.ReduceOp.MAX)
     values = numbers.tolist()
     report = PlanReport(output_error=values[0], tolerance=rtol)
     module_errs = values[1:1 + len(errors)]

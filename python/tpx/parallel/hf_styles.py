@@ -370,7 +370,7 @@ class HeadParams(ParallelStyle):
     def apply(self, module: nn.Module, pg: dist.ProcessGroup, src_rank: Optional[int] = 0):
         from torch.distributed.tensor import DTensor
 
-        from ..group import broadcast_
+        from ..initial import broadcast_
         from ..sharding import describe_params
 
         world, rank = pg.size(), dist.get_rank(pg)

@@ -44,7 +44,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
-from ..group import ShardSpec, shard_bounds, load_initial
+from ..group import shard_bounds
+from ..initial import load_initial, ShardSpec
 from ..sharding import describe_params, guard_state_dict
 from .style import ParallelStyle
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ... import ops
-from ...group import ShardSpec, check_same_on_ranks, load_initial
+from ...agree import check_same_on_ranks
+from ...initial import load_initial, ShardSpec
 from ...mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
 from ...run import run_cache
 from ...sharding import KeepsParamSharding, describe_params, local_of

@@ -1,0 +1,75 @@
+"""Every collective tpx issues from Python, through one path: the layout changes at the
+layers' edges, the width exchange of a vocab-parallel loss, the norms of gradient clipping,
+the initial weights handed out by a source rank, and the cross-rank checks.
+
+Each function takes the user's group ``pg`` and runs on tpx's own copy of it (made on first
+use, :func:`tpx.comm_groups.own`; NCCL groups are used as they are), raising at once if tpx
+marked that group broken (:func:`tpx.comm_groups.wire_group`). Each is counted by
+:func:`tpx.comm_stats` under the user's group with this rank's message size (an object
+collective with its pickled size). Ranks are ranks of ``pg`` (``src_rank``), as everywhere in
+tpx. The C++ ops issue the rest of tpx's traffic, counted the same way.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, List, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import count_collective
+from .comm_groups import own, wire_group
+
+__all__ = ["all_gather", "all_gather_object", "all_reduce", "broadcast", "reduce_scatter",
+           "scatter"]
+
+
+def _wire(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    own(pg)
+    return wire_group(pg)
+
+
+def all_gather(outputs: List[Tensor], tensor: Tensor, pg: dist.ProcessGroup) -> None:
+    """``outputs[r]`` <- rank ``r``'s ``tensor`` (every rank's of the same shape)."""
+    wire = _wire(pg)
+    count_collective(pg, "all_gather", tensor)
+    dist.all_gather(outputs, tensor, group=wire)
+
+
+def all_gather_object(outputs: List[Any], obj: Any, pg: dist.ProcessGroup) -> None:
+    """``outputs[r]`` <- rank ``r``'s picklable ``obj``."""
+    wire = _wire(pg)
+    count_collective(pg, "all_gather", len(pickle.dumps(obj)))
+    dist.all_gather_object(outputs, obj, group=wire)
+
+
+def all_reduce(tensor: Tensor, pg: dist.ProcessGroup,
+               op: "dist.ReduceOp.RedOpType" = dist.ReduceOp.SUM) -> None:
+    """``tensor`` <- its reduction (``op``) over the ranks of ``pg``, in place."""
+    wire = _wire(pg)
+    count_collective(pg, "all_reduce", tensor)
+    dist.all_reduce(tensor, op=op, group=wire)
+
+
+def reduce_scatter(output: Tensor, tensor: Tensor, pg: dist.ProcessGroup) -> None:
+    """``output`` <- block ``rank`` (along dim 0) of the sum over ranks of ``tensor``."""
+    wire = _wire(pg)
+    count_collective(pg, "reduce_scatter", output)
+    dist.reduce_scatter_tensor(output, tensor, group=wire)
+
+
+def broadcast(tensor: Tensor, src_rank: int, pg: dist.ProcessGroup) -> None:
+    """``tensor`` <- its value on rank ``src_rank`` of ``pg``, in place."""
+    wire = _wire(pg)
+    count_collective(pg, "broadcast", tensor)
+    dist.broadcast(tensor, src=dist.get_global_rank(pg, src_rank), group=wire)
+
+
+def scatter(output: Tensor, inputs: Optional[List[Tensor]], src_rank: int,
+            pg: dist.ProcessGroup) -> None:
+    """``output`` <- ``inputs[rank]`` of rank ``src_rank`` of ``pg`` (``inputs`` is read on
+    that rank only)."""
+    wire = _wire(pg)
+    count_collective(pg, "scatter", output)
+    dist.scatter(output, inputs, src=dist.get_global_rank(pg, src_rank), group=wire)
