@@ -284,6 +284,50 @@ def test_pytorch_styles_applied_by_pytorch(world):
     run_ranks(_check_torch_styles, world)
 
 
+def _check_failed_plan_changes_nothing(rank, world):
+    """A plan whose last entry fails after PyTorch's styles and tpx's hook styles changed
+    their modules in place: the error comes, and the model is as it was (the same parameter
+    objects and values, no hooks, the unsharded output); the right plan then applies."""
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    torch.manual_seed(0)
+    ref = _Block().double()
+    model = copy.deepcopy(ref)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    with pytest.raises(ValueError, match="segments"):
+        tpx.parallelize_module(model, mesh, {
+            "": PrepareModuleInputOutput(input_layouts=R(), desired_input_layouts=R(),
+                                         use_local_input=True, output_layouts=R(),
+                                         desired_output_layouts=R(), use_local_output=True),
+            "up": TorchColwise(),                                            # params replaced
+            "down": tpx.RowwiseParallel(),                                   # a new module
+            "up2": tpx.PrepareModuleInput(input_layouts=(tpx.Replicate(),),  # hooks
+                                          desired_input_layouts=(tpx.Replicate(),)),
+            "down2": tpx.ColwiseParallel(segments=[1, 2]),                   # fails
+        })
+    assert dict(model.named_parameters()).keys() == before.keys()
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and type(p) is torch.nn.Parameter, n
+        torch.testing.assert_close(p.detach(), before[n][1], rtol=0, atol=0)
+    assert type(model.down) is torch.nn.Linear
+    for m in model.modules():
+        for d in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                  "_forward_hooks_with_kwargs"):
+            assert not getattr(m, d), (type(m).__name__, d)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    tpx.parallelize_module(model, mesh, {"up": TorchColwise(), "down": tpx.RowwiseParallel()})
+    torch.testing.assert_close(model(x), ref(x))
+
+
+@pytest.mark.parametrize("world", [2])
+def test_failed_plan_changes_nothing(world):
+    run_ranks(_check_failed_plan_changes_nothing, world)
+
+
 class _SharedAndRouted(torch.nn.Module):
     """Two MLPs whose row-parallel outputs are left as partial sums and reduced once, as
     torchtitan's MoE layers do with their shared experts."""

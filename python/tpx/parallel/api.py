@@ -294,6 +294,38 @@ def _peft_aware(style: ParallelStyle) -> bool:
     return isinstance(style, _PEFT_AWARE)
 
 
+class _Undo:
+    """What applying a style may change in place on a module tree, recorded so that it can be
+    put back: each module's attributes, its dicts of parameters, buffers, children and hooks
+    (restored in place: hook handles and autograd refer to those dict objects), and the
+    gradient hooks of its parameters. A style that fails half way, or a plan whose later entry
+    fails, then leaves the model as it was (PyTorch's styles and tpx's hook styles change the
+    module they are given; tpx's layer styles build a new one)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._saved = []
+        for m in module.modules():
+            attrs = dict(m.__dict__)
+            dicts = [(d, dict(d)) for d in attrs.values() if isinstance(d, dict)]
+            hooks = [(p, None if p._backward_hooks is None else dict(p._backward_hooks))
+                     for p in m._parameters.values() if isinstance(p, Tensor)]
+            self._saved.append((m, attrs, dicts, hooks))
+
+    def restore(self) -> None:
+        for m, attrs, dicts, hooks in reversed(self._saved):
+            for key in [k for k in m.__dict__ if k not in attrs]:
+                del m.__dict__[key]
+            m.__dict__.update(attrs)
+            for d, content in dicts:
+                d.clear()
+                d.update(content)
+            for p, saved in hooks:
+                if p._backward_hooks is not None:
+                    extra = [k for k in p._backward_hooks if saved is None or k not in saved]
+                    for k in extra:
+                        del p._backward_hooks[k]
+
+
 def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, ParallelStyle],
                 src_rank: Optional[int], strict: bool) -> set:
     """Applies the plan; returns the ids of parameters tied to a module the plan left whole.
@@ -322,31 +354,14 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
                              f"module (some module names: {names[:8]}); fix the pattern or pass "
                              "strict=False")
         work += [(n, style) for n in matches]
-    replaced = []
-    for name, style in work:
-        old = module if name == "" else module.get_submodule(name)
-        parent_name, _, child = name.rpartition(".")
-        if child == "base_layer" and _style.is_peft_layer(module.get_submodule(parent_name)):
-            raise ValueError(
-                f"tpx.parallelize_module: the plan names {name!r}, the base layer of a peft "
-                f"(LoRA) layer; name the LoRA layer itself ({parent_name!r}): tpx shards its "
-                "base layer and its adapters together. Nothing was changed")
-        if _style.is_peft_layer(old) and not _peft_aware(style):
-            raise ValueError(
-                f"tpx.parallelize_module: {name!r} is peft's {type(old).__module__}."
-                f"{type(old).__name__} (an adapter on what the plan shards with {style!r}); "
-                "tpx shards LoRA on linear projections (column and row styles) only. Leave "
-                "this module out of the adapter's target_modules. Nothing was changed")
-        try:
-            new = apply_style(style, old, pg, src_rank)
-            if new is not old:
-                check_can_become_module(old, new, repr(name))
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
-                          f"({type(old).__name__}) with {style!r}: {msg}") from e
-        if new is not old:
-            replaced.append((name, old, new))
+    replaced: List[Tuple[str, nn.Module, nn.Module]] = []
+    undo = []
+    try:
+        _build_all(module, pg, work, src_rank, replaced, undo)
+    except BaseException:
+        for u in reversed(undo):  # what the styles changed in place, back as it was
+            u.restore()
+        raise
     # A parameter shared with a module the plan leaves whole (a tie PyTorch users break and
     # make again across calls) stays full with that module; the sharded one gets its own.
     gone = {name for name, _, _ in replaced}
@@ -366,6 +381,38 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
         if tie not in partial:
             _retie(module, tie)
     return keep
+
+
+def _build_all(module: nn.Module, pg: dist.ProcessGroup, work, src_rank: Optional[int],
+               replaced: list, undo: list) -> None:
+    """Applies each ``(name, style)`` of ``work``: a replacement module goes to ``replaced``
+    (swapped in by the caller once all are built), what may change in place is recorded in
+    ``undo`` first."""
+    for name, style in work:
+        old = module if name == "" else module.get_submodule(name)
+        parent_name, _, child = name.rpartition(".")
+        if child == "base_layer" and _style.is_peft_layer(module.get_submodule(parent_name)):
+            raise ValueError(
+                f"tpx.parallelize_module: the plan names {name!r}, the base layer of a peft "
+                f"(LoRA) layer; name the LoRA layer itself ({parent_name!r}): tpx shards its "
+                "base layer and its adapters together. Nothing was changed")
+        if _style.is_peft_layer(old) and not _peft_aware(style):
+            raise ValueError(
+                f"tpx.parallelize_module: {name!r} is peft's {type(old).__module__}."
+                f"{type(old).__name__} (an adapter on what the plan shards with {style!r}); "
+                "tpx shards LoRA on linear projections (column and row styles) only. Leave "
+                "this module out of the adapter's target_modules. Nothing was changed")
+        undo.append(_Undo(old))
+        try:
+            new = apply_style(style, old, pg, src_rank)
+            if new is not old:
+                check_can_become_module(old, new, repr(name))
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
+                          f"({type(old).__name__}) with {style!r}: {msg}") from e
+        if new is not old:
+            replaced.append((name, old, new))
 
 
 def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
