@@ -4,21 +4,15 @@ a wrong answer later), and the fingerprints it compares."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import collectives
+from .config import rank_checks
 
-__all__ = ["check_same_on_ranks", "rank_checks_enabled", "tensor_checksum"]
-
-
-def rank_checks_enabled() -> bool:
-    """Whether modules compare their configuration across ranks when they are built
-    (``TPX_RANK_CHECKS=0`` turns it off)."""
-    return os.environ.get("TPX_RANK_CHECKS", "1") != "0"
+__all__ = ["check_same_on_ranks", "tensor_checksum"]
 
 
 def check_same_on_ranks(pg: dist.ProcessGroup, what: str, config: dict, *,
@@ -31,7 +25,7 @@ def check_same_on_ranks(pg: dist.ProcessGroup, what: str, config: dict, *,
     ``extra`` travels in the same collective without being compared; the list of every
     rank's ``extra`` is returned (``None`` when nothing was gathered: a group of one rank,
     or ``TPX_RANK_CHECKS=0``)."""
-    if pg.size() == 1 or not rank_checks_enabled():
+    if pg.size() == 1 or not rank_checks():
         return None
     # With NCCL the object all-gather below runs on the current CUDA device: two ranks of one
     # host on the same device would fail or hang there, so say so first (once per group).

@@ -17,24 +17,14 @@ Under ``torch.compile`` value checks are skipped.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["input_checks_mode", "check_values"]
+from . import config
 
-_MODES = ("async", "sync", "off")
-
-
-def input_checks_mode() -> str:
-    """The current mode of value checks (``TPX_INPUT_CHECKS``: async, sync or off)."""
-    mode = os.environ.get("TPX_INPUT_CHECKS", "async").strip().lower() or "async"
-    if mode not in _MODES:
-        raise ValueError(f"TPX_INPUT_CHECKS must be one of {_MODES}; got {mode!r}")
-    return mode
-
+__all__ = ["check_values"]
 
 def check_values(ok: Callable[[], Tensor], message: Callable[[], str]) -> None:
     """Raises ``ValueError(message())`` when the 0-d bool tensor ``ok()`` is False (see the
@@ -42,7 +32,7 @@ def check_values(ok: Callable[[], Tensor], message: Callable[[], str]) -> None:
     values on the host to name the offending one."""
     if torch.compiler.is_compiling():
         return
-    mode = input_checks_mode()
+    mode = config.input_checks()
     if mode == "off":
         return
     cond = ok()

@@ -50,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _ext
+from . import _ext, config
 from .run import at_end_run
 
 __all__ = ["own", "owned_group", "group_broken_reason", "settings", "guarded", "wire_group"]
@@ -65,25 +65,12 @@ _OWNED: Dict[str, Tuple[object, Optional[str]]] = {}
 # the group's keys in the store (group names repeat within a run; ids do not).
 _IDS: Dict[str, str] = {}
 
-_ALLREDUCE_CHOICES = ("exchange", "gloo")
-_POLICY_CHOICES = ("batch", "keep")
 
 
 def settings() -> Dict[str, object]:
     """This rank's settings that shape tpx's collectives, validated (the ranks of a group must
     agree on them): ``TPX_GLOO_ALLREDUCE``, ``TPX_GLOO_LOOP_POLICY``, ``TPX_DEFAULT_CHUNKS``."""
-    allreduce = os.environ.get("TPX_GLOO_ALLREDUCE") or "gloo"
-    if allreduce not in _ALLREDUCE_CHOICES:
-        raise ValueError(
-            "TPX_GLOO_ALLREDUCE must be 'gloo' (the default: gloo's own all-reduce) or "
-            "'exchange' (a two-rank all-reduce as one send/recv exchange and a local add); "
-            f"got '{allreduce}'")
-    policy = os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch"
-    if policy not in _POLICY_CHOICES:
-        raise ValueError(
-            "TPX_GLOO_LOOP_POLICY must be 'batch' (the default: the event-loop thread of "
-            "tpx's own gloo groups runs as SCHED_BATCH) or 'keep' (leave it as gloo starts "
-            f"it); got '{policy}'")
+    allreduce, policy = config.gloo_allreduce(), config.gloo_loop_policy()
     return {"TPX_GLOO_ALLREDUCE": allreduce, "TPX_GLOO_LOOP_POLICY": policy,
             "TPX_DEFAULT_CHUNKS": int(_ext.build_info()["default_chunks"])}
 
@@ -254,17 +241,6 @@ def guarded(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def _grace() -> float:
-    value = os.environ.get("TPX_FAULT_GRACE") or "2"
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise ValueError(f"TPX_FAULT_GRACE must be a number of seconds >= 0; got '{value}'")
-    return seconds
-
-
 def _live_groups() -> List[Tuple[dist.ProcessGroup, str, List[int]]]:
     """(tpx's own group, its id, its global ranks) for every live group tpx owns here."""
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -370,7 +346,7 @@ def _handle_failure(exc: BaseException) -> Optional[BaseException]:
     own_failure = not told and not _is_communication_failure(exc, groups)
     if own_failure and store is not None:
         # Did every rank of every group fail here too? Then nothing is left half done.
-        grace = _grace()
+        grace = config.fault_grace()
         wanted = []
         try:
             for _, gid, ranks in groups:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -14,29 +13,12 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .config import init_chunk_bytes
 from .agree import check_same_on_ranks, tensor_checksum
 
 __all__ = ["ShardSpec", "broadcast_", "check_src_rank", "comm_device", "init_chunk_bytes",
            "load_initial", "scatter_blocks", "scatter_shard"]
 
-_INIT_CHUNK_BYTES = 64 << 20
-
-
-def init_chunk_bytes() -> int:
-    """Bytes the source rank sends per step when it hands out initial weights (all ranks'
-    pieces of one step together; ``TPX_INIT_CHUNK_BYTES``, default 64 MiB). The source rank
-    holds the full tensor plus about this much; every other rank its shard plus about this
-    much divided by the group size (at least one row of the shard)."""
-    value = os.environ.get("TPX_INIT_CHUNK_BYTES")
-    if value is None:
-        return _INIT_CHUNK_BYTES
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"tpx: TPX_INIT_CHUNK_BYTES must be a positive integer; got {value!r}")
-    return n
 
 
 def check_src_rank(what: str, src_rank: Any, world: int) -> None:

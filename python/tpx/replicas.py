@@ -17,7 +17,6 @@ all-gather per backward).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List
 
@@ -169,5 +168,3 @@ def watch_replicas(model: nn.Module, group: GroupLike = None) -> None:
             p.register_hook(hook)
 
 
-def watch_enabled() -> bool:
-    return os.environ.get("TPX_CHECK_REPLICAS", "0") == "1"

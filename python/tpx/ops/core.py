@@ -5,13 +5,12 @@ autograd (:func:`register`), and the checks that resolve a group and, with
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _ext  # noqa: F401  (loads the operator library)
+from .. import config
 from ..comm_groups import guarded, own, own_by_name
 from ..agree import check_same_on_ranks
 from ..group import GroupLike, resolve_group
@@ -64,7 +63,7 @@ def group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: ob
     hanging one of them."""
     pg = resolve_group(group)
     own(pg)
-    if debug_checks_enabled() and pg.size() > 1 and not torch.compiler.is_compiling():
+    if config.debug_checks() and pg.size() > 1 and not torch.compiler.is_compiling():
         check_same(pg, op, tensors, same)
     return pg.group_name
 
@@ -82,7 +81,7 @@ def mesh_groups(op: str, names, tensors, **same) -> None:
     for name in names:
         if name is not None:
             own_by_name(name)
-    if debug_checks_enabled():
+    if config.debug_checks():
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         for name in names:
@@ -90,11 +89,6 @@ def mesh_groups(op: str, names, tensors, **same) -> None:
                 pg = _resolve_process_group(name)
                 if pg.size() > 1:
                     check_same(pg, op, tensors, same)
-
-
-def debug_checks_enabled() -> bool:
-    """``TPX_DEBUG_CHECKS=1``: every collective op first checks that the ranks agree."""
-    return os.environ.get("TPX_DEBUG_CHECKS", "0") == "1"
 
 
 def world(name: str) -> int:

@@ -16,7 +16,8 @@ from ..initial import broadcast_, check_src_rank
 from ..mesh import mesh_layout
 from ..nn.dtensor_io import DTensor
 from . import style as _style
-from ..replicas import watch_enabled, watch_replicas
+from .. import config
+from ..replicas import watch_replicas
 from .mesh_styles import MeshStyle, mesh_info
 from .style import ParallelStyle, apply_style
 
@@ -122,7 +123,7 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     _guard_save_pretrained(module)
     if src_rank is not None and pg.size() > 1:
         broadcast_(pg, src_rank, _unsharded_tensors(module))
-    if watch_enabled() and pg.size() > 1:  # TPX_CHECK_REPLICAS=1: after every backward
+    if config.check_replicas() and pg.size() > 1:  # TPX_CHECK_REPLICAS=1: after every backward
         watch_replicas(module, pg)
     return module
 

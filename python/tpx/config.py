@@ -1,0 +1,113 @@
+"""Every ``TPX_*`` environment variable tpx reads, parsed and validated in one place.
+
+Each is read when it is used (a test or a script may change it between calls), and a value
+tpx does not accept raises a ``ValueError`` that names the variable and what it takes.
+
+========================  ===========  ==================================================
+variable                  default      what it sets
+========================  ===========  ==================================================
+``TPX_DEBUG_CHECKS``      ``0``        ``1``: every collective op first checks that the
+                                       ranks agree on its shapes and arguments
+``TPX_RANK_CHECKS``       ``1``        ``0``: modules do not compare their configuration
+                                       across ranks when they are built
+``TPX_INPUT_CHECKS``      ``async``    value checks of inputs: ``async``, ``sync``, ``off``
+``TPX_CHECK_REPLICAS``    ``0``        ``1``: replicas are compared after every backward
+``TPX_INIT_CHUNK_BYTES``  64 MiB       bytes per step when initial weights are handed out
+``TPX_FAULT_GRACE``       ``2``        seconds a failing rank waits for its peers
+``TPX_GLOO_ALLREDUCE``    ``gloo``     ``exchange``: two-rank all-reduce as one exchange
+``TPX_GLOO_LOOP_POLICY``  ``batch``    ``keep``: leave gloo's event-loop threads as they are
+========================  ===========  ==================================================
+
+Read by the C++ extension itself: ``TPX_DEFAULT_CHUNKS`` (the pipeline depth when
+``chunks=None``, read once per process), ``TPX_CPU_GEMM`` (``auto``, ``aten`` or ``onednn``,
+read on every call) and ``TPX_INJECT_FAULT`` (a test facility: the N-th collective fails).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["INPUT_CHECK_MODES", "GLOO_ALLREDUCE_CHOICES", "GLOO_LOOP_POLICIES", "check_replicas",
+           "debug_checks", "fault_grace", "gloo_allreduce", "gloo_loop_policy",
+           "init_chunk_bytes", "input_checks", "rank_checks"]
+
+INPUT_CHECK_MODES = ("async", "sync", "off")
+GLOO_ALLREDUCE_CHOICES = ("gloo", "exchange")
+GLOO_LOOP_POLICIES = ("batch", "keep")
+_INIT_CHUNK_BYTES = 64 << 20
+
+
+def debug_checks() -> bool:
+    """``TPX_DEBUG_CHECKS=1``: every collective op first checks that the ranks agree."""
+    return os.environ.get("TPX_DEBUG_CHECKS", "0") == "1"
+
+
+def rank_checks() -> bool:
+    """Whether modules compare their configuration across ranks when they are built
+    (``TPX_RANK_CHECKS=0`` turns it off)."""
+    return os.environ.get("TPX_RANK_CHECKS", "1") != "0"
+
+
+def check_replicas() -> bool:
+    """``TPX_CHECK_REPLICAS=1``: ``parallelize_module`` makes the model compare its replicas
+    after every backward."""
+    return os.environ.get("TPX_CHECK_REPLICAS", "0") == "1"
+
+
+def input_checks() -> str:
+    """The mode of the value checks of inputs (``TPX_INPUT_CHECKS``: async, sync or off)."""
+    mode = os.environ.get("TPX_INPUT_CHECKS", "async").strip().lower() or "async"
+    if mode not in INPUT_CHECK_MODES:
+        raise ValueError(f"TPX_INPUT_CHECKS must be one of {INPUT_CHECK_MODES}; got {mode!r}")
+    return mode
+
+
+def init_chunk_bytes() -> int:
+    """Bytes the source rank sends per step when it hands out initial weights
+    (``TPX_INIT_CHUNK_BYTES``, default 64 MiB)."""
+    value = os.environ.get("TPX_INIT_CHUNK_BYTES")
+    if value is None:
+        return _INIT_CHUNK_BYTES
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"tpx: TPX_INIT_CHUNK_BYTES must be a positive integer; got {value!r}")
+    return n
+
+
+def fault_grace() -> float:
+    """Seconds a rank whose tpx op failed waits for its peers to report (``TPX_FAULT_GRACE``,
+    default 2)."""
+    value = os.environ.get("TPX_FAULT_GRACE") or "2"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"TPX_FAULT_GRACE must be a number of seconds >= 0; got '{value}'")
+    return seconds
+
+
+def gloo_allreduce() -> str:
+    """How tpx's own two-rank gloo groups sum a buffer (``TPX_GLOO_ALLREDUCE``)."""
+    allreduce = os.environ.get("TPX_GLOO_ALLREDUCE") or "gloo"
+    if allreduce not in GLOO_ALLREDUCE_CHOICES:
+        raise ValueError(
+            "TPX_GLOO_ALLREDUCE must be 'gloo' (the default: gloo's own all-reduce) or "
+            "'exchange' (a two-rank all-reduce as one send/recv exchange and a local add); "
+            f"got '{allreduce}'")
+    return allreduce
+
+
+def gloo_loop_policy() -> str:
+    """The scheduling policy of the event-loop threads of tpx's own gloo groups
+    (``TPX_GLOO_LOOP_POLICY``)."""
+    policy = os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch"
+    if policy not in GLOO_LOOP_POLICIES:
+        raise ValueError(
+            "TPX_GLOO_LOOP_POLICY must be 'batch' (the default: the event-loop thread of "
+            "tpx's own gloo groups runs as SCHED_BATCH) or 'keep' (leave it as gloo starts "
+            f"it); got '{policy}'")
+    return policy
