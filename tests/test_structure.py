@@ -180,6 +180,49 @@ def test_no_python_file_over_600_lines():
     assert long == {}
 
 
+def _tpx_modules():
+    import pkgutil
+
+    import tpx
+
+    for info in pkgutil.walk_packages(tpx.__path__, "tpx."):
+        if info.name.endswith("__main__"):
+            continue
+        if info.name == "tpx.nn.lora":  # needs peft
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                continue
+        yield importlib.import_module(info.name)
+
+
+def test_every_layer_and_collective_op_runs_under_the_guard():
+    """Every tpx layer's forward and every op that communicates goes through the failure guard
+    (docs/design.md, "A failure on one rank"), so a rank's error never leaves its peers
+    waiting in a collective."""
+    import inspect
+
+    import torch
+
+    import tpx.ops
+
+    layers, missing = set(), []
+    for module in _tpx_modules():
+        for obj in vars(module).values():
+            if inspect.isclass(obj) and issubclass(obj, torch.nn.Module) and \
+                    obj.__module__.startswith("tpx.") and "forward" in obj.__dict__:
+                layers.add(obj)
+                if not getattr(obj.__dict__["forward"], "_tpx_guarded", False):
+                    missing.append(f"{obj.__module__}.{obj.__qualname__}.forward")
+    assert len(layers) >= 10  # the walk found the layers
+    ops = [name for name in tpx.ops.__all__
+           if any("group" in p for p in inspect.signature(getattr(tpx.ops, name)).parameters)]
+    assert {"all_gather_matmul", "vocab_parallel_embedding", "linear_2d"} <= set(ops)
+    missing += [f"tpx.ops.{n}" for n in ops if not getattr(getattr(tpx.ops, n), "_tpx_guarded",
+                                                              False)]
+    assert missing == []
+
+
 def _doc_names() -> List[str]:
     names = set()
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:

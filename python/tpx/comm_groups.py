@@ -238,6 +238,7 @@ def guarded(fn: _F) -> _F:
                 raise replacement from exc
             raise
 
+    wrapper._tpx_guarded = True  # type: ignore[attr-defined]  (checked by the tests)
     return wrapper  # type: ignore[return-value]
 
 

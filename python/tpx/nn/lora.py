@@ -104,6 +104,7 @@ class _LoraFactor(KeepsParamSharding, SharesGroupOnCopy, nn.Linear):
         _refuse_peft_save()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
+    @guarded
     def forward(self, x: Tensor) -> Tensor:
         raise RuntimeError("tpx: a sharded LoRA factor is not called on its own; the LoRA layer "
                            "that holds it computes the adapter")

@@ -51,4 +51,9 @@ __all__ = [
     "linear_cross_entropy_rows",
     "local_matmul",
     "cpu_gemm_backend",
+    "default_chunks",
+    "linear_2d",
+    "linear_3d",
+    "mesh_all_reduce",
+    "mesh_all_gather",
 ]
