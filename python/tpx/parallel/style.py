@@ -375,7 +375,6 @@ class SequenceParallel(ParallelStyle):
                 return wrap_output(out, seq, pg, shape)
             return redistribute(out, seq, seq, pg, local=False)
 
-
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
