@@ -129,9 +129,9 @@ class _Pool:
 
 
 _POOLS: dict = {}
-# Pools of more ranks than this are ended after each test: a rank holds about 0.4 GB once torch
-# and transformers are imported, and the suite's world sizes up to 9 kept alive together would
-# hold 33 of them.
+# At most one pool of more ranks than this is kept alive (the last one used): a rank holds
+# about 0.4 GB once torch and transformers are imported, and the suite's world sizes up to 9
+# kept alive together would hold 45 of them; this way at most 19.
 _KEEP_WORLD_MAX = 4
 
 
@@ -141,6 +141,9 @@ def _pool(world_size: int, backend: str) -> _Pool:
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()
+        if world_size > _KEEP_WORLD_MAX:
+            for other in [k for k in _POOLS if k[0] > _KEEP_WORLD_MAX and k != key]:
+                _POOLS.pop(other).kill()
         pool = _POOLS[key] = _Pool(world_size, backend)
     return pool
 
@@ -181,7 +184,7 @@ def _run_pooled(fn, world_size, args, init_file, timeout, backend):
         _wait_for_ranks(pool.results, pool.procs, fn, world_size, timeout)
         ok = True
     finally:
-        if not ok or world_size > _KEEP_WORLD_MAX:
+        if not ok:
             pool.kill()
             _POOLS.pop((world_size, backend), None)
 
