@@ -323,7 +323,7 @@ def _check_failed_plan_changes_nothing(rank, world):
     torch.testing.assert_close(model(x), ref(x))
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_failed_plan_changes_nothing(world):
     run_ranks(_check_failed_plan_changes_nothing, world)
 
