@@ -116,11 +116,26 @@ def write_json(path, payload: dict) -> Path:
 
 
 def read_jsonl(path) -> list:
-    """The records of a JSON-lines file (``[]`` while it does not exist)."""
+    """The complete records of a JSON-lines file (``[]`` while it does not exist). Another
+    process may be appending: a last line without its newline is still being written and is
+    left for the next read."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+        text = f.read()
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
+
+
+def append_jsonl(path, record: dict) -> None:
+    """Appends ``record`` as one line, in one ``write`` of an ``O_APPEND`` descriptor (a
+    buffered file may split a long line into several writes)."""
+    data = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
 
 def status_of_error(e: BaseException) -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -48,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from common import (environment, format_table, run_case_group,  # noqa: E402
+from common import (append_jsonl, environment, format_table, run_case_group,  # noqa: E402
                     status_of_error, write_json)
 
 STEPS = 2
@@ -180,8 +179,7 @@ def _rank(rank: int, world: int, cases, dtype, init: str, out_dir: str) -> None:
             if os.environ.get("HF_ZOO_TRACE"):
                 traceback.print_exc()
         r.update(arch=arch, impl=impl, tp=world, seconds=round(time.perf_counter() - t, 1))
-        with open(path, "a") as f:  # case by case: a hang loses only its own case
-            f.write(json.dumps(r) + "\n")
+        append_jsonl(path, r)  # case by case: a hang loses only its own case
         dist.barrier()
 
 

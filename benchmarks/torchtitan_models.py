@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -69,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from common import (environment, format_table, read_jsonl,  # noqa: E402
+from common import (append_jsonl, environment, format_table, read_jsonl,  # noqa: E402
                     run_case_group, status_of_error, write_json)
 
 STEPS = 2
@@ -478,8 +477,7 @@ def _rank(rank: int, world: int, cases, timeout: float, init: str, out_dir: str)
                 traceback.print_exc()
         r.update(model=model_name, loss_parallel=lp, impl=impl, tp=world, rank=rank,
                  seconds=round(time.perf_counter() - t, 1), t=time.time())
-        with open(path, "a") as f:  # case by case: a hang loses only its own case
-            f.write(json.dumps(r) + "\n")
+        append_jsonl(path, r)  # case by case: a hang loses only its own case
         if failed:
             # The group may be out of step (a peer inside a collective): leave; the peers'
             # collectives fail on the closed connection and the parent starts a new group.

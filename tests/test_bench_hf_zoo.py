@@ -57,3 +57,21 @@ def test_gemma4_at_tp4(tmp_path):
                 "--timeout", "240", timeout=900)
     assert [r["status"] for r in rows] == ["pass"], rows
 
+
+
+def test_case_records_read_while_written(tmp_path):
+    """The benchmarks' ranks read each other's record files while a peer appends to them: a
+    line still being written is not a record yet (reading it once crashed a rank)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import append_jsonl, read_jsonl
+
+    path = tmp_path / "rank0.jsonl"
+    assert read_jsonl(path) == []
+    first = dict(status="pass", detail="x" * 20000)  # longer than a file buffer
+    append_jsonl(path, first)
+    with open(path, "a") as f:
+        f.write('{"status": "cra')  # a peer caught in the middle of its write
+    assert read_jsonl(path) == [first]
+    with open(path, "a") as f:
+        f.write('sh"}\n')
+    assert read_jsonl(path) == [first, {"status": "crash"}]
