@@ -6,7 +6,7 @@ gloo, CPU) step after step; at step 3 rank 1 misbehaves in one of these ways:
   kill            SIGKILL in the middle of the step's forward (a node lost, the OOM killer)
   raise-exit      a tpx op raises on rank 1 only (bad input), and the script ends with it
   fault-exit      a tpx op fails on rank 1 after posting a collective (as an allocation
-                  failing mid-op would; TPX_INJECT_FAULT), and the script ends with it
+                  failing mid-op would; tpx._C.testing.arm_fault), and the script ends with it
   raise-continue  as raise-exit, but rank 1 catches the error and goes on with the next batch
                   (a "skip the batch" loop that only one rank runs)
   late            rank 1 arrives 30 s late at the step (a slow disk, a straggler)
@@ -109,7 +109,7 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
             return (inputs[0][..., :-1],)  # a bad input: the op raises before its collective
         if scenario == "fault-exit":
             fault_now()
-            os.environ["TPX_INJECT_FAULT"] = "1"
+            tpx._C.testing.arm_fault(1)
         return None
 
     model[2].register_forward_pre_hook(misbehave)

@@ -76,8 +76,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("register_owned_group", &tpx::register_owned_group, pybind11::arg("user_name"),
         pybind11::arg("owned_name"), pybind11::arg("pair_exchange"),
         "Makes `owned_name` the group tpx's ops run on for the user's group `user_name`.");
-  m.def("_wait_twice", &tpx::wait_twice, pybind11::arg("buf"), pybind11::arg("group_name"),
-        "Tests: one all-reduce, waited on twice; what each wait did.");
+  auto testing = m.def_submodule("testing", "Test facilities; not part of tpx's API.");
+  testing.def("arm_fault", &tpx::testing::arm_fault, pybind11::arg("n"),
+              "The n-th collective posted from now on raises after it was posted (0 disarms).");
+  testing.def("wait_twice", &tpx::testing::wait_twice, pybind11::arg("buf"),
+              pybind11::arg("group_name"), "One all-reduce, waited on twice; what each wait did.");
   m.def("group_broken_reason", &tpx::group_broken_reason, pybind11::arg("name"),
         "Why tpx marked the group `name` unusable, or None.");
   m.def("mark_group_broken", &tpx::mark_group_broken, pybind11::arg("name"), pybind11::arg("why"),

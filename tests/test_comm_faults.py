@@ -55,7 +55,7 @@ def _check_fault_mid_op_leaves_group_usable(rank, world, op, algorithm):
     lo, hi = tpx.shard_range(2 * world, pg)
     a, b = a_full[:, lo:hi].contiguous(), b_full[lo:hi]
     tpx.ops.matmul_all_reduce(a, b, pg, 1)  # tpx meets the group (and makes its own copy)
-    os.environ["TPX_INJECT_FAULT"] = "1"    # the first collective posted from now on raises
+    tpx._C.testing.arm_fault(1)    # the first collective posted from now on raises
     try:
         if op == "matmul_all_reduce":
             tpx.ops.matmul_all_reduce(a, b, pg, 4)
@@ -75,7 +75,7 @@ def _check_fault_mid_op_leaves_group_usable(rank, world, op, algorithm):
     else:
         raise AssertionError("the injected fault did not raise")
     finally:
-        os.environ.pop("TPX_INJECT_FAULT")
+        tpx._C.testing.arm_fault(0)
     before = _loop_thread_ticks()
     time.sleep(1.0)
     idle = _loop_thread_ticks() - before
@@ -99,10 +99,10 @@ def _check_exchange_wait_twice(rank, world):
     pg = _short_timeout()
     tpx.ops.matmul_all_reduce(torch.ones(2, 2), torch.ones(2, 2), pg, 1)  # tpx's own copy
     buf = torch.ones(4) if rank == 0 else torch.ones(2, dtype=torch.float64)  # same bytes
-    outcomes = tpx._C._wait_twice(buf, pg.group_name)
+    outcomes = tpx._C.testing.wait_twice(buf, pg.group_name)
     assert len(outcomes) == 2 and all(o.startswith("raised: ") for o in outcomes), outcomes
     assert "different buffers" in outcomes[1], outcomes
-    ok = tpx._C._wait_twice(torch.full((3,), float(rank)), pg.group_name)
+    ok = tpx._C.testing.wait_twice(torch.full((3,), float(rank)), pg.group_name)
     assert ok == ["ok", "ok"], ok
 
 
@@ -449,11 +449,11 @@ def _check_one_rank_fails(rank, world, where, failing):
             h = model[1](model[0](x))[..., :-1]
             return model[2](h).sum()
         if bad:  # an allocation failing inside the op, after its first collective was posted
-            os.environ["TPX_INJECT_FAULT"] = "1"
+            tpx._C.testing.arm_fault(1)
             try:
                 return model(x).sum()
             finally:
-                os.environ.pop("TPX_INJECT_FAULT")
+                tpx._C.testing.arm_fault(0)
         return model(x).sum()
 
     x = torch.randn(6, 8, generator=gen)

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <optional>
@@ -149,30 +150,17 @@ void Pending::wait() {
 
 namespace {
 
-// TPX_INJECT_FAULT=N (a test facility): the N-th collective this process posts after the
-// variable was set raises right after it was posted, and its Work is dropped unwaited, as
-// an allocation or a GEMM failing in the middle of an op would leave it. Read on every post;
-// a post without the variable disarms it, so setting it again counts afresh.
+// A test facility (tpx._C.testing.arm_fault): the N-th collective this process posts after
+// arm_fault(N) raises right after it was posted, and its Work is dropped unwaited, as an
+// allocation or a GEMM failing in the middle of an op would leave it. Disarmed: one relaxed
+// atomic load per post.
+std::atomic<int64_t> fault_countdown{0};
+
 WorkPtr inject_fault(WorkPtr work) {
-  static std::mutex mutex;
-  static std::string armed;
-  static int64_t posted = 0;
-  const char* env = std::getenv("TPX_INJECT_FAULT");
-  if (env == nullptr || *env == '\0') {
-    if (!armed.empty()) {
-      std::lock_guard<std::mutex> lock(mutex);
-      armed.clear();
-    }
-    return work;
-  }
-  std::lock_guard<std::mutex> lock(mutex);
-  if (armed != env) {
-    armed = env;
-    posted = 0;
-  }
-  if (++posted != std::strtoll(env, nullptr, 10)) return work;
+  if (fault_countdown.load(std::memory_order_relaxed) <= 0) return work;
+  if (fault_countdown.fetch_sub(1) != 1) return work;
   work.reset();  // dropped unwaited
-  TORCH_CHECK(false, "tpx: fault injected after collective ", posted, " (TPX_INJECT_FAULT)");
+  TORCH_CHECK(false, "tpx: fault injected (tpx._C.testing.arm_fault)");
 }
 
 }  // namespace
@@ -463,6 +451,13 @@ WorkPtr reduce_to(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root) {
   return inject_fault(pg.reduce(bufs, opts));
 }
 
+namespace testing {
+
+void arm_fault(int64_t n) {
+  TORCH_CHECK(n >= 0, "tpx: arm_fault: n must be >= 0 (0 disarms); got ", n);
+  fault_countdown.store(n);
+}
+
 std::vector<std::string> wait_twice(const at::Tensor& buf, const std::string& group_name) {
   auto work = all_reduce(*resolve_group(group_name), buf);
   std::vector<std::string> outcomes;
@@ -475,5 +470,7 @@ std::vector<std::string> wait_twice(const at::Tensor& buf, const std::string& gr
   }
   return outcomes;
 }
+
+}  // namespace testing
 
 }  // namespace tpx

@@ -85,8 +85,14 @@ WorkPtr reduce_to(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 // In-place copy of `root`'s buffer (root = rank within pg).
 WorkPtr broadcast(c10d::ProcessGroup& pg, const at::Tensor& buf, int64_t root);
 
-// Tests: all-reduces `buf` over the group and waits twice on the same Work, returning what
-// each wait did ("ok", "false" or "raised: <message>").
+// Test facilities (tpx._C.testing), not part of tpx's API.
+namespace testing {
+// The n-th collective this process posts from now on raises right after it was posted
+// (n = 0 disarms).
+void arm_fault(int64_t n);
+// All-reduces `buf` over the group and waits twice on the same Work, returning what each
+// wait did ("ok", "false" or "raised: <message>").
 std::vector<std::string> wait_twice(const at::Tensor& buf, const std::string& group_name);
+}  // namespace testing
 
 }  // namespace tpx

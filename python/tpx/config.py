@@ -20,7 +20,8 @@ variable                  default      what it sets
 
 Read by the C++ extension itself: ``TPX_DEFAULT_CHUNKS`` (the pipeline depth when
 ``chunks=None``, read once per process), ``TPX_CPU_GEMM`` (``auto``, ``aten`` or ``onednn``,
-read on every call) and ``TPX_INJECT_FAULT`` (a test facility: the N-th collective fails).
+read on every call). The test facilities are ``tpx._C.testing`` (``arm_fault``,
+``wait_twice``), not environment variables.
 """
 
 from __future__ import annotations
