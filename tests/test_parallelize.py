@@ -409,3 +409,68 @@ def _check_partial_outputs(rank, world):
 @pytest.mark.parametrize("world", [3, pytest.param(2, marks=pytest.mark.slow)])
 def test_rowwise_partial_outputs(world):
     run_ranks(_check_partial_outputs, world)
+
+
+def _check_one_context(rank, world):
+    import warnings
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    seen = []
+
+    class Record(tpx.ParallelStyle):
+        """A user's style written for the one interface: apply(module, ctx)."""
+
+        def apply(self, module, ctx):
+            seen.append(ctx)
+            return module
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        class Legacy(tpx.ParallelStyle):
+            """A user's style written for the older interface: apply(module, pg)."""
+
+            def apply(self, module, pg):
+                seen.append(pg)
+                return module
+    assert any(issubclass(w.category, DeprecationWarning) and "apply(self, module, ctx)"
+               in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    model = tpx.parallelize_module(copy.deepcopy(ref), mesh, {
+        "0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel(), "": Record(), "1": Legacy()},
+        src_rank=world - 1)
+    ctx, pg = seen
+    assert isinstance(ctx, tpx.parallel.TPContext)
+    assert ctx.mesh is mesh and ctx.src_rank == world - 1 and ctx.layout == "1d"
+    assert ctx.world == world and ctx.rank == rank == dist.get_rank(ctx.group)
+    assert pg is ctx.group
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
+
+    # A style's apply called directly with a group (as styles were once applied).
+    lin = nn.Linear(8, 12)
+    col = tpx.ColwiseParallel().apply(copy.deepcopy(lin), None)
+    start, end = tpx.shard_range(12)
+    torch.testing.assert_close(col(x), lin(x)[:, start:end], rtol=1e-5, atol=1e-6)
+
+    # A mesh style over a 1-D group is refused, by the style and by the plan, changing nothing.
+    with pytest.raises(ValueError, match="shards over a 2-D, 2.5-D or 3-D mesh"):
+        tpx.MeshParallel().apply(lin, None)
+    other = copy.deepcopy(ref)
+    with pytest.raises(ValueError, match="shards over a 2-D, 2.5-D or 3-D mesh"):
+        tpx.parallelize_module(other, None, {"0": tpx.ColwiseParallel(),
+                                             "2": tpx.MeshParallel()})
+    assert type(other[0]) is nn.Linear and type(other[2]) is nn.Linear
+
+
+@pytest.mark.parametrize("world", [3])
+def test_styles_receive_one_context(world):
+    """Every style is applied with one TPContext (group, mesh, source rank, layout); styles
+    written for the older apply(module, pg) keep working; at an uneven world size."""
+    run_ranks(_check_one_context, world)

@@ -277,6 +277,25 @@ def mesh_layouts(module: nn.Module, present_only: bool = True
             yield spec.name, MeshSharding(spec, module.mesh_info)
 
 
+def lays_out_params(module: nn.Module) -> bool:
+    """Whether ``module`` says how its parameters are split: a tpx layer (``_shards()`` of a
+    1-D layout, ``_param_splits()`` of a multi-dimensional one), or a model's module a tpx
+    style sharded in place (experts)."""
+    return hasattr(module, "_shards") or hasattr(module, "_param_splits")
+
+
+def params_laid_out_by(module: nn.Module) -> List[torch.Tensor]:
+    """The parameters whose placement ``module`` decides: all of a tpx layer's; of a model's
+    module a tpx style sharded in place (experts, an attention's per-head parameters), the
+    ones its ``_shards()`` names (a norm inside keeps its own, unsharded)."""
+    if not lays_out_params(module):
+        return []
+    if hasattr(module, "_shards") and not type(module).__module__.startswith("tpx."):
+        return [p for p in (getattr(module, n, None) for n, _, _ in module._shards())
+                if isinstance(p, torch.Tensor)]
+    return list(module.parameters())
+
+
 def mark_transposed_weight(module: nn.Module) -> None:
     """Records that the original model stores ``module``'s weight transposed (a Hugging Face
     ``Conv1D``, ``[in, out]``): its state dict, checkpoints and clipping then speak that

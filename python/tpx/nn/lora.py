@@ -471,9 +471,9 @@ def register(config: "LoraConfig") -> "LoraConfig":
     return config
 
 
-def shard_lora_layer(style, module: nn.Module, pg, src_rank: Optional[int]) -> nn.Module:
-    """A column or row style applied to peft's ``lora.Linear``: the base layer sharded by
-    ``style``, the adapters as its placements say; returns the new layer (the module given is
+def shard_lora_layer(style, module: nn.Module, ctx) -> nn.Module:
+    """A column or row style applied to peft's ``lora.Linear`` in ``ctx`` (the style's
+    ``TPContext``): the base layer sharded by ``style``, the adapters as its placements say; returns the new layer (the module given is
     not changed). Any other peft layer raises, naming it."""
     style_name = type(style).__name__
     if type(module) is not _PeftLoraLinear:
@@ -492,7 +492,7 @@ def shard_lora_layer(style, module: nn.Module, pg, src_rank: Optional[int]) -> n
     base = module.base_layer
     if is_peft_layer(base):
         raise ValueError(f"tpx.{style_name}: nested peft layers are not supported")
-    new_base = style.apply(base, pg, src_rank=src_rank)
+    new_base = style.apply(base, ctx)
     kind = ("column" if isinstance(new_base, ColumnParallelLinear) else
             "row" if isinstance(new_base, RowParallelLinear) else None)
     if kind is None:
@@ -511,5 +511,5 @@ def shard_lora_layer(style, module: nn.Module, pg, src_rank: Optional[int]) -> n
     new._modules["lora_B"] = nn.ModuleDict(dict(module.lora_B.items()))
     new.fan_in_fan_out = False
     for adapter in list(new.lora_A):
-        new._tpx_shard_adapter(adapter, src_rank)
+        new._tpx_shard_adapter(adapter, ctx.src_rank)
     return new

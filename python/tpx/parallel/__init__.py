@@ -14,10 +14,10 @@ from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                     ReplicatedWithGradAllReduce, Replicate, RowwiseParallel, SequenceParallel,
-                    Shard, ShardedAttention)
+                    Shard, ShardedAttention, TPContext)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-           "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "Replicate", "Shard",
+           "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "TPContext", "Replicate", "Shard",
            "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "hf_plan",
            "compat", "PairwiseParallel", "mesh_styles", "MeshParallel", "MeshAttention",
            "MeshInput", "moe", "ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]

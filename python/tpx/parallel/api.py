@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import re
 import warnings
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -13,13 +14,13 @@ from torch import Tensor, nn
 from ..agree import check_same_on_ranks
 from ..group import DeviceMesh, GroupLike, resolve_group
 from ..initial import broadcast_, check_src_rank
-from ..mesh import mesh_layout
 from ..nn.dtensor_io import DTensor
 from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
-from .mesh_styles import MeshStyle, mesh_info
-from .style import ParallelStyle, apply_style
+from ..sharding import lays_out_params, params_laid_out_by
+from .base import check_layout
+from .style import ParallelStyle, TPContext, apply_style
 
 __all__ = ["parallelize_module"]
 
@@ -52,8 +53,7 @@ def _structure(module: nn.Module) -> str:
     does not divide) count by their layer's type and dtype only. Sorted by name: the order in
     which a model registers its tensors may follow a set's iteration order, which differs
     between processes with different hash seeds."""
-    sharded = {id(p) for m in module.modules() for p in _sharded_by(m, "_shards")
-               + _sharded_by(m, "_param_splits")}
+    sharded = {id(p) for m in module.modules() for p in params_laid_out_by(m)}
 
     def shape(t):
         return "sharded" if id(t) in sharded else tuple(t.shape)
@@ -91,41 +91,52 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     ``MeshInput``; ``tpx.plans.auto(model, layout=...)`` writes it), the key ``""`` naming
     the model itself. ``src_rank`` is then a rank of the mesh (its index in
     ``mesh.mesh.flatten()``; the global rank for a mesh from ``tpx.init_mesh``).
+
+    Every entry of the plan is checked (its pattern, its style against the module and the
+    layout) before anything changes; a plan that fails at any entry leaves ``module`` as it
+    was. Each style is applied with one :class:`~tpx.parallel.TPContext` (group, mesh,
+    ``src_rank``, layout).
     """
-    if mesh_layout(device_mesh) in ("2d", "2.5d", "3d") and tp_mesh_dim is None:
-        return _parallelize_mesh(module, device_mesh, parallelize_plan, src_rank, strict)
-    pg = _tp_group(device_mesh, tp_mesh_dim)
+    target = device_mesh if tp_mesh_dim is None else _tp_group(device_mesh, tp_mesh_dim)
+    ctx = TPContext.of(target, src_rank)
+    pg = ctx.group  # an unusable group or mesh is the first error
     plan = parallelize_plan
     if plan is None:
         raise ValueError("tpx.parallelize_module: `parallelize_plan` is required: a "
                          "ParallelStyle or a dict from module-name patterns to styles")
+    if ctx.layout != "1d" and not isinstance(plan, dict):
+        raise TypeError("tpx.parallelize_module: over a multi-dimensional mesh the plan must be a "
+                        "dict from module-name patterns to mesh styles (tpx.plans.auto(model, "
+                        f"layout={ctx.layout!r})); got {type(plan).__name__}")
     if not (_style.is_style(plan) or isinstance(plan, dict)):
         raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle (tpx's "
                         "or PyTorch's) or a dict from module-name patterns to styles; got "
                         f"{type(plan).__name__}")
-    plan_desc = (type(plan).__name__ if _style.is_style(plan)
-                 else [(k, type(v).__name__) for k, v in plan.items()])
+    entries = [("", plan)] if _style.is_style(plan) else list(plan.items())
     check_same_on_ranks(pg, "parallelize_module", dict(
-        src_rank=src_rank, plan=plan_desc, module=_structure(module)))
-    check_src_rank("parallelize_module", src_rank, pg.size())
+        src_rank=src_rank, layout=ctx.layout,
+        mesh=tuple(ctx.mesh.shape) if ctx.layout != "1d" else None,
+        plan=[(k, _describe(v)) for k, v in entries], module=_structure(module)))
+    check_src_rank("parallelize_module", src_rank, ctx.world)
     before = dict(module.named_parameters(remove_duplicate=False))
-    # A 1-D mesh given as device_mesh was remembered by resolve_group: the DTensors of the
-    # styles (parameters, outputs) are built on it (tpx.group.mesh_for_group).
-    if _style.is_style(plan):
-        new = apply_style(plan, module, pg, src_rank)
-        if new is not module:
-            check_can_become_module(module, new, "the module given")
-            become_module(module, new)
-        keep = set()
-    else:
-        keep = _apply_plan(module, pg, plan, src_rank, strict)
+    work = _match(module, entries, strict, ctx)
+    keep = _apply_plan(module, ctx, work)
     _keep_parameter_objects(module, before, keep)
     _guard_save_pretrained(module)
-    if src_rank is not None and pg.size() > 1:
+    if src_rank is not None and ctx.world > 1:
+        # The sharded layers took their blocks from the source rank; everything else (a
+        # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.
         broadcast_(pg, src_rank, _unsharded_tensors(module))
-    if config.check_replicas() and pg.size() > 1:  # TPX_CHECK_REPLICAS=1: after every backward
-        watch_replicas(module, pg)
+    if ctx.layout == "1d" and config.check_replicas() and ctx.world > 1:
+        watch_replicas(module, pg)  # TPX_CHECK_REPLICAS=1: after every backward
     return module
+
+
+def _describe(style) -> str:
+    """A style as the ranks compare it: its ``repr`` without the objects' addresses (a
+    default ``repr``, its own or a chained style's, holds one, which differs between
+    processes)."""
+    return re.sub(r" (object )?at 0x[0-9a-fA-F]+", "", repr(style))
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -175,7 +186,7 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
         old = before.get(path)
         owner_name, _, attr = path.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        sharded = hasattr(owner, "_shards") or hasattr(owner, "_param_splits")
+        sharded = lays_out_params(owner)
         if old is None or old is new or not sharded or id(old) in keep:
             continue
         if isinstance(new, DTensor) and not isinstance(old, DTensor):
@@ -207,7 +218,7 @@ def _guard_save_pretrained(module: nn.Module) -> None:
     save = getattr(type(module), "save_pretrained", None)
     if save is None or "save_pretrained" in vars(module):
         return
-    if not any(hasattr(m, "_shards") or hasattr(m, "_param_splits") for m in module.modules()):
+    if not any(lays_out_params(m) for m in module.modules()):
         return
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
@@ -246,19 +257,7 @@ def _rebind_optimizers(moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]]) -> N
                         obj.state[pair[1]] = obj.state.pop(p)
 
 
-def _sharded_by(m: nn.Module, attr: str) -> List[Tensor]:
-    """The parameters module ``m`` shards itself (``_shards()`` of a 1-D layout, all of a
-    multi-dimensional layer's): tpx's layers, a model's experts, an attention's per-head
-    parameters. A model's module keeps its other parameters (a norm inside) unsharded."""
-    if not hasattr(m, attr):
-        return []
-    if attr == "_shards" and not type(m).__module__.startswith("tpx."):
-        return [p for p in (getattr(m, n, None) for n, _, _ in m._shards())
-                if isinstance(p, Tensor)]
-    return list(m.parameters())
-
-
-def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Tensor]:
+def _unsharded_tensors(module: nn.Module) -> List[Tensor]:
     """Parameters and buffers of ``module`` outside tpx's sharded modules (whose weights came
     from the source rank when they were built), each once, ordered by name: every rank lists
     them in the same order whatever order the model registered them in (a model may register
@@ -267,10 +266,10 @@ def _unsharded_tensors(module: nn.Module, skip_attr: str = "_shards") -> List[Te
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
         DTensor = ()  # type: ignore[assignment,misc]
-    skip = {id(p) for m in module.modules() for p in _sharded_by(m, skip_attr)}
+    skip = {id(p) for m in module.modules() for p in params_laid_out_by(m)}
     found: List[Tuple[str, Tensor]] = []
     for prefix, m in module.named_modules():
-        if hasattr(m, skip_attr) and type(m).__module__.startswith("tpx."):
+        if lays_out_params(m) and type(m).__module__.startswith("tpx."):
             continue  # tpx's own layer: its tensors came from the source rank already
         named = list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
         for name, t in named:
@@ -327,27 +326,19 @@ class _Undo:
                         del p._backward_hooks[k]
 
 
-def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, ParallelStyle],
-                src_rank: Optional[int], strict: bool) -> set:
-    """Applies the plan; returns the ids of parameters tied to a module the plan left whole.
-
-    Every replacement is built first (the modules of ``module`` are not touched while the
-    styles build their sharded layers), then each replaced module is changed in place."""
+def _match(module: nn.Module, entries, strict: bool, ctx: TPContext) -> list:
+    """``(module name, style)`` for every module each plan entry names, in the plan's order;
+    raises for an entry that is not a style, a style that does not take the layout, or (under
+    ``strict``) a pattern that names no module."""
     names = [name for name, _ in module.named_modules() if name]
-    # Parameters shared by several modules (tied embeddings: GPT-2's wte and lm_head) are tied
-    # again after sharding, when the sharded modules hold the same block.
-    owners: Dict[int, List[Tuple[str, str]]] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for p_name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
-            owners.setdefault(id(p), []).append((mod_name, p_name))
-    ties = [o for o in owners.values() if len({m for m, _ in o}) > 1]
     work = []
-    for pattern, style in plan.items():
+    for pattern, style in entries:
         if not _style.is_style(style):
             raise TypeError(f"tpx.parallelize_module: plan[{pattern!r}] must be a ParallelStyle "
                             f"(ColwiseParallel(), ..., tpx's or PyTorch's); got "
                             f"{type(style).__name__}")
-        # The key "" names the model itself (as over a mesh).
+        check_layout(style, ctx, pattern)
+        # The key "" names the model itself.
         matches = ([""] if pattern == "" else
                    [n for n in names if fnmatch.fnmatchcase(n, pattern)])
         if not matches and strict:
@@ -355,10 +346,56 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
                              f"module (some module names: {names[:8]}); fix the pattern or pass "
                              "strict=False")
         work += [(n, style) for n in matches]
+    return work
+
+
+def _apply_plan(module: nn.Module, ctx: TPContext, work) -> set:
+    """Applies each ``(name, style)`` of ``work``; returns the ids of parameters tied to a
+    module the plan left whole.
+
+    Every style first validates its module; then every replacement is built (the modules of
+    ``module`` are not touched while the styles build their sharded layers; what a style
+    changes in place is recorded and put back if a later entry fails); only then is each
+    replaced module changed in place into its replacement."""
+    # Parameters shared by several modules (tied embeddings: GPT-2's wte and lm_head) are tied
+    # again after sharding, when the sharded modules hold the same block.
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), []).append((mod_name, p_name))
+    ties = [o for o in owners.values() if len({m for m, _ in o}) > 1]
+    for name, style in work:
+        old = module if name == "" else module.get_submodule(name)
+        _check_entry(module, name, old, style)
+        if hasattr(style, "validate"):
+            try:
+                style.validate(old, ctx)
+            except (ValueError, TypeError) as e:
+                _reraise_in_entry(e, name, old, style)
+    if ctx.layout != "1d":
+        named = {n for n, _ in work}
+        for tie in ties:
+            if sum(1 for m, _ in tie if m in named) > 1:
+                raise ValueError(
+                    "tpx.parallelize_module: the tied parameters "
+                    f"{', '.join(f'{m}.{n}' for m, n in tie)} are sharded by separate entries "
+                    f"of a {ctx.layout!r} plan, whose layers split them in different blocks; "
+                    "untie them (tie_word_embeddings=False) or use a 1-D plan. Nothing was "
+                    "changed")
     replaced: List[Tuple[str, nn.Module, nn.Module]] = []
     undo = []
     try:
-        _build_all(module, pg, work, src_rank, replaced, undo)
+        for name, style in work:
+            old = module if name == "" else module.get_submodule(name)
+            undo.append(_Undo(old))
+            try:
+                new = apply_style(style, old, ctx)
+                if new is not old:
+                    check_can_become_module(old, new, repr(name) if name else "the module given")
+            except (ValueError, TypeError) as e:
+                _reraise_in_entry(e, name, old, style)
+            if new is not old:
+                replaced.append((name, old, new))
     except BaseException:
         for u in reversed(undo):  # what the styles changed in place, back as it was
             u.restore()
@@ -384,36 +421,30 @@ def _apply_plan(module: nn.Module, pg: dist.ProcessGroup, plan: Dict[str, Parall
     return keep
 
 
-def _build_all(module: nn.Module, pg: dist.ProcessGroup, work, src_rank: Optional[int],
-               replaced: list, undo: list) -> None:
-    """Applies each ``(name, style)`` of ``work``: a replacement module goes to ``replaced``
-    (swapped in by the caller once all are built), what may change in place is recorded in
-    ``undo`` first."""
-    for name, style in work:
-        old = module if name == "" else module.get_submodule(name)
-        parent_name, _, child = name.rpartition(".")
-        if child == "base_layer" and _style.is_peft_layer(module.get_submodule(parent_name)):
-            raise ValueError(
-                f"tpx.parallelize_module: the plan names {name!r}, the base layer of a peft "
-                f"(LoRA) layer; name the LoRA layer itself ({parent_name!r}): tpx shards its "
-                "base layer and its adapters together. Nothing was changed")
-        if _style.is_peft_layer(old) and not _peft_aware(style):
-            raise ValueError(
-                f"tpx.parallelize_module: {name!r} is peft's {type(old).__module__}."
-                f"{type(old).__name__} (an adapter on what the plan shards with {style!r}); "
-                "tpx shards LoRA on linear projections (column and row styles) only. Leave "
-                "this module out of the adapter's target_modules. Nothing was changed")
-        undo.append(_Undo(old))
-        try:
-            new = apply_style(style, old, pg, src_rank)
-            if new is not old:
-                check_can_become_module(old, new, repr(name))
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            raise type(e)(msg if name in msg else f"tpx.parallelize_module: {name!r} "
-                          f"({type(old).__name__}) with {style!r}: {msg}") from e
-        if new is not old:
-            replaced.append((name, old, new))
+def _check_entry(module: nn.Module, name: str, old: nn.Module, style) -> None:
+    """A plan entry on a peft (LoRA) layer must be one tpx shards with its adapters."""
+    parent_name, _, child = name.rpartition(".")
+    if child == "base_layer" and _style.is_peft_layer(module.get_submodule(parent_name)):
+        raise ValueError(
+            f"tpx.parallelize_module: the plan names {name!r}, the base layer of a peft "
+            f"(LoRA) layer; name the LoRA layer itself ({parent_name!r}): tpx shards its "
+            "base layer and its adapters together. Nothing was changed")
+    if _style.is_peft_layer(old) and not _peft_aware(style):
+        raise ValueError(
+            f"tpx.parallelize_module: {name!r} is peft's {type(old).__module__}."
+            f"{type(old).__name__} (an adapter on what the plan shards with {style!r}); "
+            "tpx shards LoRA on linear projections (column and row styles) only. Leave "
+            "this module out of the adapter's target_modules. Nothing was changed")
+
+
+def _reraise_in_entry(e: Exception, name: str, old: nn.Module, style) -> None:
+    """Raises ``e`` with the plan entry it came from in its message (unless it names it
+    already)."""
+    msg = str(e)
+    if name in msg:
+        raise e
+    raise type(e)(f"tpx.parallelize_module: {name!r} ({type(old).__name__}) with {style!r}: "
+                  f"{msg}") from e
 
 
 def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
@@ -421,7 +452,7 @@ def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
     if all(p is params[0] for p in params):
         return  # no owner was replaced
     keep = next((p for (m, _), p in zip(owners, params)
-                 if hasattr(module.get_submodule(m), "_shards")), params[0])
+                 if lays_out_params(module.get_submodule(m))), params[0])
     for (m, p_name), p in zip(owners, params):
         if p.shape != keep.shape:
             names = ", ".join(f"{m}.{n}" for m, n in owners)
@@ -430,93 +461,3 @@ def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:
                 f"({tuple(keep.shape)} vs {tuple(p.shape)} on this rank); shard the embedding "
                 "rowwise and the LM head colwise (both split the vocabulary), or untie them")
         setattr(module.get_submodule(m), p_name, keep)
-
-
-def tp_mesh_group(mesh) -> dist.ProcessGroup:
-    """A process group over every rank of ``mesh``."""
-    if mesh.size() == dist.get_world_size():
-        return dist.group.WORLD
-    return mesh._flatten().get_group()
-
-
-def _parallelize_mesh(module: nn.Module, mesh, plan, src_rank: Optional[int],
-                      strict: bool) -> nn.Module:
-    """``parallelize_module`` over a 2-D, 2.5-D or 3-D mesh: every entry of the plan is a
-    mesh style (applied with the mesh); parameters outside the replaced modules come from
-    ``src_rank``."""
-    info = mesh_info(mesh, "parallelize_module")
-    if not isinstance(plan, dict):
-        raise TypeError("tpx.parallelize_module: over a multi-dimensional mesh the plan must be a "
-                        "dict from module-name patterns to mesh styles (tpx.plans.auto(model, "
-                        f"layout={info.layout!r})); got {type(plan).__name__}")
-    pg = tp_mesh_group(mesh)
-    check_same_on_ranks(pg, "parallelize_module", dict(
-        src_rank=src_rank, layout=info.layout, mesh=tuple(mesh.shape),
-        plan=[(k, repr(v)) for k, v in plan.items()], module=_structure(module)))
-    check_src_rank("parallelize_module", src_rank, pg.size())
-    before = dict(module.named_parameters(remove_duplicate=False))
-    names = [name for name, _ in module.named_modules()]
-    work = []
-    for pattern, style in plan.items():
-        if not isinstance(style, MeshStyle):
-            raise TypeError(f"tpx.parallelize_module: over a {info.layout!r} mesh, plan[{pattern!r}] "
-                            f"must be a mesh style (tpx.parallel.mesh_styles.MeshParallel, "
-                            f"MeshAttention, MeshInput); got {style!r}")
-        matches = [n for n in names if (n == pattern if pattern == "" else
-                                         n and fnmatch.fnmatchcase(n, pattern))]
-        if not matches and strict:
-            raise ValueError(f"tpx.parallelize_module: the plan pattern {pattern!r} matches no "
-                             f"module (some module names: {names[1:9]}); fix the pattern or "
-                             "pass strict=False")
-        work += [(n, style) for n in matches]
-    # Every style checks its module first (head counts against the mesh, ...); then the
-    # layers that MeshParallel replaces are all built from the untouched modules; only then is
-    # anything changed: the replacements in place, then the styles that adjust a module in
-    # place (attention head counts, input splits), deepest first.
-    work.sort(key=lambda w: -len(w[0].split(".")) if w[0] else 1)
-
-    def fail(name, old, style, e):
-        return type(e)(f"tpx.parallelize_module: {name!r} ({type(old).__name__}) with "
-                       f"{style!r}: {e}")
-
-    for name, style in work:
-        old = module if name == "" else module.get_submodule(name)
-        try:
-            style.validate_mesh(old, mesh)
-        except (ValueError, TypeError) as e:
-            raise fail(name, old, style, e) from e
-    replaced, in_place = [], []
-    for name, style in work:
-        old = module if name == "" else module.get_submodule(name)
-        if not style.replaces:
-            in_place.append((name, style, old))
-            continue
-        try:
-            new = style.apply_mesh(old, mesh, src_rank)
-            if new is not old:
-                if name == "":
-                    raise ValueError("the style of the model itself ('') must keep the module")
-                check_can_become_module(old, new, repr(name))
-        except (ValueError, TypeError) as e:
-            raise fail(name, old, style, e) from e
-        if new is not old:
-            replaced.append((old, new))
-    for old, new in replaced:
-        become_module(old, new)
-    for name, style, old in in_place:
-        try:
-            new = style.apply_mesh(old, mesh, src_rank)
-        except (ValueError, TypeError) as e:
-            raise fail(name, old, style, e) from e
-        if new is not old:  # a user's style that builds a new module
-            if name == "":
-                raise ValueError("tpx.parallelize_module: the style of the model itself ('') "
-                                 "must keep the module")
-            check_can_become_module(old, new, repr(name))
-            become_module(old, new)
-    _keep_parameter_objects(module, before)
-    if src_rank is not None and pg.size() > 1:
-        # The replaced layers took their blocks from the source rank; everything else (a
-        # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.
-        broadcast_(pg, src_rank, _unsharded_tensors(module, skip_attr="_param_splits"))
-    return module

@@ -1,11 +1,13 @@
-"""What every parallel style shares: the :class:`ParallelStyle` base, how a style is applied
-(tpx's with ``src_rank`` where it takes one; PyTorch's through PyTorch's own implementation),
-the placement checks, and :func:`redistribute` (a tensor moved between R and S(d) at a module
-boundary)."""
+"""What every parallel style shares: the :class:`TPContext` a style is applied with, the
+:class:`ParallelStyle` base (one interface, ``apply(module, ctx)``), how a style is applied
+(PyTorch's through PyTorch's own implementation), the placement checks, and
+:func:`redistribute` (a tensor moved between R and S(d) at a module boundary)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import warnings
 from typing import Optional
 
 import torch.distributed as dist
@@ -13,11 +15,81 @@ from torch import Tensor, nn
 
 from .. import mappings
 from ..comm_groups import guarded
-from ..group import mesh_for_group, shard_bounds, shard_sizes
+from ..group import mesh_for_group, resolve_group, shard_bounds, shard_sizes
+from ..mesh import check_mesh, mesh_layout
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, gathered_local, wrap_output
 
-__all__ = ["ParallelStyle", "apply_style", "check_placement", "is_style", "redistribute",
-           "torch_style"]
+__all__ = ["ParallelStyle", "TPContext", "apply_style", "check_placement", "is_style",
+           "redistribute", "torch_style"]
+
+MESH_LAYOUTS = ("2d", "2.5d", "3d")
+
+
+class TPContext:
+    """What a style is applied with (``parallelize_module`` builds it once per call).
+
+    ``group``: the TP process group (over a multi-dimensional mesh: all of its ranks).
+    ``mesh``: the ``DeviceMesh`` given (a 1-D mesh over ``group``, a 2-D / 2.5-D / 3-D mesh
+    from ``tpx.init_mesh``), or None when a process group was given. ``src_rank``: the rank
+    of ``group`` whose module supplies the weights (None: every rank keeps its own).
+    ``layout``: ``"1d"``, or the mesh's ``"2d"`` / ``"2.5d"`` / ``"3d"``.
+
+    The group of a 1-D context is resolved when it is first read: a style that refuses its
+    module does so before it needs the group."""
+
+    __slots__ = ("_group", "_target", "mesh", "src_rank", "layout")
+
+    def __init__(self, group=None, mesh=None, src_rank: Optional[int] = 0,
+                 layout: str = "1d") -> None:
+        self._group = group if isinstance(group, dist.ProcessGroup) else None
+        self._target = group
+        self.mesh, self.src_rank, self.layout = mesh, src_rank, layout
+
+    @classmethod
+    def of(cls, target=None, src_rank: Optional[int] = 0) -> "TPContext":
+        """The context over ``target``: a ``TPContext`` (returned as it is), ``None`` (the
+        default group), a ``ProcessGroup``, or a ``DeviceMesh`` (1-D, or a mesh from
+        ``tpx.init_mesh``)."""
+        if isinstance(target, TPContext):
+            return target
+        layout = mesh_layout(target) if hasattr(target, "mesh_dim_names") else None
+        if layout in MESH_LAYOUTS:
+            resolve_group(None)  # the same error as elsewhere when torch.distributed is not up
+            return cls(_all_ranks_group(target, layout), target, src_rank, layout)
+        mesh = target if getattr(target, "ndim", None) == 1 else None
+        return cls(target, mesh, src_rank, "1d")
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            self._group = resolve_group(self._target)
+        return self._group
+
+    @property
+    def world(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def mesh_on(self, device_type: str):
+        """The mesh the styles build ``DTensor`` s on: the multi-dimensional mesh, or the 1-D
+        mesh over ``group`` on ``device_type`` (the mesh given, when it is one)."""
+        if self.layout != "1d":
+            return self.mesh
+        return mesh_for_group(self.group, device_type, self.mesh)
+
+    def __repr__(self) -> str:
+        return (f"TPContext(layout={self.layout!r}, mesh={self.mesh!r}, "
+                f"src_rank={self.src_rank!r})")
+
+
+def _all_ranks_group(mesh, layout: str) -> dist.ProcessGroup:
+    """A process group over every rank of ``mesh`` (checked against its layout first)."""
+    from ..nn.multidim.blocks import tp_mesh_group
+
+    return tp_mesh_group(check_mesh(mesh, layout, "parallelize_module"))
 
 
 def check_placement(style: str, name: str, value, allowed: tuple) -> None:
@@ -97,12 +169,78 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True):
 
 
 class ParallelStyle:
-    """Base of the styles: ``apply(module, group)`` returns the sharded module (the same
-    object, with hooks, or a tpx replacement). Styles that build tpx modules also take
-    ``src_rank`` (the rank whose weights are used, as ``tpx.parallelize_module``'s)."""
+    """Base of the styles. One interface: ``apply(module, ctx)`` returns the sharded module
+    (the same object, with hooks, or a tpx replacement), ``ctx`` being the
+    :class:`TPContext` (group, mesh, source rank, layout). ``apply`` also accepts a process
+    group, a mesh or None in place of ``ctx`` (and then ``src_rank=``), as styles were once
+    applied.
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:  # pragma: no cover
+    ``layouts``: the layouts the style shards over (``parallelize_module`` refuses a plan
+    entry whose style does not take the mesh's layout). ``replaces``: whether ``apply``
+    returns a new module built from the given one (left untouched) rather than adjusting the
+    given one in place. ``validate(module, ctx)`` raises when the style cannot be applied;
+    ``parallelize_module`` calls it for every entry of a plan before it changes anything.
+
+    A subclass written for the older interface, ``apply(self, module, pg)`` or
+    ``apply(self, module, pg, src_rank=0)``, keeps working: it is handed ``ctx.group`` (and
+    ``ctx.src_rank``)."""
+
+    layouts = ("1d",)
+    replaces = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("apply")
+        if fn is not None and not getattr(fn, "_tpx_takes_context", False):
+            cls.apply = _takes_context(fn)
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:  # pragma: no cover
         raise NotImplementedError
+
+    def validate(self, module: nn.Module, ctx: TPContext) -> None:
+        """Raises if the style cannot be applied to ``module`` in ``ctx``; changes nothing."""
+
+
+def check_layout(style, ctx: TPContext, entry: Optional[str] = None) -> None:
+    """Raises when ``style`` does not shard over ``ctx``'s layout (``entry``: the plan key it
+    came with)."""
+    if ctx.layout in getattr(style, "layouts", ("1d",)):  # PyTorch's styles: 1-D
+        return
+    if ctx.layout == "1d":
+        raise ValueError(
+            f"tpx.{type(style).__name__} shards over a 2-D, 2.5-D or 3-D mesh: pass a mesh from "
+            "tpx.init_mesh('2d' | '2.5d' | '3d') to tpx.parallelize_module, not a process group "
+            "or a 1-D mesh")
+    where = f"plan[{entry!r}]" if entry is not None else "the style"
+    raise TypeError(f"tpx.parallelize_module: over a {ctx.layout!r} mesh, {where} must be a "
+                    "mesh style (tpx.parallel.mesh_styles.MeshParallel, MeshAttention, "
+                    f"MeshInput); got {style!r}")
+
+
+def _takes_context(fn):
+    """``fn`` (a style's ``apply``) called with a :class:`TPContext`, whatever its caller
+    passed; one written as ``apply(self, module, pg[, src_rank])`` is given the group."""
+    params = list(inspect.signature(fn).parameters)
+    legacy = len(params) < 3 or params[2] != "ctx"
+    takes_src = "src_rank" in params
+    if legacy:
+        warnings.warn(f"tpx: {fn.__qualname__}(self, module, {params[2] if len(params) > 2 else ''}"
+                      "...) is the older interface of a style; write apply(self, module, ctx) "
+                      "(ctx: tpx.parallel.TPContext with .group, .mesh, .src_rank)",
+                      DeprecationWarning, stacklevel=3)
+
+    @functools.wraps(fn)
+    def apply(self, module, ctx=None, src_rank: Optional[int] = 0):
+        ctx = TPContext.of(ctx, src_rank)
+        check_layout(self, ctx)
+        if not legacy:
+            return fn(self, module, ctx)
+        if takes_src:
+            return fn(self, module, ctx.group, src_rank=ctx.src_rank)
+        return fn(self, module, ctx.group)
+
+    apply._tpx_takes_context = True
+    return apply
 
 
 def torch_style(style) -> bool:
@@ -121,28 +259,20 @@ def is_style(style) -> bool:
     return isinstance(style, ParallelStyle) or torch_style(style)
 
 
-def apply_style(style: ParallelStyle, module: nn.Module, pg: dist.ProcessGroup,
-                src_rank: Optional[int] = 0) -> nn.Module:
-    """``style.apply(module, pg)``, passing ``src_rank`` to styles whose ``apply`` takes it
-    (user-defined styles with ``apply(module, pg)`` keep working). A PyTorch
-    ``ParallelStyle`` tpx did not write (``PrepareModuleInputOutput``, torchtitan's styles) is
-    applied by PyTorch (``style._apply(module, mesh)``) on the 1-D mesh over ``pg`` (the mesh
+def apply_style(style, module: nn.Module, ctx: TPContext) -> nn.Module:
+    """``style.apply(module, ctx)``. A PyTorch ``ParallelStyle`` tpx did not write
+    (``PrepareModuleInputOutput``, torchtitan's styles) is applied by PyTorch
+    (``style._apply(module, mesh)``) on the 1-D mesh over ``ctx.group`` (the mesh
     ``parallelize_module`` was given, when it was one): its parameters and outputs are
     PyTorch's ``DTensor`` s, which tpx's layers take as inputs."""
     if torch_style(style):
-        return apply_with_pytorch(style, module, pg)
-    try:
-        takes = "src_rank" in inspect.signature(style.apply).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        takes = False
-    if takes:
-        return style.apply(module, pg, src_rank=src_rank)
-    return style.apply(module, pg)
+        return apply_with_pytorch(style, module, ctx)
+    return style.apply(module, ctx)
 
 
-def apply_with_pytorch(style, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+def apply_with_pytorch(style, module: nn.Module, ctx: TPContext) -> nn.Module:
     """``style`` (one of PyTorch's ``ParallelStyle`` s) applied by PyTorch
-    (``style._apply(module, mesh)``) on the 1-D mesh over ``pg``."""
+    (``style._apply(module, mesh)``) on the 1-D mesh of ``ctx``."""
     device = next((t.device.type for t in module.parameters()), None) or \
         next((t.device.type for t in module.buffers()), "cpu")
-    return style._apply(module, mesh_for_group(pg, device))
+    return style._apply(module, ctx.mesh_on(device))

@@ -33,10 +33,10 @@ from torch import Tensor, nn
 
 from .. import collectives
 from ..checkpoint import mesh_params, sharded_params
-from ..group import resolve_group
 from ..mesh import mesh_layout
 from ..replicas import check_replicas
-from .api import parallelize_module, tp_mesh_group
+from .api import parallelize_module
+from .base import TPContext
 
 __all__ = ["check", "PlanReport"]
 
@@ -176,7 +176,7 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     over the whole mesh for the parameters no layer shards). ``rtol`` is relative to each
     tensor's largest magnitude."""
     multidim = hasattr(group, "mesh_dim_names") and mesh_layout(group) in ("2d", "2.5d", "3d")
-    pg = tp_mesh_group(group) if multidim else resolve_group(group)
+    pg = TPContext.of(group).group
     ref = copy.deepcopy(model)
     parallelize_module(model, group if multidim else pg, plan)
     names_ref = dict(ref.named_modules())

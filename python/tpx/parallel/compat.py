@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from ..group import DeviceMesh, resolve_group
 from ..nn.attention import ParallelMultiheadAttention, check_mha
 from .api import become_module, check_can_become_module, parallelize_module
 from .style import ColwiseParallel as _Colwise
-from .style import ParallelStyle, Replicate, Shard, apply_style, redistribute
+from .style import ParallelStyle, Replicate, Shard, TPContext, apply_style, redistribute
 from .style import RowwiseParallel as _Rowwise
 
 __all__ = ["DeviceMesh", "parallelize_module", "PairwiseParallel", "SequenceParallel", "ColwiseParallel", "RowwiseParallel",
@@ -349,14 +349,14 @@ class _LegacyLinear(ParallelStyle):
             style = _Rowwise(input_layouts=i, output_layouts=o)
         return style, pre, post
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
-              src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         if not isinstance(module, nn.Linear):
             raise ValueError(f"tpx.{self.name} (older API) applies to nn.Linear; got "
                              f"{type(module).__name__}. Use tpx.ColwiseParallel / "
                              "tpx.RowwiseParallel for other modules")
         style, pre, post = self._plan()
-        new = apply_style(style, module, pg, src_rank)
+        new = apply_style(style, module, ctx)
         if pre is not None:
             new.register_forward_pre_hook(
                 lambda m, args: (redistribute(args[0], pre, Replicate(), pg),) + tuple(args[1:]))
@@ -448,11 +448,11 @@ class PairwiseParallel(ParallelStyle):
         return ("a plan dict with the current styles, e.g. parallelize_module(model, mesh, "
                 "{'net1': ColwiseParallel(), 'net2': RowwiseParallel()})")
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
-              src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         """Shards ``module``; returns it (an ``nn.MultiheadAttention`` given directly: the
         :class:`ParallelMultiheadAttention` replacing it, which ``parallelize_module`` turns
         the given object into). Everything is checked before anything is changed."""
+        pg, src_rank = ctx.group, ctx.src_rank
         world = pg.size()
         if isinstance(module, nn.MultiheadAttention):
             check_mha(module, world, "")
@@ -481,9 +481,9 @@ class PairwiseParallel(ParallelStyle):
             first_in = self.in_layout if (i == 0 and not nested) else Replicate()
             last_out = self.out_layout if (i == last and not nested) else Replicate()
             work.append((c_path, col, _LegacyLinear(True, first_in, Shard(-1), self._name)
-                         .apply(col, pg, src_rank)))
+                         .apply(col, ctx)))
             work.append((r_path, row, _LegacyLinear(False, Shard(-1), last_out, self._name)
-                         .apply(row, pg, src_rank)))
+                         .apply(row, ctx)))
         for path, old, new in work:
             check_can_become_module(old, new, repr(path))
         for _, old, new in work:

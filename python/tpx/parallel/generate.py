@@ -7,13 +7,12 @@ from __future__ import annotations
 import types
 from typing import Dict, Optional
 
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
 from ..nn import multidim as md
 from .mesh_styles import MeshInput, mesh_info
-from .style import ParallelStyle
+from .style import ParallelStyle, TPContext
 
 __all__ = ["FullLogitsInGenerate", "MeshInputFullLogits", "with_generate"]
 
@@ -40,7 +39,7 @@ class FullLogitsInGenerate(ParallelStyle):
     def __init__(self, head: str) -> None:
         self.head = head
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         head_name = self.head
 
         def gather(root, logits):
@@ -63,9 +62,9 @@ class MeshInputFullLogits(MeshInput):
         super().__init__(input_kwargs)
         self.head = head
 
-    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
-        module = super().apply_mesh(module, mesh, src_rank)
-        info = mesh_info(mesh, "MeshInput")
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        module = super().apply(module, ctx)
+        info = mesh_info(ctx.mesh, "MeshInput")
         head_name = self.head
 
         def gather(root, logits):

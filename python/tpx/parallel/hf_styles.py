@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .. import mappings
 from .moe import MoEIdentityExpert
 from .style import (ColwiseParallel, ParallelStyle, Replicate, ReplicatedWithGradAllReduce,
-                    RowwiseParallel, SequenceParallel)
+                    RowwiseParallel, SequenceParallel, TPContext)
 
 __all__ = ["HF_STYLES", "HFStyle", "HeadParams", "PartialGradParams", "style"]
 
@@ -30,7 +30,8 @@ class AllReduceOutput(ParallelStyle):
     by entries inside it): the output is summed over the group. ``P -> R``; backward
     identity. Hugging Face's ``all_reduce``."""
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         if pg.size() > 1:
             module.register_forward_hook(
                 lambda m, a, out: mappings.all_reduce_sum(out, pg)
@@ -50,7 +51,7 @@ class KeepWhole(ParallelStyle):
     def __init__(self, hf_name: str = "replicate") -> None:
         self.hf_name = hf_name
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         return module
 
     def __repr__(self) -> str:
@@ -67,7 +68,8 @@ class SplitRopeGrad(ParallelStyle):
     def __init__(self, rope_dim: int) -> None:
         self.rope_dim = int(rope_dim)
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         n = self.rope_dim
 
         def hook(mod, args, out):
@@ -90,13 +92,12 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
     and applied to the summed lookup. Any other subclass with its own forward raises
     ``ValueError``. Hugging Face's ``embedding_rowwise``; ids R, output R."""
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
-              src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"tpx.hf_plan: 'embedding_rowwise' applies to nn.Embedding; got "
                              f"{type(module).__name__}")
         if type(module).forward is nn.Embedding.forward:
-            return RowwiseParallel(input_layouts=Replicate()).apply(module, pg, src_rank)
+            return RowwiseParallel(input_layouts=Replicate()).apply(module, ctx)
         scale = getattr(module, "embed_scale", None)
         if not _is_scaled_embedding(module):
             raise ValueError(
@@ -106,7 +107,8 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
                 "this module out of the plan ('replicate') or write a style for it")
         from ..nn import VocabParallelEmbedding
 
-        new = VocabParallelEmbedding.from_embedding(module, group=pg, src_rank=src_rank)
+        new = VocabParallelEmbedding.from_embedding(module, group=ctx.group,
+                                                    src_rank=ctx.src_rank)
         scale = scale.detach().clone() if isinstance(scale, Tensor) else torch.tensor(scale)
         new.register_buffer("embed_scale", scale, persistent=False)
         new.register_forward_hook(lambda m, a, out: out * m.embed_scale.to(out.dtype))
@@ -325,7 +327,8 @@ class PartialGradParams(ParallelStyle):
     def __init__(self, name: str, block: nn.Module, columns: List[str]) -> None:
         self.name, self.block, self.columns = name, block, list(columns)
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         if pg.size() == 1:
             return module
         state = {"partial": False, "outputs": set(), "hooked": set()}
@@ -367,7 +370,8 @@ class HeadParams(ParallelStyle):
     def __init__(self, names: Tuple[str, ...], num_heads: int) -> None:
         self.names, self.num_heads = tuple(names), int(num_heads)
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup, src_rank: Optional[int] = 0):
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg, src_rank = ctx.group, ctx.src_rank
         from torch.distributed.tensor import DTensor
 
         from ..initial import broadcast_

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..mesh import MeshInfo, check_mesh, mesh_layout
 from ..nn import multidim as md
+from .base import MESH_LAYOUTS, TPContext
 from .style import ParallelStyle
 
 __all__ = ["MeshStyle", "MeshParallel", "MeshInput", "MeshAttention"]
@@ -35,24 +36,18 @@ def mesh_info(mesh, who: str) -> MeshInfo:
 
 
 class MeshStyle(ParallelStyle):
-    """Base of the styles applied over a multi-dimensional mesh: ``apply_mesh(module, mesh,
-    src_rank)`` returns the sharded module."""
+    """Base of the styles applied over a multi-dimensional mesh: ``apply(module, ctx)``
+    (``ctx.mesh`` is the 2-D, 2.5-D or 3-D mesh) returns the sharded module."""
 
-    #: whether ``apply_mesh`` returns a new module built from the given one (which it leaves
-    #: untouched) rather than adjusting the given module in place.
-    replaces = False
+    layouts = MESH_LAYOUTS
 
     def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
-        raise NotImplementedError  # pragma: no cover
+        """``apply`` over ``mesh`` (the interface of earlier releases)."""
+        return self.apply(module, TPContext.of(mesh, src_rank))
 
     def validate_mesh(self, module: nn.Module, mesh) -> None:
-        """Raises if the style cannot be applied to ``module`` over ``mesh``; changes nothing.
-        ``parallelize_module`` calls it for every entry of a plan before it changes anything."""
-
-    def apply(self, module, pg, src_rank=0):
-        raise ValueError(f"tpx.{type(self).__name__} shards over a 2-D, 2.5-D or 3-D mesh: pass "
-                         "a mesh from tpx.init_mesh('2d' | '2.5d' | '3d') to "
-                         "tpx.parallelize_module, not a process group or a 1-D mesh")
+        """``validate`` over ``mesh`` (the interface of earlier releases)."""
+        self.validate(module, TPContext.of(mesh))
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
@@ -93,7 +88,7 @@ class MeshParallel(MeshStyle):
             ``Linear3D`` that read the residual stream: attention's output projection and
             the MLP's down projection read it). Consecutive ``Linear3D`` layers alternate
             the two. Required for an ``nn.Linear`` on a 3-D mesh (both layouts have the same
-            local shape, so a wrong guess would compute wrong numbers; ``apply_mesh`` raises
+            local shape, so a wrong guess would compute wrong numbers; ``apply`` raises
             ValueError without it); norms and embeddings default to ``"output"``. At run
             time each layer raises when its input is recorded in the other layout
             (:mod:`tpx.nn.multidim`).
@@ -112,7 +107,8 @@ class MeshParallel(MeshStyle):
         self.hidden_mesh_dim, self.gather_output, self.chunks = (hidden_mesh_dim, gather_output,
                                                                  chunks)
 
-    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        mesh, src_rank = ctx.mesh, ctx.src_rank
         info = mesh_info(mesh, "MeshParallel")
         suffix = _SUFFIX[info.layout]
         three_d = info.layout == "3d"
@@ -204,8 +200,8 @@ class MeshInput(MeshStyle):
                                  f"projections' outputs); got {dim!r}")
         self.input_kwargs: Dict[str, str] = dict(input_kwargs)
 
-    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
-        info = mesh_info(mesh, "MeshInput")
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        info = mesh_info(ctx.mesh, "MeshInput")
         three_d = info.layout == "3d"
         names = self.input_kwargs
 
@@ -274,8 +270,8 @@ class MeshAttention(MeshStyle):
         self.num_kv_heads = int(num_kv_heads) if num_kv_heads is not None else self.num_heads
         self.update = update
 
-    def validate_mesh(self, module: nn.Module, mesh) -> None:
-        info = mesh_info(mesh, "MeshAttention")
+    def validate(self, module: nn.Module, ctx: TPContext) -> None:
+        info = mesh_info(ctx.mesh, "MeshAttention")
         q = info.q
         for what, n in (("attention heads", self.num_heads),
                         ("key/value heads", self.num_kv_heads)):
@@ -288,9 +284,9 @@ class MeshAttention(MeshStyle):
             raise ValueError(f"tpx.MeshAttention: {self.num_heads} query heads and "
                              f"{self.num_kv_heads} KV heads: not a GQA layout")
 
-    def apply_mesh(self, module: nn.Module, mesh, src_rank: Optional[int] = 0) -> nn.Module:
-        self.validate_mesh(module, mesh)
-        q = mesh_info(mesh, "MeshAttention").q
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        self.validate(module, ctx)
+        q = mesh_info(ctx.mesh, "MeshAttention").q
         if self.update is not None:
             self.update(module, self.num_heads // q, self.num_kv_heads // q)
         return module

@@ -8,12 +8,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import mappings
 
-from .base import ParallelStyle, redistribute
+from .base import ParallelStyle, TPContext, redistribute
 
 __all__ = ["PrepareModuleInput", "PrepareModuleOutput", "ReplicatedWithGradAllReduce",
            "ShardedAttention"]
@@ -48,7 +47,8 @@ class PrepareModuleInput(ParallelStyle):
         self.kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         local = bool(self.use_local_output)
 
         def hook(mod, args, kwargs):
@@ -84,7 +84,8 @@ class PrepareModuleOutput(ParallelStyle):
             raise ValueError("tpx.PrepareModuleOutput: output_layouts and desired_output_layouts "
                              "must have the same length")
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         local = bool(self.use_local_output)
 
         def hook(mod, args, output):
@@ -116,7 +117,8 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
     parameter differ after the first optimizer step. ``tpx.check_replicas(model)`` finds that.
     """
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         params = list(module.parameters())
         if not params:
             raise ValueError(f"tpx.ReplicatedWithGradAllReduce: {type(module).__name__} has no "
@@ -203,7 +205,8 @@ class ShardedAttention(ParallelStyle):
             f"{world} divide by them (then each KV head would be replicated); use a TP size "
             f"that divides {kv} or a multiple of it")
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         heads, kv_heads = self.local_heads(pg.size())
         if self.update is not None:
             self.update(module, heads, kv_heads)

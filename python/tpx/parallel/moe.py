@@ -47,7 +47,7 @@ from .. import mappings
 from ..group import shard_bounds
 from ..initial import load_initial, ShardSpec
 from ..sharding import describe_params, guard_state_dict
-from .style import ParallelStyle
+from .style import ParallelStyle, TPContext
 
 __all__ = ["ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]
 
@@ -170,8 +170,8 @@ class ExpertsTensorParallel(ParallelStyle):
         return gu_rows, dn_rows
 
     # -- apply --------------------------------------------------------------------------------
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
-              src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg, src_rank = ctx.group, ctx.src_rank
         lay = self._layout(module)
         world, rank = pg.size(), dist.get_rank(pg)
         shards, dn_bias = self._plan_shards(module, lay, world)
@@ -334,7 +334,8 @@ class MoEIdentityExpert(ParallelStyle):
     experts" of some MoE models) inside a block whose output is summed over the group: its input
     is divided by the TP size, so that the sum adds it once. Placement: input R -> output P."""
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         world = pg.size()
         if world > 1:
             def pre(mod, args):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import mappings
-from .style import ParallelStyle, apply_style
+from .style import ParallelStyle, TPContext, apply_style
 
 __all__ = ["Chain", "GatherSequence", "PadSequence", "SeqLength", "SplitSequence", "find_module"]
 
@@ -53,7 +53,8 @@ class SplitSequence(ParallelStyle):
     def __init__(self, seq: SeqLength) -> None:
         self.seq = seq
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         seq, world, rank = self.seq, pg.size(), dist.get_rank(pg)
 
         def hook(mod, args, kwargs):
@@ -99,7 +100,8 @@ class GatherSequence(ParallelStyle):
     def __init__(self, seq: SeqLength, where: str) -> None:
         self.seq, self.where = seq, where
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         seq = self.seq
         if self.where == "input":
             def pre(mod, args, kwargs):
@@ -122,7 +124,7 @@ class PadSequence(ParallelStyle):
     def __init__(self, seq: SeqLength) -> None:
         self.seq = seq
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         seq = self.seq
 
         def pre(mod, args):
@@ -141,9 +143,9 @@ class Chain(ParallelStyle):
     def __init__(self, *styles: ParallelStyle) -> None:
         self.styles = styles
 
-    def apply(self, module, pg, src_rank=0):
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         for style in self.styles:
-            module = apply_style(style, module, pg, src_rank)
+            module = apply_style(style, module, ctx)
         return module
 
     def __repr__(self) -> str:

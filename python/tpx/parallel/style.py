@@ -18,8 +18,8 @@ from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLine
                   VocabParallelEmbedding)
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 from ..sharding import mark_transposed_weight
-from .base import (ParallelStyle, apply_style, apply_with_pytorch, check_placement,  # noqa: F401
-                   is_style, redistribute, torch_style)
+from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
+                   check_placement, is_style, redistribute, torch_style)
 from .module_styles import (PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
                             ReplicatedWithGradAllReduce, ShardedAttention)
 
@@ -41,8 +41,7 @@ def is_peft_layer(module: nn.Module) -> bool:
     return any(c.__module__.split(".")[0] == "peft" for c in type(module).__mro__)
 
 
-def _shard_peft_layer(style: "ParallelStyle", module: nn.Module, pg: dist.ProcessGroup,
-                      src_rank: Optional[int]) -> nn.Module:
+def _shard_peft_layer(style: "ParallelStyle", module: nn.Module, ctx: TPContext) -> nn.Module:
     """The column or row style applied to a peft layer (LoRA on the projection it names): the
     base layer sharded by the style, the adapters with it (:mod:`tpx.nn.lora`)."""
     import copy
@@ -51,7 +50,8 @@ def _shard_peft_layer(style: "ParallelStyle", module: nn.Module, pg: dist.Proces
 
     local = copy.copy(style)
     local.use_local_output = True
-    new = shard_lora_layer(local, module, pg, src_rank)
+    new = shard_lora_layer(local, module, ctx)
+    pg = ctx.group
     if not style.use_local_output:
         if isinstance(style, ColwiseParallel):
             base = new.base_layer
@@ -106,8 +106,8 @@ def _own_forward_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
 
 
-def _linear_with_pytorch(name: str, torch_style, module: nn.Module, pg: dist.ProcessGroup,
-                         src_rank: Optional[int], sharded_rows: bool) -> nn.Module:
+def _linear_with_pytorch(name: str, torch_style, module: nn.Module, ctx: TPContext,
+                         sharded_rows: bool) -> nn.Module:
     """A subclass of ``nn.Linear`` with a forward of its own (an LM head that scales its
     logits): tpx's layer would drop that forward, so PyTorch's style of the same name shards
     the module itself and its forward runs on ``DTensor`` s. PyTorch's column style splits
@@ -126,8 +126,8 @@ def _linear_with_pytorch(name: str, torch_style, module: nn.Module, pg: dist.Pro
             f"cannot split its parameters {bad or extra} (or its submodules) with the weight. "
             "Shard a plain nn.Linear, or write a style for this module")
     if hasattr(torch_style, "src_data_rank"):
-        torch_style.src_data_rank = src_rank
-    return apply_with_pytorch(torch_style, module, pg)
+        torch_style.src_data_rank = ctx.src_rank
+    return apply_with_pytorch(torch_style, module, ctx)
 
 
 class ColwiseParallel(ParallelStyle):
@@ -164,10 +164,10 @@ class ColwiseParallel(ParallelStyle):
         self.segments = tuple(segments) if segments is not None else None
         self.head_size, self.replicate_heads = head_size, bool(replicate_heads)
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
-              src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg, src_rank = ctx.group, ctx.src_rank
         if is_peft_layer(module):
-            return _shard_peft_layer(self, module, pg, src_rank)
+            return _shard_peft_layer(self, module, ctx)
         sp = isinstance(self.input_layouts, Shard)
         gather = isinstance(self.output_layouts, Replicate)
         if isinstance(module, nn.Embedding):
@@ -182,7 +182,7 @@ class ColwiseParallel(ParallelStyle):
 
             return _linear_with_pytorch("ColwiseParallel", TorchColwise(
                 input_layouts=self.input_layouts, output_layouts=self.output_layouts,
-                use_local_output=self.use_local_output), module, pg, src_rank, True)
+                use_local_output=self.use_local_output), module, ctx, True)
         in_f, out_f, weight, bias, transposed = _linear_parts("ColwiseParallel", module)
         out_rows = None
         if self.segments is not None or self.head_size is not None:
@@ -258,8 +258,8 @@ class RowwiseParallel(ParallelStyle):
         self.use_local_output = bool(use_local_output)
         self.chunks = chunks
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup,
-              src_rank: Optional[int] = 0) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg, src_rank = ctx.group, ctx.src_rank
         partial = isinstance(self.output_layouts, Partial)
         if partial and (is_peft_layer(module) or isinstance(module, nn.Embedding)):
             raise ValueError(
@@ -267,7 +267,7 @@ class RowwiseParallel(ParallelStyle):
                 f"{type(module).__name__} takes Replicate() or Shard(d) outputs (reduce them, "
                 "then pass the result on)")
         if is_peft_layer(module):
-            return _shard_peft_layer(self, module, pg, src_rank)
+            return _shard_peft_layer(self, module, ctx)
         sp = isinstance(self.output_layouts, Shard)
         seq_dim = self.output_layouts.dim if sp else 1
         if isinstance(module, nn.Embedding):
@@ -282,7 +282,7 @@ class RowwiseParallel(ParallelStyle):
 
             return _linear_with_pytorch("RowwiseParallel", TorchRowwise(
                 input_layouts=self.input_layouts, output_layouts=self.output_layouts,
-                use_local_output=self.use_local_output), module, pg, src_rank, False)
+                use_local_output=self.use_local_output), module, ctx, False)
         in_f, out_f, weight, bias, transposed = _linear_parts("RowwiseParallel", module)
         layout = self.input_layouts or Shard(-1)
         if isinstance(layout, Shard) and layout.dim != -1:
@@ -337,7 +337,8 @@ class SequenceParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
-    def apply(self, module: nn.Module, pg: dist.ProcessGroup) -> nn.Module:
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
         linears = [n for n, m in module.named_modules()
                    if isinstance(m, nn.Linear) or _is_conv1d(m)]
         if linears:
