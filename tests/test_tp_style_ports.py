@@ -472,9 +472,10 @@ def _in_place(rank, world, mesh):
         def forward(self, x):
             return super().forward(x) * self.scale
 
-    # (12 features: PyTorch's row style takes a plain input as an even split)
+    # 13 features split unevenly (PyTorch's row style alone takes a plain input as an even
+    # split: tpx gives it the input's global shape first).
     torch.manual_seed(0)
-    model = nn.Sequential(Scaled(4, 12), nn.ReLU(), MyLinear(12, 4))
+    model = nn.Sequential(Scaled(4, 13), nn.ReLU(), MyLinear(13, 4))
     ref = copy.deepcopy(model)
     tpx.parallelize_module(model, mesh, {"0": tpx.ColwiseParallel(),
                                          "2": tpx.RowwiseParallel()})

@@ -127,7 +127,24 @@ def _linear_with_pytorch(name: str, torch_style, module: nn.Module, ctx: TPConte
             "Shard a plain nn.Linear, or write a style for this module")
     if hasattr(torch_style, "src_data_rank"):
         torch_style.src_data_rank = ctx.src_rank
-    return apply_with_pytorch(torch_style, module, ctx)
+    in_features = module.in_features
+    out = apply_with_pytorch(torch_style, module, ctx)
+    layout = getattr(torch_style, "input_layouts", None)
+    layout = layout[0] if isinstance(layout, tuple) and len(layout) == 1 else layout
+    if not sharded_rows and isinstance(layout, Shard):
+        # PyTorch's row style takes a plain input as an even split (its global size: the
+        # local one times the group size); with in_features that do not divide, the blocks
+        # are torch.chunk's (tpx.shard_range), so the input is given its global shape first.
+        def global_input(mod, args):
+            x = args[0] if args else None
+            if not isinstance(x, Tensor) or isinstance(x, DTensor):
+                return None
+            shape = list(x.shape)
+            shape[layout.dim % x.dim()] = in_features
+            return (wrap_output(x, layout, ctx.group, shape, ctx.mesh), *args[1:])
+
+        out.register_forward_pre_hook(global_input, prepend=True)
+    return out
 
 
 class ColwiseParallel(ParallelStyle):
