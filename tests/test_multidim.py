@@ -614,6 +614,15 @@ def _check_plan_errors(rank, world):
         tpx.parallelize_module(m, mesh, tpx.parallel.mesh_styles.MeshParallel())
     with pytest.raises(ValueError, match="pass a mesh from tpx.init_mesh"):
         tpx.parallelize_module(m, None, {"output": tpx.parallel.mesh_styles.MeshParallel()})
+    # Tied embeddings sharded by two entries of a mesh plan (their layers split them in
+    # different blocks): refused, the model left as it was (it used to untie them silently).
+    m = Decoder(vocab=24, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, hidden=8)
+    plan = tpx.plans.auto(m, layout="2d")
+    m.output.weight = m.tok_embeddings.weight
+    with pytest.raises(ValueError, match="tied parameters tok_embeddings.weight, "
+                                         "output.weight.*Nothing was changed"):
+        tpx.parallelize_module(m, mesh, plan)
+    assert type(m.output) is torch.nn.Linear and m.output.weight is m.tok_embeddings.weight
     # Ids whose batch does not divide by q: a clear error before any collective.
     m = Decoder(vocab=24, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, hidden=8)
     tpx.parallelize_module(m, mesh, tpx.plans.auto(m, layout="2d"))
