@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import tpx
 import tpx.checkpoint
@@ -122,12 +123,16 @@ def _check_tp(rank, world):
             total = tpx.get_total_norm([p.grad for p in params], norm_type, parameters=params)
         assert stats.calls() == 1 and stats.calls(pg, "all_reduce") == 1, (what, stats)
         _close(total, expected, f"get_total_norm ({what})")
-        # torch's function on this mix of DTensor gradients (the tpx layers') and plain ones
-        # (norms, which PyTorch's TP leaves plain too) refuses, as under PyTorch's TP; on the
-        # local tensors alone it sees this rank's shards only: less than the full norm (under
-        # the inf-norm, the rank holding the largest entry happens to get it right).
-        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
-            get_total_norm([p.grad for p in params], norm_type)
+        # Every parameter is a DTensor (the norms' Replicate(), as under PyTorch's
+        # SequenceParallel): torch's own function gives the full norm as well. On the local
+        # tensors alone it sees this rank's shards only: less than the full norm (under the
+        # inf-norm, the rank holding the largest entry happens to get it right).
+        assert all(isinstance(p, DTensor) for p in params), what
+        assert all(isinstance(p.grad, DTensor) for p in params), what
+        torch_total = get_total_norm([p.grad for p in params], norm_type)
+        if isinstance(torch_total, DTensor):
+            torch_total = torch_total.full_tensor()
+        _close(torch_total, expected, f"torch's get_total_norm ({what})")
         local = get_total_norm([local_part(p.grad) for p in params], norm_type)
         if norm_type != math.inf:
             assert local < expected * (1 - 1e-3), (what, float(local), float(expected))

@@ -28,7 +28,7 @@ from . import collectives
 from .agree import tensor_checksum
 from .checkpoint import mesh_params, sharded_params
 from .group import GroupLike, resolve_group
-from .sharding import local_of
+from .param_dtensors import local_of
 
 __all__ = ["check_replicas", "ReplicaMismatch", "watch_replicas"]
 

@@ -36,11 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .mappings import gather_dim
+from .param_dtensors import as_dtensor, local_of, replace_param
 from .nn.dtensor_io import DTensor, Replicate, Shard
 from .run import run_cache
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
-           "KeepsParamSharding", "local_of", "local_params", "raw_state_dict"]
+           "KeepsParamSharding", "raw_state_dict"]
 
 ATTR = "_tpx_sharding"
 
@@ -319,99 +320,25 @@ def describe_params(module: nn.Module) -> None:
             param = getattr(module, name, None)
             if (param is not None and getattr(module, "_tpx_dtensor_params", False)
                     and not isinstance(param, DTensor)):
-                param = _replace_param(module, name, desc.dtensor(param))
+                param = replace_param(module, name, desc.dtensor(param))
             _attach(param, desc)
         return
-    as_dtensor = getattr(module, "_tpx_dtensor_params", False)
+    in_dtensors = getattr(module, "_tpx_dtensor_params", False)
     sharded = set()
     for name, desc in group_layouts(module):
         param = getattr(module, name)
         sharded.add(name)
-        if as_dtensor and desc.chunked:
+        if in_dtensors and desc.chunked:
             desc = dataclasses.replace(desc, in_dtensor=True)
             if not isinstance(param, DTensor):
-                param = _replace_param(module, name, _as_dtensor(param, module.group,
+                param = replace_param(module, name, as_dtensor(param, module.group,
                                                                  Shard(desc.dim), desc.full_shape))
         _attach(param, desc)
-    if as_dtensor:
+    if in_dtensors:
         for name, param in list(module._parameters.items()):
             if param is not None and name not in sharded and not isinstance(param, DTensor):
-                _replace_param(module, name, _as_dtensor(param, module.group, Replicate(),
+                replace_param(module, name, as_dtensor(param, module.group, Replicate(),
                                                          tuple(param.shape)))
-
-
-def _replace_param(module: nn.Module, name: str, dt: "DTensor") -> nn.Parameter:
-    """Puts ``dt`` (the ``DTensor`` of parameter ``name``, sharing its storage) in its place as
-    a parameter, keeping ``requires_grad`` and the attributes tpx attached (``_tpx*``)."""
-    old = module._parameters[name]
-    new = nn.Parameter(dt, requires_grad=old.requires_grad)
-    for key, value in vars(old).items():
-        if key.startswith("_tpx"):
-            setattr(new, key, value)
-    module._parameters[name] = new
-    return new
-
-
-def _as_dtensor(local: torch.Tensor, group, placement, full_shape) -> "DTensor":
-    """``local`` (this rank's part, a plain tensor) as a ``DTensor`` of ``full_shape`` with
-    ``placement`` on the 1-D mesh over ``group``, sharing ``local``'s storage (no copy)."""
-    from .nn.dtensor_io import mesh_for_group
-
-    local = local_of(local).detach()
-    shape = torch.Size(full_shape)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh_for_group(group, local.device.type), [placement],
-                              run_check=False, shape=shape, stride=stride)
-
-
-def local_of(t):
-    """The tensor this rank stores: the local tensor of a ``DTensor`` (a view of the same
-    storage, outside autograd), ``t`` itself otherwise."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-class _ToLocal(torch.autograd.Function):
-    """The local tensors of ``DTensor`` parameters, with their gradients handed back as
-    ``DTensor`` s of the same placements (one autograd node for all of a layer's
-    parameters)."""
-
-    @staticmethod
-    def forward(ctx, *params):
-        ctx.specs = [p._spec if isinstance(p, DTensor) else None for p in params]
-        return tuple(local_of(p).view_as(local_of(p)) for p in params)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return tuple(g if spec is None or g is None else _dtensor(g.contiguous(), spec)
-                     for g, spec in zip(grads, ctx.specs))
-
-
-def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
-    """``DTensor(local, spec, requires_grad=False)``. Outside ``torch.compile`` it is built by
-    ``DTensor.__new__`` alone: the constructor's ``__init__`` does nothing but pass through a
-    wrapper that turns ``torch.compile`` off around it, which costs about 25 us a call."""
-    if torch.compiler.is_compiling():
-        return DTensor(local, spec, requires_grad=False)
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
-
-
-def local_params(*params):
-    """The tensors a layer computes with, one per parameter (``None`` stays ``None``): the local
-    tensor of a ``DTensor`` parameter, a plain parameter as it is. Where autograd records, the
-    gradient reaching a local tensor lands on its ``DTensor`` parameter as a ``DTensor`` of
-    the same placement; otherwise (``torch.no_grad``, frozen parameters) this is a plain
-    attribute read."""
-    if not torch.is_grad_enabled() or not any(
-            isinstance(p, DTensor) and p.requires_grad for p in params):
-        return tuple(local_of(p) for p in params)
-    if torch.compiler.is_compiling():  # what the compiler traces: DTensor's own to_local
-        return tuple(p.to_local() if isinstance(p, DTensor) else p for p in params)
-    idx = [i for i, p in enumerate(params) if p is not None]
-    outs = _ToLocal.apply(*(params[i] for i in idx))
-    res = list(params)
-    for i, o in zip(idx, outs):
-        res[i] = o
-    return tuple(res)
 
 
 _RAW = threading.local()
@@ -503,7 +430,7 @@ def present_state(module: nn.Module, destination, prefix: str) -> None:
                     "degree on load), or take the full model with "
                     "tpx.checkpoint.full_state_dict(model, rank0_only=True) (for "
                     "save_pretrained: pass it as state_dict=)")
-            dt = _as_dtensor(value, desc.group, Shard(desc.dim), desc.full_shape)
+            dt = as_dtensor(value, desc.group, Shard(desc.dim), desc.full_shape)
             destination[key] = dt.t() if _transposed(module, name) else dt
 
 

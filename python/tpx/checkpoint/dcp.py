@@ -16,7 +16,8 @@ from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_d
                    mesh_params, sharded_params)
 from .optim import get_optimizer_state_dict, load_optimizer_part
 from ..nn.dtensor_io import DTensor
-from ..sharding import local_of, raw_state_dict
+from ..sharding import raw_state_dict
+from ..param_dtensors import local_of
 
 
 # ---------------------------------------------------------------------------------------------

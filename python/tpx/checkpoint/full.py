@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from ..group import mesh_for_group
 from ..nn.multidim import BlockSpec
 from ..nn.dtensor_io import DTensor
-from ..sharding import GroupSharding, group_layouts, mesh_layouts, MeshSharding, local_of, raw_state_dict
+from ..sharding import GroupSharding, group_layouts, mesh_layouts, MeshSharding, raw_state_dict
+from ..param_dtensors import local_of
 
 
 @dataclass

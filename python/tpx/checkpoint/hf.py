@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .full import mesh_params, sharded_params
-from ..sharding import local_of, raw_state_dict
+from ..sharding import raw_state_dict
+from ..param_dtensors import local_of
 
 
 # ---------------------------------------------------------------------------------------------

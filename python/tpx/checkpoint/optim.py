@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .full import (OPTIM_KEY, MeshSharded, Sharded, as_stored, chunked_dtensor, fsdp_managed, gather_full,
                    mesh_dtensor, mesh_params, sharded_params)
 from ..nn.dtensor_io import DTensor
-from ..sharding import local_of
+from ..param_dtensors import local_of
 
 
 # ---------------------------------------------------------------------------------------------

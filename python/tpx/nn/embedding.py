@@ -12,7 +12,8 @@ from .. import ops
 from ..comm_groups import guarded
 from ..checks import check_values
 from .dtensor_io import Replicate, local_input
-from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
+from ..sharding import KeepsParamSharding, describe_params
+from ..param_dtensors import local_of, local_params
 from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
 

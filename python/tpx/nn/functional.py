@@ -14,7 +14,7 @@ from ..comm_groups import guarded
 from ..ops.amp import loss_dtype
 from ..group import GroupLike, resolve_group, shard_bounds
 from .dtensor_io import DTensor, Replicate, Shard
-from ..sharding import local_params
+from ..param_dtensors import local_params
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 

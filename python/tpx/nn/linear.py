@@ -36,7 +36,8 @@ from ..ops.amp import autocast_casts
 from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
 from .dtensor_io import Replicate, Shard, local_input
-from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
+from ..sharding import KeepsParamSharding, describe_params
+from ..param_dtensors import local_of, local_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

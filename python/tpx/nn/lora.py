@@ -60,7 +60,8 @@ from .. import random as tpx_random
 from ..comm_groups import guarded
 from ..group import shard_bounds, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
-from ..sharding import KeepsParamSharding, describe_params, local_of, local_params
+from ..sharding import KeepsParamSharding, describe_params
+from ..param_dtensors import local_of, local_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
 

@@ -19,6 +19,7 @@ from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
 from ..sharding import lays_out_params, params_laid_out_by
+from ..param_dtensors import REPLICATED
 from .base import check_layout
 from .style import ParallelStyle, TPContext, apply_style
 
@@ -186,7 +187,9 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
         old = before.get(path)
         owner_name, _, attr = path.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        sharded = lays_out_params(owner)
+        # (a parameter a style made a DTensor, its own layer's or a Replicate() one)
+        sharded = lays_out_params(owner) or (isinstance(new, DTensor)
+                                             and not isinstance(old, DTensor))
         if old is None or old is new or not sharded or id(old) in keep:
             continue
         if isinstance(new, DTensor) and not isinstance(old, DTensor):
@@ -273,6 +276,8 @@ def _unsharded_tensors(module: nn.Module) -> List[Tensor]:
             continue  # tpx's own layer: its tensors came from the source rank already
         named = list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
         for name, t in named:
+            if DTensor and isinstance(t, DTensor) and getattr(t, REPLICATED, False):
+                t = t._local_tensor  # replicated by a tpx style: its value from the source
             if (t is None or id(t) in skip or t.device.type == "meta"
                     or (DTensor and isinstance(t, DTensor))):
                 continue

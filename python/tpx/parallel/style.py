@@ -18,6 +18,7 @@ from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLine
                   VocabParallelEmbedding)
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 from ..sharding import mark_transposed_weight
+from ..param_dtensors import local_params, replicate_params, with_local
 from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
                    check_placement, is_style, redistribute, torch_style)
 from .module_styles import (PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
@@ -366,10 +367,17 @@ class SequenceParallel(ParallelStyle):
                 "sequence-sharded input and output) is tpx.parallel.compat.SequenceParallel, or "
                 "in the current API: ColwiseParallel(input_layouts=Shard(0)) on the first "
                 "layer and RowwiseParallel(output_layouts=Shard(0)) on the second.")
+        # The parameters become Replicate() DTensors, as PyTorch's style makes them (so
+        # torch's clip_grad_norm_, foreach optimizers and DCP see one kind of parameter); the
+        # module computes on their local tensors (swapped in for its forward only).
+        owned = replicate_params(module, pg)
         if pg.size() > 1:
-            for p in module.parameters():
+            for owner, name in owned:
+                p = owner._parameters[name]
                 if p.requires_grad:
-                    p.register_hook(lambda g, pg=pg: mappings.all_reduce_grad_value(g, pg))
+                    p.register_hook(lambda g, pg=pg: with_local(
+                        g, mappings.all_reduce_grad_value(g._local_tensor, pg))
+                        if isinstance(g, DTensor) else mappings.all_reduce_grad_value(g, pg))
         seq = Shard(self.sequence_dim)
         want = bool(self.use_local_output)
         state = {}
@@ -383,7 +391,18 @@ class SequenceParallel(ParallelStyle):
                     first = a
                     break
             state["shape"] = tuple(first.shape) if first is not None else None
+            params = [owner._parameters[name] for owner, name in owned]
+            for (owner, name), local in zip(owned, local_params(*params)):
+                owner._parameters[name] = local
+            state["params"] = params
             return tuple(redistribute(a, seq, seq, pg) for a in args)
+
+        def restore(mod, args, out):
+            # always called (an exception in the forward too): the DTensor parameters back
+            params = state.pop("params", None)
+            if params is not None:
+                for (owner, name), p in zip(owned, params):
+                    owner._parameters[name] = p
 
         def post(mod, args, out):
             shape = state.pop("shape", None)
@@ -394,6 +413,7 @@ class SequenceParallel(ParallelStyle):
             return redistribute(out, seq, seq, pg, local=False)
 
         module.register_forward_pre_hook(pre)
+        module.register_forward_hook(restore, always_call=True)
         module.register_forward_hook(post)
         return module
 

@@ -16,7 +16,8 @@ from ...agree import check_same_on_ranks
 from ...initial import load_initial, ShardSpec
 from ...mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
 from ...run import run_cache
-from ...sharding import KeepsParamSharding, describe_params, local_of
+from ...sharding import KeepsParamSharding, describe_params
+from ...param_dtensors import local_of
 
 
 HIDDEN_3D = ("output", "weight")

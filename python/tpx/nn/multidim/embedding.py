@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import torch
 from ...comm_groups import guarded
-from ...sharding import local_params
+from ...param_dtensors import local_params
 from torch import Tensor, nn
 
 from ...mesh import check_mesh

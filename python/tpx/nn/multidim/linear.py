@@ -10,7 +10,7 @@ from ... import ops
 from ...comm_groups import guarded
 from ...ops.amp import autocast_casts
 from ...mesh import check_mesh
-from ...sharding import local_of, local_params
+from ...param_dtensors import local_of, local_params
 from ..linear import full_linear_init
 from .blocks import (BlockSpec, MeshParams, check_divides, check_hidden_dim, other_3d)
 from .layout import check_layout, layout_of, mark_layout

@@ -12,7 +12,7 @@ from ... import ops
 from ...comm_groups import guarded
 from ...ops.amp import norm_input
 from ...mesh import MeshInfo, check_mesh
-from ...sharding import local_params
+from ...param_dtensors import local_params
 from .blocks import (BlockSpec, MeshParams, block_of, check_divides, check_hidden_dim,
                      mesh_splits)
 from .layout import check_layout, layout_of, mark_layout

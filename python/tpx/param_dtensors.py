@@ -1,0 +1,116 @@
+"""Parameters as ``DTensor`` s: the local tensor a layer computes with (:func:`local_of`,
+:func:`local_params`, gradients landing on the ``DTensor`` parameter), a parameter replaced by
+its ``DTensor`` sharing its storage (:func:`replace_param`, :func:`as_dtensor`), and the
+parameters a style keeps whole on every rank made ``Replicate()`` ``DTensor`` s
+(:func:`replicate_params`)."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+from .nn.dtensor_io import DTensor, Replicate
+
+__all__ = ["REPLICATED", "as_dtensor", "local_of", "local_params", "replace_param",
+           "replicate_params", "with_local"]
+
+
+#: Marks a parameter :func:`replicate_params` made a ``Replicate()`` ``DTensor``: its value
+#: is handed out from the source rank by ``parallelize_module`` like a plain parameter's.
+REPLICATED = "_tpx_replicated"
+
+
+def replicate_params(module: nn.Module, group) -> List[Tuple[nn.Module, str]]:
+    """Makes every plain parameter of ``module`` and its submodules a ``Replicate()``
+    ``DTensor`` on the 1-D mesh over ``group``, sharing its storage (the placement PyTorch's
+    styles give a parameter every rank holds whole). Returns ``(owner, name)`` of each."""
+    done = []
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            new = replace_param(owner, name, as_dtensor(p, group, Replicate(), p.shape))
+            setattr(new, REPLICATED, True)
+            done.append((owner, name))
+    return done
+
+
+def with_local(like: "DTensor", local: torch.Tensor) -> "DTensor":
+    """A ``DTensor`` with ``like``'s mesh and placements whose local tensor is ``local``."""
+    return _dtensor(local, like._spec)
+
+
+def replace_param(module: nn.Module, name: str, dt: "DTensor") -> nn.Parameter:
+    """Puts ``dt`` (the ``DTensor`` of parameter ``name``, sharing its storage) in its place as
+    a parameter, keeping ``requires_grad`` and the attributes tpx attached (``_tpx*``)."""
+    old = module._parameters[name]
+    new = nn.Parameter(dt, requires_grad=old.requires_grad)
+    for key, value in vars(old).items():
+        if key.startswith("_tpx"):
+            setattr(new, key, value)
+    module._parameters[name] = new
+    return new
+
+
+def as_dtensor(local: torch.Tensor, group, placement, full_shape) -> "DTensor":
+    """``local`` (this rank's part, a plain tensor) as a ``DTensor`` of ``full_shape`` with
+    ``placement`` on the 1-D mesh over ``group``, sharing ``local``'s storage (no copy)."""
+    from .nn.dtensor_io import mesh_for_group
+
+    local = local_of(local).detach()
+    shape = torch.Size(full_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh_for_group(group, local.device.type), [placement],
+                              run_check=False, shape=shape, stride=stride)
+
+
+def local_of(t):
+    """The tensor this rank stores: the local tensor of a ``DTensor`` (a view of the same
+    storage, outside autograd), ``t`` itself otherwise."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _ToLocal(torch.autograd.Function):
+    """The local tensors of ``DTensor`` parameters, with their gradients handed back as
+    ``DTensor`` s of the same placements (one autograd node for all of a layer's
+    parameters)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.specs = [p._spec if isinstance(p, DTensor) else None for p in params]
+        return tuple(local_of(p).view_as(local_of(p)) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(g if spec is None or g is None else _dtensor(g.contiguous(), spec)
+                     for g, spec in zip(grads, ctx.specs))
+
+
+def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
+    """``DTensor(local, spec, requires_grad=False)``. Outside ``torch.compile`` it is built by
+    ``DTensor.__new__`` alone: the constructor's ``__init__`` does nothing but pass through a
+    wrapper that turns ``torch.compile`` off around it, which costs about 25 us a call."""
+    if torch.compiler.is_compiling():
+        return DTensor(local, spec, requires_grad=False)
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
+def local_params(*params):
+    """The tensors a layer computes with, one per parameter (``None`` stays ``None``): the local
+    tensor of a ``DTensor`` parameter, a plain parameter as it is. Where autograd records, the
+    gradient reaching a local tensor lands on its ``DTensor`` parameter as a ``DTensor`` of
+    the same placement; otherwise (``torch.no_grad``, frozen parameters) this is a plain
+    attribute read."""
+    if not torch.is_grad_enabled() or not any(
+            isinstance(p, DTensor) and p.requires_grad for p in params):
+        return tuple(local_of(p) for p in params)
+    if torch.compiler.is_compiling():  # what the compiler traces: DTensor's own to_local
+        return tuple(p.to_local() if isinstance(p, DTensor) else p for p in params)
+    idx = [i for i, p in enumerate(params) if p is not None]
+    outs = _ToLocal.apply(*(params[i] for i in idx))
+    res = list(params)
+    for i, o in zip(idx, outs):
+        res[i] = o
+    return tuple(res)
