@@ -55,12 +55,22 @@ def check_replicas() -> bool:
     return os.environ.get("TPX_CHECK_REPLICAS", "0") == "1"
 
 
+def _choice(name: str, default: str, choices: tuple, meaning: str,
+            fold_case: bool = False) -> str:
+    """The value of ``name`` (``default`` when unset or empty; lower-cased with
+    ``fold_case``), which must be one of ``choices``; ``meaning`` says what each does, for
+    the error."""
+    value = os.environ.get(name, "").strip()
+    value = (value.lower() if fold_case else value) or default
+    if value not in choices:
+        raise ValueError(f"{name} must be {meaning}; got {value!r}")
+    return value
+
+
 def input_checks() -> str:
     """The mode of the value checks of inputs (``TPX_INPUT_CHECKS``: async, sync or off)."""
-    mode = os.environ.get("TPX_INPUT_CHECKS", "async").strip().lower() or "async"
-    if mode not in INPUT_CHECK_MODES:
-        raise ValueError(f"TPX_INPUT_CHECKS must be one of {INPUT_CHECK_MODES}; got {mode!r}")
-    return mode
+    return _choice("TPX_INPUT_CHECKS", "async", INPUT_CHECK_MODES,
+                   f"one of {INPUT_CHECK_MODES}", fold_case=True)
 
 
 def init_chunk_bytes() -> int:
@@ -93,22 +103,14 @@ def fault_grace() -> float:
 
 def gloo_allreduce() -> str:
     """How tpx's own two-rank gloo groups sum a buffer (``TPX_GLOO_ALLREDUCE``)."""
-    allreduce = os.environ.get("TPX_GLOO_ALLREDUCE") or "gloo"
-    if allreduce not in GLOO_ALLREDUCE_CHOICES:
-        raise ValueError(
-            "TPX_GLOO_ALLREDUCE must be 'gloo' (the default: gloo's own all-reduce) or "
-            "'exchange' (a two-rank all-reduce as one send/recv exchange and a local add); "
-            f"got '{allreduce}'")
-    return allreduce
+    return _choice("TPX_GLOO_ALLREDUCE", "gloo", GLOO_ALLREDUCE_CHOICES,
+                   "'gloo' (the default: gloo's own all-reduce) or 'exchange' (a two-rank "
+                   "all-reduce as one send/recv exchange and a local add)")
 
 
 def gloo_loop_policy() -> str:
     """The scheduling policy of the event-loop threads of tpx's own gloo groups
     (``TPX_GLOO_LOOP_POLICY``)."""
-    policy = os.environ.get("TPX_GLOO_LOOP_POLICY") or "batch"
-    if policy not in GLOO_LOOP_POLICIES:
-        raise ValueError(
-            "TPX_GLOO_LOOP_POLICY must be 'batch' (the default: the event-loop thread of "
-            "tpx's own gloo groups runs as SCHED_BATCH) or 'keep' (leave it as gloo starts "
-            f"it); got '{policy}'")
-    return policy
+    return _choice("TPX_GLOO_LOOP_POLICY", "batch", GLOO_LOOP_POLICIES,
+                   "'batch' (the default: the event-loop thread of tpx's own gloo groups runs "
+                   "as SCHED_BATCH) or 'keep' (leave it as gloo starts it)")
