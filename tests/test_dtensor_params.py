@@ -39,12 +39,14 @@ def _train(model, opt, steps, seed0):
         opt.zero_grad()
 
 
-def _check_params_are_dtensors(model):
+def _check_params_are_dtensors(model, sp=False):
     from torch.distributed.tensor import DTensor
 
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    # Every projection, the embedding and the LM head (norms stay plain, as under PyTorch's TP).
-    assert len(sharded) == 2 + 7 * len(model.model.layers), sharded
+    # Every projection, the embedding and the LM head; the norms stay plain, as under
+    # PyTorch's TP, unless sequence parallelism makes them Replicate() DTensors (as PyTorch's).
+    norms = 2 * len(model.model.layers) + 1 if sp else 0
+    assert len(sharded) == 2 + 7 * len(model.model.layers) + norms, sharded
     for n, p in model.named_parameters():
         if isinstance(p, DTensor):
             assert p.shape == model.get_parameter(n).shape
@@ -53,14 +55,15 @@ def _check_params_are_dtensors(model):
         assert tuple(model.get_parameter(n).shape) == tuple(p.shape), n
 
 
-def _save_plain_dcp(rank, world, ckpt, full_path):
-    """dcp.save(model.state_dict()) of a TP model, as PyTorch users write it."""
+def _save_plain_dcp(rank, world, ckpt, full_path, sp):
+    """dcp.save(model.state_dict()) of a TP model, as PyTorch users write it (``sp``: with
+    sequence parallelism, whose norms' parameters are Replicate() DTensors)."""
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
     model = _llama()
-    tpx.parallelize_module(model, None, tpx.plans.auto(model))
-    _check_params_are_dtensors(model)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp))
+    _check_params_are_dtensors(model, sp)
     _train(model, torch.optim.SGD(model.parameters(), lr=0.5), 1, 0)
     dcp.save(model.state_dict(), checkpoint_id=ckpt)
     full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
@@ -88,11 +91,11 @@ def _load_plain_dcp(rank, world, ckpt, full_path):
     assert_like_unsharded(model, ref, f"loaded at TP {world}")
 
 
-@pytest.mark.parametrize("save_world,load_worlds", [(2, (3, 1)), pytest.param(
-    3, (2,), marks=pytest.mark.slow)])
-def test_dcp_of_model_state_dict(tmp_path, save_world, load_worlds):
+@pytest.mark.parametrize("save_world,load_worlds,sp", [
+    (2, (3, 1), False), (2, (3, 1), True), pytest.param(3, (2,), False, marks=pytest.mark.slow)])
+def test_dcp_of_model_state_dict(tmp_path, save_world, load_worlds, sp):
     ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
-    run_ranks(_save_plain_dcp, save_world, ckpt, full)
+    run_ranks(_save_plain_dcp, save_world, ckpt, full, sp)
     for w in load_worlds:
         run_ranks(_load_plain_dcp, w, ckpt, full)
 

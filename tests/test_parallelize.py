@@ -469,7 +469,7 @@ def _check_one_context(rank, world):
     assert type(other[0]) is nn.Linear and type(other[2]) is nn.Linear
 
 
-@pytest.mark.parametrize("world", [3])
+@pytest.mark.parametrize("world", [3, pytest.param(2, marks=pytest.mark.slow)])
 def test_styles_receive_one_context(world):
     """Every style is applied with one TPContext (group, mesh, source rank, layout); styles
     written for the older apply(module, pg) keep working; at an uneven world size."""
