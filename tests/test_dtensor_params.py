@@ -195,6 +195,48 @@ def test_torch_clip_grad_norm_and_adamw(kind):
     run_ranks(_torch_tools, 3, kind)
 
 
+def _qwen3_torch_tools(rank, world):
+    """Qwen3 with sequence parallelism: its per-head q_norm / k_norm (summed gradients,
+    ReplicatedWithGradAllReduce in its plan) are Replicate() DTensors like the layer norms, so
+    every parameter is a DTensor and torch's clip_grad_norm_ and foreach AdamW run on the
+    model as on PyTorch's TP, equal to one device over 2 steps."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import hf_tiny
+
+    torch.manual_seed(0)  # float64: AdamW magnifies float32 rounding
+    ref = hf_tiny.tiny("qwen3").double()
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=True))
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert plain == [], plain
+    attn = model.model.layers[0].self_attn
+    for norm in (attn.q_norm, attn.k_norm):
+        assert tuple(norm.weight.placements) == (Replicate(),), norm.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for i in range(2):
+        ids = _batch(i)
+        norms = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            o.step()
+            o.zero_grad()
+        tpx_norm, ref_norm = norms
+        if isinstance(tpx_norm, DTensor):
+            tpx_norm = tpx_norm.full_tensor()
+        torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
+        assert ref_norm > 0.5
+    assert_like_unsharded(model, ref, "Qwen3, 2 clipped AdamW steps", rtol=1e-10, atol=1e-12)
+
+
+def test_qwen3_every_parameter_a_dtensor():
+    run_ranks(_qwen3_torch_tools, 2)
+
+
 def _fused_layout_raises(rank, world):
     """GPT-2's fused c_attn splits q, k and v separately: no DTensor states that layout, so
     state_dict() raises naming tpx's way; load_state_dict of the full state works."""

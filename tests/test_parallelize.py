@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 import tpx
 import tpx.checkpoint
@@ -160,7 +161,12 @@ def _check_replicas_and_grad_sum(rank, world):
             assert found == [], [str(f) for f in found]
             ref.zero_grad()
             ref(x).square().sum().backward()
-            torch.testing.assert_close(model.q_norm.weight.grad, ref.q_norm.weight.grad,
+            # a Replicate() DTensor, as PyTorch's styles make a parameter every rank holds
+            # whole; its gradient too
+            w = model.q_norm.weight
+            assert isinstance(w, DTensor) and tuple(w.placements) == (Replicate(),), w
+            assert isinstance(w.grad, DTensor) and tuple(w.grad.placements) == (Replicate(),)
+            torch.testing.assert_close(w.grad.to_local(), ref.q_norm.weight.grad,
                                        rtol=1e-5, atol=1e-5)
         else:
             names = {(f.name, f.what) for f in found}

@@ -13,8 +13,8 @@ from torch import nn
 
 from .nn.dtensor_io import DTensor, Replicate
 
-__all__ = ["REPLICATED", "as_dtensor", "local_of", "local_params", "replace_param",
-           "replicate_params", "with_local"]
+__all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
+           "replace_param", "replicate_params", "with_local"]
 
 
 #: Marks a parameter :func:`replicate_params` made a ``Replicate()`` ``DTensor``: its value
@@ -35,6 +35,31 @@ def replicate_params(module: nn.Module, group) -> List[Tuple[nn.Module, str]]:
             setattr(new, REPLICATED, True)
             done.append((owner, name))
     return done
+
+
+def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]]) -> None:
+    """Runs ``module``'s own forward (code tpx did not write: a norm, an activation) on the
+    local tensors of its ``DTensor`` parameters ``owned`` (``(owner, name)`` pairs, as
+    :func:`replicate_params` returns them): a forward pre-hook swaps them into the owners'
+    ``_parameters`` (through :func:`local_params`, so the gradients land on the ``DTensor``
+    parameters) and a hook called even when the forward raises puts the ``DTensor`` s back."""
+    if not owned:
+        return
+    stack = []  # one entry per call in flight (a module called again inside its own forward)
+
+    def swap_in(mod, args):
+        params = [owner._parameters[name] for owner, name in owned]
+        for (owner, name), local in zip(owned, local_params(*params)):
+            owner._parameters[name] = local
+        stack.append(params)
+
+    def restore(mod, args, out):
+        if stack:
+            for (owner, name), p in zip(owned, stack.pop()):
+                owner._parameters[name] = p
+
+    module.register_forward_pre_hook(swap_in, prepend=True)
+    module.register_forward_hook(restore, prepend=True, always_call=True)
 
 
 def with_local(like: "DTensor", local: torch.Tensor) -> "DTensor":

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
+from ..param_dtensors import compute_on_locals, replicate_params
+from .base import sum_grad_over_group
 from .moe import MoEIdentityExpert
 from .style import (ColwiseParallel, ParallelStyle, Replicate, ReplicatedWithGradAllReduce,
                     RowwiseParallel, SequenceParallel, TPContext)
@@ -334,9 +336,12 @@ class PartialGradParams(ParallelStyle):
         state = {"partial": False, "outputs": set(), "hooked": set()}
         self.block.register_forward_pre_hook(lambda mod, args: self._start(state))
         module.register_forward_pre_hook(lambda mod, args: self._see(state, args))
+        # Replicate() DTensors, the module computing on their local tensors (as
+        # ReplicatedWithGradAllReduce's)
+        compute_on_locals(module, replicate_params(module, pg))
         for p in module.parameters():
             if p.requires_grad:
-                p.register_hook(lambda g, pg=pg: mappings.sum_over_group(g, pg)
+                p.register_hook(lambda g, pg=pg: sum_grad_over_group(g, pg)
                                 if state["partial"] else g)
         return module
 

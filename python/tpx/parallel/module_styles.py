@@ -10,9 +10,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .. import mappings
 
-from .base import ParallelStyle, TPContext, redistribute
+from ..param_dtensors import compute_on_locals, replicate_params
+from .base import ParallelStyle, TPContext, redistribute, sum_grad_over_group
 
 __all__ = ["PrepareModuleInput", "PrepareModuleOutput", "ReplicatedWithGradAllReduce",
            "ShardedAttention"]
@@ -111,7 +111,8 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
     so the replicas stay equal and equal to one device. Hugging Face's plans call it
     ``replicated_with_grad_allreduce``.
 
-    Placement: parameters R (gradient P, summed to R); inputs and outputs as they are.
+    Placement: parameters ``Replicate()`` ``DTensor`` s (gradient P, summed to R, landing as
+    ``Replicate()`` ``DTensor`` s); inputs and outputs as they are.
 
     Without it such a model runs, gives the right loss, and drifts: the ranks' copies of the
     parameter differ after the first optimizer step. ``tpx.check_replicas(model)`` finds that.
@@ -123,6 +124,11 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         if not params:
             raise ValueError(f"tpx.ReplicatedWithGradAllReduce: {type(module).__name__} has no "
                              "parameter to sum the gradient of")
+        # Replicate() DTensors, as under SequenceParallel (one kind of parameter for torch's
+        # clip_grad_norm_, foreach optimizers and DCP); the module computes on their local
+        # tensors, swapped in for its forward only.
+        compute_on_locals(module, replicate_params(module, pg))
+        params = list(module.parameters())
         if pg.size() > 1:
             def hook_trainable(*_):
                 for p in params:
@@ -130,7 +136,7 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
                             getattr(p, "_tpx_grad_sum_group", None) == pg.group_name:
                         continue  # frozen, or shared with a module styled already
                     p._tpx_grad_sum_group = pg.group_name
-                    p.register_hook(lambda g, pg=pg: mappings.sum_over_group(g, pg))
+                    p.register_hook(lambda g, pg=pg: sum_grad_over_group(g, pg))
 
             hook_trainable()
             if not all(p.requires_grad for p in params):

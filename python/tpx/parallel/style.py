@@ -12,15 +12,14 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import mappings
 from ..group import head_rows, shard_bounds
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 from ..sharding import mark_transposed_weight
-from ..param_dtensors import local_params, replicate_params, with_local
+from ..param_dtensors import compute_on_locals, replicate_params
 from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
-                   check_placement, is_style, redistribute, torch_style)
+                   check_placement, is_style, redistribute, sum_grad_over_group, torch_style)
 from .module_styles import (PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
                             ReplicatedWithGradAllReduce, ShardedAttention)
 
@@ -375,9 +374,7 @@ class SequenceParallel(ParallelStyle):
             for owner, name in owned:
                 p = owner._parameters[name]
                 if p.requires_grad:
-                    p.register_hook(lambda g, pg=pg: with_local(
-                        g, mappings.all_reduce_grad_value(g._local_tensor, pg))
-                        if isinstance(g, DTensor) else mappings.all_reduce_grad_value(g, pg))
+                    p.register_hook(lambda g, pg=pg: sum_grad_over_group(g, pg))
         seq = Shard(self.sequence_dim)
         want = bool(self.use_local_output)
         state = {}
@@ -391,18 +388,7 @@ class SequenceParallel(ParallelStyle):
                     first = a
                     break
             state["shape"] = tuple(first.shape) if first is not None else None
-            params = [owner._parameters[name] for owner, name in owned]
-            for (owner, name), local in zip(owned, local_params(*params)):
-                owner._parameters[name] = local
-            state["params"] = params
             return tuple(redistribute(a, seq, seq, pg) for a in args)
-
-        def restore(mod, args, out):
-            # always called (an exception in the forward too): the DTensor parameters back
-            params = state.pop("params", None)
-            if params is not None:
-                for (owner, name), p in zip(owned, params):
-                    owner._parameters[name] = p
 
         def post(mod, args, out):
             shape = state.pop("shape", None)
@@ -412,8 +398,8 @@ class SequenceParallel(ParallelStyle):
                 return wrap_output(out, seq, pg, shape)
             return redistribute(out, seq, seq, pg, local=False)
 
+        compute_on_locals(module, owned)
         module.register_forward_pre_hook(pre)
-        module.register_forward_hook(restore, always_call=True)
         module.register_forward_hook(post)
         return module
 
