@@ -21,7 +21,11 @@ entry calls them on a TP-only mesh (``DeviceMesh("cpu", [0..P-1], mesh_dim_names
   reuse); ``torch.distributed.tensor.parallel.loss_parallel`` (entered by torchtitan's
   ``get_train_context``) is tpx's. torchtitan's own styles (``NoParallel``, ``TensorParallel``
   of the experts, ``GptossTensorParallel``) and PyTorch's ``PrepareModuleInputOutput`` (tpx has
-  none) stay as they are: ``tpx.parallelize_module`` applies them through PyTorch.
+  none) stay as they are: ``tpx.parallelize_module`` applies them through PyTorch;
+* ``tpx_experts`` (the MoE configurations whose experts are torchtitan's ``GroupedExperts``):
+  as ``tpx``, and torchtitan's ``TensorParallel`` of the experts swapped for
+  ``tpx.GroupedExpertsTensorParallel`` (its defaults: the same names ``w1`` / ``w3`` / ``w2``
+  and the same ``Partial`` output).
 
 Then two SGD steps (momentum 0.9) on the same batches with torchtitan's ``cross_entropy_loss``
 inside its train context; each step's loss and every gradient, and every parameter after the
@@ -72,7 +76,11 @@ from common import (append_jsonl, environment, format_table, read_jsonl,  # noqa
                     run_case_group, status_of_error, write_json)
 
 STEPS = 2
-IMPLS = ("torch", "tpx")
+IMPLS = ("torch", "tpx", "tpx_experts")
+# the configurations whose experts torchtitan shards with its own TensorParallel (Llama 4's
+# apply_moe_ep_tp): the ones the tpx_experts column runs
+GROUPED_EXPERTS = ("qwen3_moe", "qwen3_moe sbe=False", "llama4", "deepseek_v3",
+                   "deepseek_v3 q_lora", "deepseek_v3_dense")
 TP_NAMES = ("parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
             "PrepareModuleInput", "PrepareModuleOutput")
 # torchtitan's modules that import a dependency it does not install (tests/test_torchtitan.py)
@@ -348,8 +356,8 @@ def _case(model_name: str, loss_parallel: bool, impl: str, world: int) -> dict:
         ref.init_weights()
     model = copy.deepcopy(ref)
     mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("tp",))
-    if impl == "tpx":
-        with _tpx_names(modules):
+    if impl in ("tpx", "tpx_experts"):
+        with _tpx_names(modules, experts=impl == "tpx_experts"):
             apply_tp(model, mesh, loss_parallel)
     else:
         apply_tp(model, mesh, loss_parallel)
@@ -363,7 +371,7 @@ def _case(model_name: str, loss_parallel: bool, impl: str, world: int) -> dict:
 
     def lp_patch():  # torchtitan's train context enters loss_parallel(): tpx's in its place
         return (mock.patch("torch.distributed.tensor.parallel.loss_parallel", tpx.loss_parallel)
-                if impl == "tpx" else contextlib.nullcontext())
+                if impl != "torch" else contextlib.nullcontext())
     for step in range(STEPS):
         tokens = torch.randint(0, 1003, (2, 16), generator=gen)
         labels = torch.randint(0, 1003, (2, 16), generator=gen)
@@ -404,8 +412,10 @@ def _kinds(model) -> dict:
                 params_plain=len(params) - len(tpx_keys) - len(dt))
 
 
-def _tpx_names(modules):
-    """``mock.patch.multiple`` of each module's TP names with tpx's."""
+def _tpx_names(modules, experts: bool = False):
+    """``mock.patch.multiple`` of each module's TP names with tpx's; with ``experts``, also
+    torchtitan's ``TensorParallel`` of the grouped experts with
+    ``tpx.GroupedExpertsTensorParallel``."""
     import contextlib
     from unittest import mock
 
@@ -415,6 +425,8 @@ def _tpx_names(modules):
     for name in modules:
         mod = importlib.import_module(PAR.format(name))
         names = {n: getattr(tpx, n) for n in TP_NAMES if n in vars(mod)}
+        if experts and "TensorParallel" in vars(mod):
+            names["TensorParallel"] = tpx.GroupedExpertsTensorParallel
         stack.enter_context(mock.patch.multiple(mod, **names))
     return stack
 
@@ -566,17 +578,20 @@ def main() -> None:
     configs = [(m, lp) for m, lp in CONFIGS if only is None or any(s in m for s in only)]
     if not configs:
         raise SystemExit(f"--only {args.only}: no model matches ({', '.join(MODELS)})")
-    cases = [(m, lp, impl) for m, lp in configs for impl in impls]
+    cases = [(m, lp, impl) for m, lp in configs for impl in impls
+             if impl != "tpx_experts" or m in GROUPED_EXPERTS]
     print(f"TP {args.tp}: {len(configs)} configurations x {impls}", flush=True)
     rows = run(cases, args.tp, args.timeout)
     table = []
     for m, lp in configs:
         cells = [config_name(m, lp)]
         for impl in impls:
-            cells.append(next(x["status"] for x in rows
-                              if (x["model"], x["loss_parallel"], x["impl"]) == (m, lp, impl)))
+            cells.append(next((x["status"] for x in rows
+                               if (x["model"], x["loss_parallel"], x["impl"]) == (m, lp, impl)),
+                              "-"))
         table.append(cells)
-    headers = ["model config"] + [{"torch": "PyTorch TP", "tpx": "tpx"}.get(i, i) for i in impls]
+    headers = ["model config"] + [{"torch": "PyTorch TP", "tpx": "tpx",
+                                   "tpx_experts": "tpx + tpx experts"}.get(i, i) for i in impls]
     print(format_table(headers, table, text_columns=len(headers)))
     for impl in impls:
         mine = [r for r in rows if r["impl"] == impl]

@@ -126,10 +126,71 @@ def test_torchtitan_train_step_tp4():
     run_ranks(_train_step_like_one_device, 4)
 
 
+def _grouped_experts_like_one_device(rank, world):
+    """torchtitan's GroupedExperts (w1 / w3 [E, I, H], w2 [E, H, I], called on tokens grouped by
+    expert) under tpx.GroupedExpertsTensorParallel, I = 10 (uneven over 3 and 4 ranks): the
+    parameters are Shard(1) / Shard(2) DTensors of the global shapes; the output (with
+    output_layouts=Partial(), as torchtitan's TensorParallel leaves it, summed here; with
+    Replicate(), by the style), the input's gradient (summed by the style in both), every
+    parameter's gradient and the parameters after 2 SGD steps equal one device."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    _import_torchtitan()
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    for out_layout in (Partial(), Replicate()):
+        what = f"GroupedExperts TP={world} output {out_layout}"
+        torch.manual_seed(0)
+        ref = GroupedExperts(dim=12, hidden_dim=10, num_experts=4, use_grouped_mm=False)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.normal_(0, 0.3)
+        model = tpx.parallelize_module(
+            copy.deepcopy(ref), None,
+            tpx.GroupedExpertsTensorParallel(output_layouts=out_layout))
+        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            p = getattr(model, name)
+            assert isinstance(p, DTensor) and tuple(p.placements) == (Shard(dim),), (what, name)
+            assert p.shape == getattr(ref, name).shape, (what, name, p.shape)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 + step)
+            counts = torch.tensor([3, 0, 5, 2])  # an expert without tokens too
+            x = torch.randn(int(counts.sum()), 12, generator=g)
+            ref_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ref_out = ref(ref_x, counts)
+            out = model(x, counts)
+            assert type(out) is torch.Tensor, (what, type(out))
+            weight = torch.randn(ref_out.shape, generator=g)
+            (ref_out * weight).sum().backward()
+            (out * weight).sum().backward()
+            if isinstance(out_layout, Partial):  # this rank's partial sum
+                out = out.detach().clone()
+                dist.all_reduce(out)
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"output ({what}): {m}")
+            torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"input gradient ({what}): {m}")
+            assert_like_unsharded(model, ref, f"{what}, step {step}", grad=True,
+                                  rtol=1e-5, atol=1e-5)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        assert_like_unsharded(model, ref, f"{what}, after 2 steps", rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow)])
+def test_grouped_experts_tensor_parallel(world):
+    run_ranks(_grouped_experts_like_one_device, world)
+
+
 def _titan_models(tmp_path, world):
     """benchmarks/torchtitan_models.py at TP ``world``: torchtitan's Qwen 3 (dense, tied, MoE),
     Llama 4, DeepSeek-V3 (MoE, q LoRA, dense) and gpt-oss, parallelized by their own code,
-    with PyTorch's TP and with tpx's names swapped in."""
+    with PyTorch's TP and with tpx's names swapped in (for the MoE models also with their
+    experts under tpx.GroupedExpertsTensorParallel)."""
     import json
     import sys
     from pathlib import Path
@@ -148,11 +209,17 @@ def _titan_models(tmp_path, world):
     for row in rows:
         got.setdefault((row["model"], row["loss_parallel"]), {})[row["impl"]] = row
     assert len(got) >= 16, sorted(got)
+    # the MoE models whose experts are torchtitan's GroupedExperts also ran with them sharded by
+    # tpx.GroupedExpertsTensorParallel in place of torchtitan's TensorParallel
+    grouped = {m for (m, _), impls in got.items() if "tpx_experts" in impls}
+    assert grouped == {"qwen3_moe", "qwen3_moe sbe=False", "llama4", "deepseek_v3",
+                       "deepseek_v3 q_lora", "deepseek_v3_dense"}, sorted(grouped)
     for key, impls in got.items():
-        assert set(impls) == {"torch", "tpx"}, (key, impls)
+        assert {"torch", "tpx"} <= set(impls) <= {"torch", "tpx", "tpx_experts"}, (key, impls)
         if impls["torch"]["status"] == "pass":  # tpx trains wherever PyTorch's TP does
-            # the whole record (a message that is not a string is shortened by pytest)
-            assert impls["tpx"]["status"] == "pass", json.dumps(impls["tpx"], indent=1)
+            for impl in set(impls) - {"torch"}:
+                # the whole record (a message that is not a string is shortened by pytest)
+                assert impls[impl]["status"] == "pass", json.dumps(impls[impl], indent=1)
     # torchtitan 0.2.2's own MoE TP with scores applied after the experts (#2387): the router's
     # gradient is wrong under PyTorch's TP, and under tpx alike (the same styles of its own).
     sbe = [v for (m, _), v in got.items() if m.endswith("sbe=False")]

@@ -46,10 +46,13 @@ from torch import Tensor, nn
 from .. import mappings
 from ..group import shard_bounds
 from ..initial import load_initial, ShardSpec
+from ..nn.dtensor_io import DTensor
+from ..param_dtensors import compute_on_locals
 from ..sharding import describe_params, guard_state_dict
 from .style import ParallelStyle, TPContext
 
-__all__ = ["ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert"]
+__all__ = ["ExpertsTensorParallel", "ExpertsParallel", "GroupedExpertsTensorParallel",
+           "MoEIdentityExpert"]
 
 Ranges = Tuple[Tuple[int, int], ...]
 
@@ -327,6 +330,126 @@ class ExpertsParallel(ExpertsTensorParallel):
         mine = (local >= 0) & (local < count)
         index = torch.where(mine, local, torch.full_like(local, count))
         return index, weights * mine.to(weights.dtype)
+
+
+class GroupedExpertsTensorParallel(ParallelStyle):
+    """Expert TP for experts kept as separate 3-D gate, up and down weights and called on tokens
+    already grouped by expert: torchtitan's ``GroupedExperts`` (``w1`` gate ``[E, I, H]``,
+    ``w3`` up ``[E, I, H]``, ``w2`` down ``[E, H, I]``, ``forward(x, num_tokens_per_expert)``),
+    the module torchtitan's own ``TensorParallel`` style shards.
+
+    Applied to the experts module. Every rank keeps every expert and the intermediate features
+    ``tpx.shard_range(I)`` of each: ``gate`` and ``up`` split along dim 1, ``down`` along dim 2.
+    The three become ``DTensor`` parameters ``Shard(1)`` / ``Shard(2)`` of their global
+    shapes on the group's 1-D mesh (the layout ``torch.distributed.tensor.distribute_tensor``
+    gives, uneven ``I`` included), with their values from rank ``src_rank``; the module's own
+    forward runs on their local tensors (its grouped GEMM or loop, unchanged), and their
+    gradients land as ``DTensor`` s of the same placements.
+
+    Placements: input ``x`` R (the tokens grouped by expert, the same on every rank; its
+    gradient, of which each rank computes a partial sum, is summed over the group in the
+    backward: one all-reduce) -> output P, each rank's partial sum over its features, with
+    ``output_layouts=Partial()`` (the default, as torchtitan's ``TensorParallel``: the block
+    around the experts reduces its output once, e.g.
+    ``PrepareModuleInputOutput(output_layouts=(Partial(),), ...)`` on the MoE module); with
+    ``output_layouts=Replicate()`` the style sums the output over the group itself (one
+    all-reduce per call).
+
+    ``gate`` / ``up`` / ``down``: the parameter names (torchtitan's by default); ``up=None``
+    for experts without a gate product (``gate`` then names the single input projection).
+    """
+
+    def __init__(self, *, gate: str = "w1", up: Optional[str] = "w3", down: str = "w2",
+                 output_layouts=None) -> None:
+        from ..nn.dtensor_io import Partial, Replicate
+
+        out = Partial() if output_layouts is None else output_layouts
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]
+        if not isinstance(out, (Partial, Replicate)):
+            raise ValueError("tpx.GroupedExpertsTensorParallel: `output_layouts` must be "
+                             f"Partial() (the caller reduces) or Replicate(); got {out!r}")
+        self.gate, self.up, self.down = gate, up, down
+        self.output_layouts = out
+        self._reduce = isinstance(out, Replicate)
+
+    def __repr__(self) -> str:
+        return (f"GroupedExpertsTensorParallel(gate={self.gate!r}, up={self.up!r}, "
+                f"down={self.down!r}, output_layouts={self.output_layouts!r})")
+
+    def _names(self) -> List[str]:
+        return [n for n in (self.gate, self.up, self.down) if n is not None]
+
+    def _layout(self, module: nn.Module) -> Tuple[int, int, int]:
+        """``(experts, intermediate, hidden)``, or a ``ValueError`` naming what to change."""
+        what = f"tpx.GroupedExpertsTensorParallel on {type(module).__name__}"
+        params = dict(module.named_parameters(recurse=False))
+        for name in self._names():
+            if name not in params:
+                raise ValueError(f"{what}: the module has no parameter {name!r} (it has "
+                                 f"{sorted(params)}); name the expert weights with gate=..., "
+                                 "up=... and down=...")
+            p = params[name]
+            if isinstance(p, DTensor):
+                raise ValueError(f"{what}: {name!r} is already a DTensor (sharded already, by "
+                                 "tpx or another library); start from the unsharded model")
+            if p.dim() != 3:
+                raise ValueError(f"{what}: {name!r} must be a 3-D [experts, out, in] weight; "
+                                 f"got shape {tuple(p.shape)}")
+        dn = params[self.down]
+        experts, hidden, inter = dn.shape
+        for name in self._names()[:-1]:
+            if tuple(params[name].shape) != (experts, inter, hidden):
+                raise ValueError(
+                    f"{what}: {name!r} {tuple(params[name].shape)} does not fit "
+                    f"[E, I, H] = {(experts, inter, hidden)} given {self.down!r} "
+                    f"{tuple(dn.shape)} ([E, H, I])")
+        return experts, inter, hidden
+
+    def validate(self, module: nn.Module, ctx: TPContext) -> None:
+        self._layout(module)
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg, src_rank = ctx.group, ctx.src_rank
+        experts, inter, hidden = self._layout(module)
+        world, rank = pg.size(), dist.get_rank(pg)
+        rows = tuple((shard_bounds(inter, r, world),) for r in range(world))
+        shards = [(n, 2 if n == self.down else 1, rows) for n in self._names()]
+        specs, fulls = [], []
+        for name, dim, _ in shards:
+            p = getattr(module, name)
+            shape = list(p.shape)
+            shape[dim] = rows[rank][0][1] - rows[rank][0][0]
+            specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
+                                   ranges=rows, dim=dim))
+            fulls.append(p)
+        config = dict(experts=experts, inter=inter, hidden=hidden, names=self._names(),
+                      reduce=self._reduce, dtype=str(fulls[0].dtype))
+        load_initial(pg, type(self).__name__, config, specs,
+                     lambda: [p.detach() for p in fulls], src_rank=src_rank, drawn=False)
+        with torch.no_grad():
+            for p, spec in zip(fulls, specs):
+                p.data = spec.out
+                p.grad = None
+        module._shards = lambda shards=shards: list(shards)
+        module.group = pg
+        module._tpx_dtensor_params = True
+        describe_params(module)  # DTensors Shard(1) / Shard(2) of the global shapes
+        compute_on_locals(module, [(module, name) for name, _, _ in shards])
+        if world > 1:
+            def pre(mod, args):
+                # each rank's input gradient is a partial sum (over its features): summed in
+                # the backward, one all-reduce
+                if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+                    return (mappings.all_reduce_grad(args[0], pg),) + tuple(args[1:])
+                return args
+
+            module.register_forward_pre_hook(pre)
+            if self._reduce:
+                module.register_forward_hook(
+                    lambda mod, args, out: mappings.all_reduce_sum(out, pg)
+                    if isinstance(out, Tensor) else out)
+        return module
 
 
 class MoEIdentityExpert(ParallelStyle):
