@@ -98,7 +98,8 @@ def _pool_worker(rank, world_size, backend, tasks, results):
         fn, args, init_file, env = task
         try:
             _fresh_state(env, tpx_random_states)
-            _init_group(backend, init_file, rank, world_size)
+            if init_file is not None:  # None: a script that makes its own group (run_script)
+                _init_group(backend, init_file, rank, world_size)
             fn(rank, world_size, *args)
             _end_test()
             results.put((rank, None))
@@ -172,6 +173,72 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)
+
+
+def run_script(path: str, nproc: int, *, cwd: str, paths=(), timeout: float = DEFAULT_TIMEOUT):
+    """Runs the Python script ``path`` as ``__main__`` on ``nproc`` pooled ranks, as
+    ``torchrun --nproc-per-node nproc path`` would (``nproc > 1``: ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, so that the
+    script's ``dist.init_process_group("gloo")`` makes its group) or ``python path`` would
+    (``nproc == 1``: none set): working directory ``cwd``, ``sys.argv == [path]``, the script's
+    directory and ``paths`` first on ``sys.path``. The script makes its own group; whatever it
+    leaves is ended as after every test. An exception (a ``SystemExit`` other than 0 included)
+    fails the test naming the rank. With ``TPX_TEST_FRESH_RANKS=1`` the script runs under
+    ``torchrun`` (or ``python``) in new processes instead."""
+    if os.environ.get("TPX_TEST_FRESH_RANKS", "0") == "1":
+        import subprocess
+        import sys
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            list(paths) + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [sys.executable, path]
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(nproc), "--master-port", str(free_port()), path]
+        try:
+            proc = run_command(cmd, cwd=cwd, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"{path}: did not finish within {timeout:.0f} s\n"
+                                 f"{e.stdout}\n{e.stderr}") from None
+        assert proc.returncode == 0, (f"{path} failed (exit {proc.returncode}):\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        return
+    port = free_port() if nproc > 1 else None
+    _run_pooled(_script_rank, nproc, (path, cwd, tuple(paths), port), None, timeout, "gloo")
+
+
+def _script_rank(rank, world_size, path, cwd, paths, port):
+    import runpy
+    import sys
+
+    if port is not None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    saved = os.getcwd(), list(sys.argv), list(sys.path)
+    os.chdir(cwd)
+    sys.argv = [path]
+    sys.path[:0] = [os.path.dirname(os.path.abspath(path))] + list(paths)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    finally:
+        os.chdir(saved[0])
+        sys.argv[:] = saved[1]
+        sys.path[:] = saved[2]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a launcher's ``MASTER_PORT``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run_pooled(fn, world_size, args, init_file, timeout, backend):

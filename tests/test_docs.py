@@ -3,8 +3,11 @@
 Every ```python block is marked, on the line just before it, with one of:
 
 * ``<!-- run -->``: executed as a script in one process;
-* ``<!-- run: nproc=N -->``: executed on N processes by torch's launcher (``torchrun``), so it
-  calls ``dist.init_process_group("gloo")`` as a user's script does;
+* ``<!-- run: nproc=N -->``: executed on N processes as torch's launcher (``torchrun``) runs
+  it, so it calls ``dist.init_process_group("gloo")`` as a user's script does;
+
+(on the test harness's pooled ranks, with the environment ``torchrun`` or ``python`` gives the
+script: ``harness.run_script``; with ``TPX_TEST_FRESH_RANKS=1`` under ``torchrun`` itself);
 * ``<!-- fragment -->``: a piece of a program (it needs a model or a mesh the text talks about);
   not executed.
 
@@ -16,14 +19,11 @@ from __future__ import annotations
 import glob
 import os
 import re
-import socket
-import subprocess
-import sys
 from typing import List, NamedTuple, Optional
 
 import pytest
 
-from harness import run_command
+from harness import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = re.compile(r"<!--\s*(run(?::\s*nproc=(\d+))?|fragment)\s*-->")
@@ -77,28 +77,29 @@ def test_every_python_block_is_marked():
                           f"<!-- fragment --> on the line before: {unmarked}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "run"], ids=lambda b: b.id)
 def test_runnable_block(block, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(block.code)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(ROOT, "examples"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if block.nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(block.nproc), "--master-port", str(_free_port()), str(script)]
-    else:
-        cmd = [sys.executable, str(script)]
-    try:
-        proc = run_command(cmd, cwd=tmp_path, env=env, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{block.id}: did not finish within {TIMEOUT} s\n{e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, (f"{block.id} failed (exit {proc.returncode}):\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_script(str(script), block.nproc, cwd=str(tmp_path),
+               paths=[os.path.join(ROOT, "examples")], timeout=TIMEOUT)
+
+
+def test_scripts_run_as_the_launcher_runs_them(tmp_path):
+    """harness.run_script, which runs the blocks: each rank runs the script as ``__main__`` in
+    its directory with the launcher's environment and makes its own group; a rank's exception
+    or non-zero exit fails the run, naming the rank."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import os, sys, torch.distributed as dist\n"
+        "assert __name__ == '__main__' and sys.argv == [__file__]\n"
+        "dist.init_process_group('gloo')\n"
+        "assert (dist.get_rank(), dist.get_world_size()) == (int(os.environ['RANK']), 3)\n"
+        "open(f'rank{dist.get_rank()}.txt', 'w').write(os.environ['LOCAL_WORLD_SIZE'])\n")
+    run_script(str(script), 3, cwd=str(tmp_path))
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(3)] == ["3"] * 3
+    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    with pytest.raises(AssertionError, match=r"failed on rank 1|rank *: 1 \(local_rank: 1\)"):
+        run_script(str(script), 2, cwd=str(tmp_path))
+    script.write_text("import os\nassert 'RANK' not in os.environ\nraise SystemExit(0)\n")
+    run_script(str(script), 1, cwd=str(tmp_path))  # as `python s.py`: no launcher variables
