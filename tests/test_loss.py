@@ -260,6 +260,8 @@ def test_cross_entropy_shard_row_all_masked(world):
 def _check_default_chunks_uneven(rank, world, vocab, tokens):
     # The default chunk_size of the fused head + loss must be the same on every rank, even
     # when the vocabulary's shards differ in width (they shape the per-chunk collectives).
+    import torch.distributed as dist
+
     from tpx.nn.functional import default_chunk_size
 
     d = 4
@@ -280,17 +282,25 @@ def _check_default_chunks_uneven(rank, world, vocab, tokens):
     loss = tpx.linear_cross_entropy(h, w, target, vocab_size=vocab, reduction="sum")
     loss.backward()
 
-    # The reference, in token blocks so no rank holds all tokens' full logits at once.
-    h_ref = hidden.clone().requires_grad_(True)
+    # The reference: F.cross_entropy on the full logits, in token blocks so no rank holds all
+    # tokens' full logits at once. The ranks share the tokens (each computes the full loss of
+    # its range of tokens; the sums and gradients are then added over the ranks), so that
+    # every token's reference is computed once, not once per rank.
+    t0, t1 = rank * tokens // world, (rank + 1) * tokens // world
+    h_ref = hidden[t0:t1].clone().requires_grad_(True)
     w_ref = weight.clone().requires_grad_(True)
-    ref = 0.0
-    for lo in range(0, tokens, 512):
-        part = F.cross_entropy(h_ref[lo:lo + 512] @ w_ref.t(), target[lo:lo + 512],
-                               reduction="sum")
+    ref = torch.zeros((), dtype=torch.float64)
+    for lo in range(0, t1 - t0, 512):
+        part = F.cross_entropy(h_ref[lo:lo + 512] @ w_ref.t(),
+                               target[t0:t1][lo:lo + 512], reduction="sum")
         part.backward()
         ref += part.item()
-    torch.testing.assert_close(loss.item(), ref, rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
+    grad_h = torch.zeros_like(hidden)
+    grad_h[t0:t1] = h_ref.grad
+    for t in (ref, grad_h, w_ref.grad):
+        dist.all_reduce(t)
+    torch.testing.assert_close(loss.item(), ref.item(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(h.grad, grad_h, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w.grad, w_ref.grad[v0:v1], rtol=1e-4, atol=1e-5)
 
 
