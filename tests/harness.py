@@ -78,13 +78,17 @@ def _fresh_state(env, tpx_random_states):
 
 def _end_test():
     """What a test leaves of the distributed state, ended as a script ends its run:
-    ``tpx.end_run`` (tpx's references to groups dropped, every group destroyed)."""
+    ``tpx.end_run`` (tpx's references to groups dropped, every group destroyed). The rank goes
+    on running (it waits for the next test, without the GIL), so on torch 2.8 or later it needs
+    no pause before the groups are destroyed; before 2.8 it does (pytorch/pytorch#154976)."""
+    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         import tpx
 
-        tpx.end_run()
+        new_torch = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+        tpx.end_run(pause=0 if new_torch else None)
 
 
 def _pool_worker(rank, world_size, backend, tasks, results):

@@ -20,6 +20,24 @@ def test_uninitialised_process_group():
         tpx.shard_range(10)
 
 
+def _end_run_without_pause(rank, world):
+    """tpx.end_run(pause=0) (a process that goes on, as the test harness's ranks): the groups
+    destroyed; a bad pause raises before anything ends."""
+    with pytest.raises(ValueError, match="`pause`"):
+        tpx.end_run(pause=-1)
+    with pytest.raises(ValueError, match="`pause`"):
+        tpx.end_run(pause="0.2")
+    x = torch.full((3,), float(rank + 1))
+    assert torch.equal(tpx.mappings.all_reduce_sum(x, dist.group.WORLD), torch.full((3,), 3.0))
+    tpx.end_run(pause=0)
+    assert not dist.is_initialized()
+
+
+def test_end_run_pause():
+    tpx.end_run(pause=0)  # not initialised: nothing to do
+    run_ranks(_end_run_without_pause, 2)
+
+
 def _raises(exc, match, fn, *args, **kwargs):
     with pytest.raises(exc, match=match):
         fn(*args, **kwargs)

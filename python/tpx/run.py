@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, List, TypeVar
+from typing import Callable, List, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -31,22 +31,29 @@ def run_cache(cache: _C) -> _C:
 _GLOO_GRACE_S = 0.2
 
 
-def end_run() -> None:
+def end_run(*, pause: Optional[float] = None) -> None:
     """Ends a distributed run cleanly: call it once, last, on every rank, where a script would
     call ``torch.distributed.destroy_process_group()``.
 
     It waits for every rank (a barrier over the default group), lets go of tpx's references to
-    process groups, releases the GIL for 0.2 s so that gloo's worker threads can free the
-    tensors of the last collectives (freeing a tensor Python has let go of needs the GIL), and
-    then destroys every process group. Without that pause a process can abort at exit
-    ("terminate called without an active exception", pytorch/pytorch#190489) or, before torch
-    2.8, deadlock in ``destroy_process_group`` (pytorch/pytorch#154976), with or without tpx.
-    Collective over the default group; does nothing when ``torch.distributed`` is not
-    initialised."""
+    process groups, releases the GIL for ``pause`` seconds (default 0.2) so that gloo's worker
+    threads can free the tensors of the last collectives (freeing a tensor Python has let go of
+    needs the GIL), and then destroys every process group. Without that pause a process that
+    exits next can abort ("terminate called without an active exception",
+    pytorch/pytorch#190489) or, before torch 2.8, deadlock in ``destroy_process_group``
+    (pytorch/pytorch#154976), with or without tpx. A process that goes on running after it (a
+    notebook, a test harness starting the next run) on torch 2.8 or later can pass
+    ``pause=0``: gloo's threads get the GIL as soon as it waits. Collective over the default
+    group; does nothing when ``torch.distributed`` is not initialised."""
+    if pause is None:
+        pause = _GLOO_GRACE_S
+    if isinstance(pause, bool) or not isinstance(pause, (int, float)) or not pause >= 0:
+        raise ValueError(f"tpx.end_run: `pause` must be a number of seconds >= 0; got {pause!r}")
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
     for reset in _AT_END:
         reset()
-    time.sleep(_GLOO_GRACE_S)
+    if pause > 0:
+        time.sleep(pause)
     dist.destroy_process_group()
