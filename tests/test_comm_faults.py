@@ -482,6 +482,7 @@ def _check_one_rank_fails(rank, world, where, failing):
             step(x)
         except RuntimeError as e:
             assert "can no longer be used by tpx" in str(e) and type(first).__name__ in str(e), e
+            assert type(e) is dist.DistError, type(e)  # the refusal, by its type
         else:
             raise AssertionError("the failed rank's next step ran (out of step with its peers)")
     else:
@@ -493,6 +494,7 @@ def _check_one_rank_fails(rank, world, where, failing):
             except RuntimeError as e:
                 waited = time.monotonic() - start
                 assert f"rank {failing} raised" in str(e), e
+                assert isinstance(e, dist.DistBackendError), type(e)  # a collective's failure
                 assert waited < 30, f"the peer learnt of the failure after {waited:.1f} s"
                 break
             if where == "layer" or attempt == 1:
@@ -503,6 +505,7 @@ def _check_one_rank_fails(rank, world, where, failing):
             step(x)
         except RuntimeError as e:
             assert "can no longer be used by tpx" in str(e), e
+            assert type(e) is dist.DistError, type(e)
         else:
             raise AssertionError("a later step ran on the broken group")
     assert tpx.comm_groups.group_broken_reason(pg) is not None

@@ -113,12 +113,31 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name) {
     if (auto own = lookup(*owned)) pg = own;
   }
   if (const auto why = group_broken_reason(pg->getGroupName())) {
-    TORCH_CHECK(false, "tpx: process group '", name, "' can no longer be used by tpx: ", *why,
+    // c10::DistError itself (Python: torch.distributed.DistError): the refusal of a group tpx
+    // marked broken, told apart from a collective's failure (DistBackendError) by its type.
+    TORCH_CHECK_WITH(DistError, false, "tpx: process group '", name,
+                "' can no longer be used by tpx: ", *why,
                 ". The ranks of the group no longer agree on which message comes next, so "
                 "any later collective could pair the wrong messages; end the run (or destroy "
                 "the group and make a new one) and resume from the last checkpoint.");
   }
   return pg;
+}
+
+std::exception_ptr as_collective_failure(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::ValueError&) {
+    return e;  // tpx's own finding about the arguments (a peer's buffer of another size)
+  } catch (const c10::DistError&) {
+    return e;
+  } catch (const std::exception& x) {
+    return std::make_exception_ptr(
+        c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, x.what()));
+  } catch (...) {
+    return std::make_exception_ptr(c10::DistBackendError(
+        c10::SourceLocation{__func__, __FILE__, __LINE__}, "a collective failed"));
+  }
 }
 
 std::exception_ptr Pending::drain() noexcept {
@@ -127,7 +146,7 @@ std::exception_ptr Pending::drain() noexcept {
     try {
       if (!w->wait()) TORCH_CHECK(false, "a collective did not complete");
     } catch (...) {
-      if (!first) first = std::current_exception();
+      if (!first) first = as_collective_failure(std::current_exception());
     }
   }
   works.clear();
@@ -166,7 +185,12 @@ WorkPtr inject_fault(WorkPtr work) {
 }  // namespace
 
 void all_gather_into(c10d::ProcessGroup& pg, const at::Tensor& out, const at::Tensor& local) {
-  all_gather_base(pg, out, local)->wait();
+  auto work = all_gather_base(pg, out, local);
+  try {
+    work->wait();
+  } catch (...) {
+    std::rethrow_exception(as_collective_failure(std::current_exception()));
+  }
 }
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -224,7 +248,7 @@ std::exception_ptr wait_all(std::vector<WorkPtr>& works, std::chrono::millisecon
         TORCH_CHECK(false, "a send or receive did not complete");
       }
     } catch (...) {
-      if (!first) first = std::current_exception();
+      if (!first) first = as_collective_failure(std::current_exception());
     }
   }
   works.clear();

@@ -35,6 +35,13 @@ std::optional<std::string> group_broken_reason(const std::string& name);
 // completes every one even when one fails (and rethrows the first failure), and the destructor
 // completes them when an exception unwinds past a Pending that was not waited on, so that the
 // ranks stay in step on the group. A collective that cannot be completed marks `group` broken.
+// The error a failed collective is reported with: c10::DistBackendError (Python:
+// torch.distributed.DistBackendError, a RuntimeError), whatever the backend raised (gloo
+// raises plain runtime errors), so that tpx's Python side tells a communication failure by its
+// type, not its text. A c10::ValueError tpx raised about the arguments, and a DistError, keep
+// their type.
+std::exception_ptr as_collective_failure(std::exception_ptr e);
+
 struct Pending {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> keep_alive;

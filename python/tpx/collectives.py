@@ -4,7 +4,8 @@ the initial weights handed out by a source rank, and the cross-rank checks.
 
 Each function takes the user's group ``pg`` and runs on tpx's own copy of it (made on first
 use, :func:`tpx.comm_groups.own`; NCCL groups are used as they are), raising at once if tpx
-marked that group broken (:func:`tpx.comm_groups.wire_group`). Each is counted by
+marked that group broken (:func:`tpx.comm_groups.wire_group`: ``torch.distributed.DistError``);
+a collective that fails raises ``torch.distributed.DistBackendError``. Each is counted by
 :func:`tpx.comm_stats` under the user's group with this rank's message size (an object
 collective with its pickled size). Ranks are ranks of ``pg`` (``src_rank``), as everywhere in
 tpx. The C++ ops issue the rest of tpx's traffic, counted the same way.
@@ -30,18 +31,30 @@ def _wire(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     return wire_group(pg)
 
 
+def _run(collective, *args, **kwargs) -> None:
+    """Runs one of ``torch.distributed``'s collectives; its failure (gloo raises a plain
+    ``RuntimeError``) is raised as ``torch.distributed.DistBackendError``, as the C++ ops raise
+    theirs, so that tpx tells a failed collective from other errors by its type."""
+    try:
+        collective(*args, **kwargs)
+    except dist.DistError:
+        raise
+    except RuntimeError as e:
+        raise dist.DistBackendError(f"tpx: a collective failed: {e}") from e
+
+
 def all_gather(outputs: List[Tensor], tensor: Tensor, pg: dist.ProcessGroup) -> None:
     """``outputs[r]`` <- rank ``r``'s ``tensor`` (every rank's of the same shape)."""
     wire = _wire(pg)
     count_collective(pg, "all_gather", tensor)
-    dist.all_gather(outputs, tensor, group=wire)
+    _run(dist.all_gather, outputs, tensor, group=wire)
 
 
 def all_gather_object(outputs: List[Any], obj: Any, pg: dist.ProcessGroup) -> None:
     """``outputs[r]`` <- rank ``r``'s picklable ``obj``."""
     wire = _wire(pg)
     count_collective(pg, "all_gather", len(pickle.dumps(obj)))
-    dist.all_gather_object(outputs, obj, group=wire)
+    _run(dist.all_gather_object, outputs, obj, group=wire)
 
 
 def all_reduce(tensor: Tensor, pg: dist.ProcessGroup,
@@ -49,21 +62,21 @@ def all_reduce(tensor: Tensor, pg: dist.ProcessGroup,
     """``tensor`` <- its reduction (``op``) over the ranks of ``pg``, in place."""
     wire = _wire(pg)
     count_collective(pg, "all_reduce", tensor)
-    dist.all_reduce(tensor, op=op, group=wire)
+    _run(dist.all_reduce, tensor, op=op, group=wire)
 
 
 def reduce_scatter(output: Tensor, tensor: Tensor, pg: dist.ProcessGroup) -> None:
     """``output`` <- block ``rank`` (along dim 0) of the sum over ranks of ``tensor``."""
     wire = _wire(pg)
     count_collective(pg, "reduce_scatter", output)
-    dist.reduce_scatter_tensor(output, tensor, group=wire)
+    _run(dist.reduce_scatter_tensor, output, tensor, group=wire)
 
 
 def broadcast(tensor: Tensor, src_rank: int, pg: dist.ProcessGroup) -> None:
     """``tensor`` <- its value on rank ``src_rank`` of ``pg``, in place."""
     wire = _wire(pg)
     count_collective(pg, "broadcast", tensor)
-    dist.broadcast(tensor, src=dist.get_global_rank(pg, src_rank), group=wire)
+    _run(dist.broadcast, tensor, src=dist.get_global_rank(pg, src_rank), group=wire)
 
 
 def scatter(output: Tensor, inputs: Optional[List[Tensor]], src_rank: int,
@@ -72,4 +85,4 @@ def scatter(output: Tensor, inputs: Optional[List[Tensor]], src_rank: int,
     that rank only)."""
     wire = _wire(pg)
     count_collective(pg, "scatter", output)
-    dist.scatter(output, inputs, src=dist.get_global_rank(pg, src_rank), group=wire)
+    _run(dist.scatter, output, inputs, src=dist.get_global_rank(pg, src_rank), group=wire)

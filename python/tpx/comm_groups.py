@@ -31,7 +31,8 @@ that op's collective, the rank asks, through the default group's store, whether 
 its tpx groups failed with it (the same bad input everywhere, say). If they all did within
 ``TPX_FAULT_GRACE`` seconds (default 2), nothing else happens: no collective was left half
 done and the groups stay usable. If not, the rank marks its tpx groups broken and closes their
-connections: a peer waiting in a collective on them raises at once (``RuntimeError`` naming
+connections: a peer waiting in a collective on them raises at once
+(``torch.distributed.DistBackendError``, a ``RuntimeError``, naming
 the rank that failed and its error) instead of waiting out the group's timeout, or pairing its
 messages with the failed rank's next step, and every later tpx op on those groups raises on
 every rank. Only tpx's own groups are closed; the user's groups stay as they are.
@@ -205,7 +206,7 @@ def wire_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     target = own_pg or group
     why = _ext.group_broken_reason(target.group_name)
     if why is not None:
-        raise RuntimeError(
+        raise dist.DistError(
             f"tpx: process group '{group.group_name}' can no longer be used by tpx: {why}. The "
             "ranks of the group no longer agree on which message comes next, so any later "
             "collective could pair the wrong messages; end the run (or destroy the group and "
@@ -294,12 +295,18 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
+def _refused(exc: BaseException) -> bool:
+    """An op refused on a group tpx marked broken (:func:`wire_group`, and the C++ ops alike):
+    ``torch.distributed.DistError`` itself, whose message says why."""
+    return type(exc) is dist.DistError
+
+
 def _is_communication_failure(exc: BaseException, groups) -> bool:
+    """A collective failed (a peer died or closed its connections): tpx's collectives, Python's
+    and the C++ ops', raise ``torch.distributed.DistBackendError``; or a group is broken here."""
     if any(_ext.group_broken_reason(pg.group_name) is not None for pg, _, _ in groups):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("gloo" in text or "Connection" in text
-                                              or "pair closure" in text)
+    return isinstance(exc, dist.DistBackendError)
 
 
 def _on_failure(exc: BaseException) -> Optional[BaseException]:
@@ -311,7 +318,7 @@ def _on_failure(exc: BaseException) -> Optional[BaseException]:
         exc._tpx_failure_seen = True  # type: ignore[attr-defined]
     except Exception:
         pass
-    if "can no longer be used by tpx" in str(exc):
+    if _refused(exc):
         return None  # an op on a group already broken: its error says why
     try:
         return _handle_failure(exc)
@@ -386,7 +393,7 @@ def _handle_failure(exc: BaseException) -> Optional[BaseException]:
         # This rank's own error, or its collective failed (a peer died): the error says so
         # best; its later tpx ops raise `why`.
         return None
-    replacement = RuntimeError(
+    replacement = dist.DistBackendError(
         f"tpx: {why}. This rank's tpx collectives were cut off so that it learns of it now "
         "rather than after the group's timeout; tpx's process groups can no longer be used "
         "(the user's groups are untouched): end the run and resume from the last checkpoint. "
