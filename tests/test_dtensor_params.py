@@ -195,6 +195,47 @@ def test_torch_clip_grad_norm_and_adamw(kind):
     run_ranks(_torch_tools, 3, kind)
 
 
+def _mixed_styles(rank, world, kind):
+    """A plan mixing tpx's style (the column layer) with PyTorch's own (the row layer, applied
+    by tpx through PyTorch's implementation): every parameter a DTensor on one mesh, so torch's
+    clip_grad_norm_ and foreach / fused AdamW train the model equal to one device (3 steps).
+    At TP 2, where the 70 features split evenly: PyTorch's RowwiseParallel infers the global
+    shape of a plain input from the local one, as if every shard were as wide."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+
+    torch.manual_seed(0)
+    ref = _MLP().double()
+    model = _MLP().double()
+    model.load_state_dict(ref.state_dict())
+    tpx.parallelize_module(model, None, {"up": tpx.ColwiseParallel(), "down": TorchRowwise()})
+    params = dict(model.named_parameters())
+    assert all(isinstance(p, DTensor) for p in params.values()), sorted(params)
+    assert params["up.weight"].device_mesh == params["down.weight"].device_mesh
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(6, 24, generator=g, dtype=torch.float64)
+        norms = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).sum().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            o.step()
+            o.zero_grad()
+        tpx_norm, ref_norm = norms
+        if isinstance(tpx_norm, DTensor):
+            tpx_norm = tpx_norm.full_tensor()
+        torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
+    assert_like_unsharded(model, ref, f"tpx + PyTorch styles, 3 AdamW steps ({kind})",
+                          rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_mixed_tpx_and_pytorch_styles_with_torch_optimizers(kind):
+    run_ranks(_mixed_styles, 2, kind)
+
+
 def _qwen3_torch_tools(rank, world):
     """Qwen3 with sequence parallelism: its per-head q_norm / k_norm (summed gradients,
     ReplicatedWithGradAllReduce in its plan) are Replicate() DTensors like the layer norms, so
