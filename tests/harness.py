@@ -16,9 +16,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
+import shutil
 import tempfile
 import traceback
 
@@ -151,6 +153,24 @@ def _pool(world_size: int, backend: str) -> _Pool:
                 _POOLS.pop(other).kill()
         pool = _POOLS[key] = _Pool(world_size, backend)
     return pool
+
+
+@contextlib.contextmanager
+def private_compile_cache():
+    """A ``torch.compile`` cache of the test's own (``TORCHINDUCTOR_CACHE_DIR``), removed at the
+    end: a cache left by an older build of the ops would be stale. Usable as a decorator of a
+    rank's function."""
+    path = tempfile.mkdtemp(prefix="tpx_inductor_")
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,

@@ -7,8 +7,6 @@ tpx's result must be within a small multiple of the error of torch's own autocas
 two round differently, so they are not compared to each other bit for bit)."""
 
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpx
-from harness import run_ranks, local_vs
+from harness import private_compile_cache, run_ranks, local_vs
 
 BF16 = torch.bfloat16
 
@@ -382,8 +380,8 @@ def test_2d_autocast():
 # torch.compile: the autocast kernels of the operators, compiled == eager ----------------------
 
 
+@private_compile_cache()
 def _check_compile(rank, world):
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 4 * world + 2), nn.ReLU(), nn.Linear(4 * world + 2, 16))
     for sp in (False, True):

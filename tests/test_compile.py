@@ -1,20 +1,17 @@
 """torch.compile(fullgraph=True) traces the tpx layers (through the ops' fake
 implementations) and gives eager's numbers, forward and backward."""
 
-import os
-import tempfile
 
 import pytest
 import torch
 from torch import nn
 
 import tpx
-from harness import run_ranks
+from harness import private_compile_cache, run_ranks
 
 
+@private_compile_cache()
 def _check_compile(rank, world):
-    # A private compile cache: a cache left by an older build of the ops would be stale.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 4 * world + 2), nn.ReLU(), nn.Linear(4 * world + 2, 16))
     for sp in (False, True):
@@ -39,12 +36,12 @@ def test_compile_fullgraph_matches_eager(world):
     run_ranks(_check_compile, world, timeout=600)
 
 
+@private_compile_cache()
 def _check_compile_decoder(rank, world):
     import copy
 
     from tiny_llama import Decoder, tp_plan
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpx_inductor_")
     torch.manual_seed(0)
     # The hand-written plan, and tpx.plans.auto's (with its ShardedAttention hooks).
     # One decoder layer: the traced graph (and the compile time) grows with every layer, and

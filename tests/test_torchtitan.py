@@ -10,6 +10,7 @@ kernels, its metrics' tensorboard, its datasets' ``datasets``): where one is mis
 whose every name raises when used stands in for it, in the test's processes only."""
 
 import copy
+import itertools
 import importlib.util
 import sys
 import types
@@ -128,40 +129,43 @@ def test_torchtitan_train_step_tp4():
 
 def _grouped_experts_like_one_device(rank, world):
     """torchtitan's GroupedExperts (w1 / w3 [E, I, H], w2 [E, H, I], called on tokens grouped by
-    expert) under tpx.GroupedExpertsTensorParallel, I = 10 (uneven over 3 and 4 ranks): the
-    parameters are Shard(1) / Shard(2) DTensors of the global shapes; the output (with
+    expert) under tpx.GroupedExpertsTensorParallel (I = 10, uneven over 3 and 4 ranks) and
+    tpx.GroupedExpertsParallel (E = 7 whole experts, uneven too): the parameters are Shard(1) /
+    Shard(2), or Shard(0), DTensors of the global shapes; the output (with
     output_layouts=Partial(), as torchtitan's TensorParallel leaves it, summed here; with
     Replicate(), by the style), the input's gradient (summed by the style in both), every
-    parameter's gradient and the parameters after 2 SGD steps equal one device."""
+    parameter's gradient and the parameters after 2 SGD steps equal one device. Experts
+    without tokens, and padding rows after the routed ones, included."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     _import_torchtitan()
     from torchtitan.models.moe.moe import GroupedExperts
 
-    for out_layout in (Partial(), Replicate()):
-        what = f"GroupedExperts TP={world} output {out_layout}"
+    styles = {tpx.GroupedExpertsTensorParallel: {"w1": 1, "w3": 1, "w2": 2},
+              tpx.GroupedExpertsParallel: {"w1": 0, "w3": 0, "w2": 0}}
+    for (style, dims), out_layout in itertools.product(styles.items(), (Partial(), Replicate())):
+        what = f"GroupedExperts TP={world} {style.__name__} output {out_layout}"
         torch.manual_seed(0)
-        ref = GroupedExperts(dim=12, hidden_dim=10, num_experts=4, use_grouped_mm=False)
+        ref = GroupedExperts(dim=12, hidden_dim=10, num_experts=7, use_grouped_mm=False)
         with torch.no_grad():
             for p in ref.parameters():
                 p.normal_(0, 0.3)
-        model = tpx.parallelize_module(
-            copy.deepcopy(ref), None,
-            tpx.GroupedExpertsTensorParallel(output_layouts=out_layout))
-        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        model = tpx.parallelize_module(copy.deepcopy(ref), None,
+                                       style(output_layouts=out_layout))
+        for name, dim in dims.items():
             p = getattr(model, name)
             assert isinstance(p, DTensor) and tuple(p.placements) == (Shard(dim),), (what, name)
             assert p.shape == getattr(ref, name).shape, (what, name, p.shape)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
         for step in range(2):
             g = torch.Generator().manual_seed(10 + step)
-            counts = torch.tensor([3, 0, 5, 2])  # an expert without tokens too
-            x = torch.randn(int(counts.sum()), 12, generator=g)
+            counts = torch.tensor([3, 0, 5, 2, 1, 0, 4])  # experts without tokens too
+            x = torch.randn(int(counts.sum()) + 2, 12, generator=g)  # 2 padding rows
             ref_x, x = x.clone().requires_grad_(), x.clone().requires_grad_()
             ref_out = ref(ref_x, counts)
             out = model(x, counts)
-            assert type(out) is torch.Tensor, (what, type(out))
+            assert type(out) is torch.Tensor and out.shape == ref_out.shape, (what, out.shape)
             weight = torch.randn(ref_out.shape, generator=g)
             (ref_out * weight).sum().backward()
             (out * weight).sum().backward()
@@ -178,6 +182,11 @@ def _grouped_experts_like_one_device(rank, world):
                 opt.step()
                 opt.zero_grad()
         assert_like_unsharded(model, ref, f"{what}, after 2 steps", rtol=1e-5, atol=1e-5)
+    if world == 3:  # 4 experts split as tpx.shard_range does leave rank 2 none
+        few = GroupedExperts(dim=12, hidden_dim=10, num_experts=4, use_grouped_mm=False)
+        with pytest.raises(ValueError, match=r"rank\(s\) \[2\] without an expert"):
+            tpx.parallelize_module(few, None, tpx.GroupedExpertsParallel())
+        assert not isinstance(few.w1, DTensor)  # nothing changed
 
 
 @pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow),

@@ -9,8 +9,8 @@ from . import autograd, mappings, ops, random
 from .comm import CommStats, comm_stats
 from .group import resolve_group, shard_range
 from .parallel import (MeshAttention, MeshInput, MeshParallel)
-from .parallel import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsTensorParallel,
-                       MoEIdentityExpert)
+from .parallel import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel,
+                       GroupedExpertsTensorParallel, MoEIdentityExpert)
 from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                        Replicate, ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel,
                        Shard, ShardedAttention, loss_parallel, parallelize_module, plans)
@@ -43,6 +43,7 @@ __all__ = [
     "ReplicatedWithGradAllReduce",
     "ExpertsTensorParallel",
     "ExpertsParallel",
+    "GroupedExpertsParallel",
     "GroupedExpertsTensorParallel",
     "MoEIdentityExpert",
     "check_replicas",

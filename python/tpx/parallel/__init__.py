@@ -9,8 +9,8 @@ from . import compat
 from .compat import PairwiseParallel
 from .loss_parallel import loss_parallel
 from . import moe
-from .moe import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsTensorParallel,
-                  MoEIdentityExpert)
+from .moe import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel,
+                  GroupedExpertsTensorParallel, MoEIdentityExpert)
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
@@ -22,4 +22,4 @@ __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "Sequence
            "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "hf_plan",
            "compat", "PairwiseParallel", "mesh_styles", "MeshParallel", "MeshAttention",
            "MeshInput", "moe", "ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert",
-           "GroupedExpertsTensorParallel"]
+           "GroupedExpertsTensorParallel", "GroupedExpertsParallel"]

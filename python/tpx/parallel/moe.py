@@ -51,8 +51,8 @@ from ..param_dtensors import compute_on_locals
 from ..sharding import describe_params, guard_state_dict
 from .style import ParallelStyle, TPContext
 
-__all__ = ["ExpertsTensorParallel", "ExpertsParallel", "GroupedExpertsTensorParallel",
-           "MoEIdentityExpert"]
+__all__ = ["ExpertsTensorParallel", "ExpertsParallel", "GroupedExpertsParallel",
+           "GroupedExpertsTensorParallel", "MoEIdentityExpert"]
 
 Ranges = Tuple[Tuple[int, int], ...]
 
@@ -413,13 +413,12 @@ class GroupedExpertsTensorParallel(ParallelStyle):
         pg, src_rank = ctx.group, ctx.src_rank
         experts, inter, hidden = self._layout(module)
         world, rank = pg.size(), dist.get_rank(pg)
-        rows = tuple((shard_bounds(inter, r, world),) for r in range(world))
-        shards = [(n, 2 if n == self.down else 1, rows) for n in self._names()]
+        shards = self._plan(module, experts, inter, world)
         specs, fulls = [], []
-        for name, dim, _ in shards:
+        for name, dim, rows in shards:
             p = getattr(module, name)
             shape = list(p.shape)
-            shape[dim] = rows[rank][0][1] - rows[rank][0][0]
+            shape[dim] = rows_of(rows, rank)
             specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
                                    ranges=rows, dim=dim))
             fulls.append(p)
@@ -434,22 +433,91 @@ class GroupedExpertsTensorParallel(ParallelStyle):
         module._shards = lambda shards=shards: list(shards)
         module.group = pg
         module._tpx_dtensor_params = True
-        describe_params(module)  # DTensors Shard(1) / Shard(2) of the global shapes
+        describe_params(module)  # DTensors of the global shapes (Shard(1) / Shard(2), Shard(0))
         compute_on_locals(module, [(module, name) for name, _, _ in shards])
         if world > 1:
-            def pre(mod, args):
-                # each rank's input gradient is a partial sum (over its features): summed in
-                # the backward, one all-reduce
-                if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
-                    return (mappings.all_reduce_grad(args[0], pg),) + tuple(args[1:])
-                return args
-
-            module.register_forward_pre_hook(pre)
-            if self._reduce:
-                module.register_forward_hook(
-                    lambda mod, args, out: mappings.all_reduce_sum(out, pg)
-                    if isinstance(out, Tensor) else out)
+            self._install_hooks(module, pg, shards[0][2][rank][0])
         return module
+
+    def _plan(self, module: nn.Module, experts: int, inter: int, world: int):
+        """``[(param name, dim, rows per rank)]``: the intermediate features split."""
+        rows = tuple((shard_bounds(inter, r, world),) for r in range(world))
+        return [(n, 2 if n == self.down else 1, rows) for n in self._names()]
+
+    def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup, mine) -> None:
+        def pre(mod, args):
+            # each rank's input gradient is a partial sum: summed in the backward, one
+            # all-reduce
+            if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
+                return (mappings.all_reduce_grad(args[0], pg),) + tuple(args[1:])
+            return args
+
+        module.register_forward_pre_hook(pre)
+        if self._reduce:
+            module.register_forward_hook(
+                lambda mod, args, out: mappings.all_reduce_sum(out, pg)
+                if isinstance(out, Tensor) else out)
+
+
+def rows_of(rows, rank: int) -> int:
+    """How many entries rank ``rank`` holds of a split given as row ranges per rank."""
+    return sum(e - s for s, e in rows[rank])
+
+
+class GroupedExpertsParallel(GroupedExpertsTensorParallel):
+    """Expert parallelism over the TP group for the same grouped experts as
+    :class:`GroupedExpertsTensorParallel` (torchtitan's ``GroupedExperts``): each rank keeps
+    WHOLE experts, experts ``tpx.shard_range(E)`` (``gate``, ``up`` and ``down`` ``Shard(0)``
+    ``DTensor`` parameters of the global shapes), and runs the module's own forward on the rows
+    of ``x`` routed to them (the tokens arrive grouped by expert, so they are one block of
+    rows, found from ``num_tokens_per_expert``: one copy of the counts to the host per call);
+    the other rows of its output are zeros. The tokens are replicated over the group, as
+    everywhere in 1-D TP, so none moves: the same one all-reduce of the output and one of the
+    input's gradient as expert TP, but whole experts (larger GEMMs) on fewer tokens per rank.
+    Every rank must hold at least one expert (``E`` large enough for ``tpx.shard_range``'s
+    split over the group).
+
+    Placements: as :class:`GroupedExpertsTensorParallel` (input R, its gradient summed in the
+    backward; output P by default, R with ``output_layouts=Replicate()``)."""
+
+    def __repr__(self) -> str:
+        return (f"GroupedExpertsParallel(gate={self.gate!r}, up={self.up!r}, "
+                f"down={self.down!r}, output_layouts={self.output_layouts!r})")
+
+    def _plan(self, module: nn.Module, experts: int, inter: int, world: int):
+        rows = tuple((shard_bounds(experts, r, world),) for r in range(world))
+        if any(rows_of(rows, r) == 0 for r in range(world)):
+            raise ValueError(
+                f"tpx.GroupedExpertsParallel on {type(module).__name__}: {experts} experts split "
+                f"over {world} ranks as tpx.shard_range does leave rank(s) "
+                f"{[r for r in range(world) if rows_of(rows, r) == 0]} without an expert; use "
+                "a group of fewer ranks, or GroupedExpertsTensorParallel (every rank a slice "
+                "of every expert)")
+        return [(n, 0, rows) for n in self._names()]
+
+    def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup, mine) -> None:
+        e0, e1 = mine
+        calls = []  # per call in flight: (rows of x, first row of this rank's block, its rows)
+
+        def pre(mod, args):
+            x, counts = args[0], args[1]
+            if x.is_floating_point():
+                x = mappings.all_reduce_grad(x, pg)
+            per_expert = [int(c) for c in counts.tolist()]
+            start, n = sum(per_expert[:e0]), sum(per_expert[e0:e1])
+            calls.append((x.shape[0], start, n))
+            return (x[start:start + n], counts[e0:e1]) + tuple(args[2:])
+
+        def post(mod, args, out):
+            rows, start, n = calls.pop()
+            if not isinstance(out, Tensor):
+                return out
+            out = torch.cat([out.new_zeros((start,) + tuple(out.shape[1:])), out[:n],
+                             out.new_zeros((rows - start - n,) + tuple(out.shape[1:]))])
+            return mappings.all_reduce_sum(out, pg) if self._reduce else out
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
 
 
 class MoEIdentityExpert(ParallelStyle):
