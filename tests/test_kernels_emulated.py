@@ -10,6 +10,7 @@ the cases of tests/test_cuda.py, shaped so that every kernel variant (warp per r
 per row, 16-byte vector head / body / tail, every copy width of the embedding forward) runs.
 """
 
+import concurrent.futures
 import hashlib
 import os
 import shutil
@@ -65,8 +66,7 @@ def emu_binary():
     (cache / "obj").mkdir(parents=True, exist_ok=True)
     exe.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=exe.parent) as tmp:
-        objs = []
-        for src in KERNEL_SOURCES + EMU_SOURCES:
+        def compile_one(src):
             obj = cache / "obj" / f"{src.name}-{_digest([src] + HEADERS)}.o"
             if not obj.exists():
                 lang = ["-x", "c++"] if src.suffix == ".cu" else []
@@ -76,7 +76,11 @@ def emu_binary():
                 assert r.returncode == 0, (f"compiling {src.name} for the emulator failed:\n"
                                            f"{r.stderr}")
                 os.replace(tmp_obj, obj)
-            objs.append(str(obj))
+            return str(obj)
+
+        # the translation units compiled side by side, one per core
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            objs = list(pool.map(compile_one, KERNEL_SOURCES + EMU_SOURCES))
         tmp_exe = Path(tmp) / exe.name
         r = subprocess.run([CXX, "-fsanitize=address,undefined", *objs, "-o", str(tmp_exe)],
                            capture_output=True, text=True)

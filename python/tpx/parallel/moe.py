@@ -445,18 +445,39 @@ class GroupedExpertsTensorParallel(ParallelStyle):
         return [(n, 2 if n == self.down else 1, rows) for n in self._names()]
 
     def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup, mine) -> None:
-        def pre(mod, args):
+        call = _Arguments(module)
+
+        def pre(mod, args, kwargs):
             # each rank's input gradient is a partial sum: summed in the backward, one
             # all-reduce
-            if args and isinstance(args[0], Tensor) and args[0].is_floating_point():
-                return (mappings.all_reduce_grad(args[0], pg),) + tuple(args[1:])
-            return args
+            args = list(args)
+            x = call.get(args, kwargs, 0)
+            if isinstance(x, Tensor) and x.is_floating_point():
+                call.put(args, kwargs, 0, mappings.all_reduce_grad(x, pg))
+            return tuple(args), kwargs
 
-        module.register_forward_pre_hook(pre)
+        module.register_forward_pre_hook(pre, with_kwargs=True)
         if self._reduce:
             module.register_forward_hook(
                 lambda mod, args, out: mappings.all_reduce_sum(out, pg)
                 if isinstance(out, Tensor) else out)
+
+
+class _Arguments:
+    """The experts' first arguments (``x``, ``num_tokens_per_expert``), passed by position or by
+    name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names = list(_expert_args(module)[:2])
+
+    def get(self, args: list, kwargs: dict, i: int):
+        return args[i] if i < len(args) else kwargs.get(self.names[i])
+
+    def put(self, args: list, kwargs: dict, i: int, value) -> None:
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[self.names[i]] = value
 
 
 def rows_of(rows, rank: int) -> int:
@@ -497,18 +518,23 @@ class GroupedExpertsParallel(GroupedExpertsTensorParallel):
 
     def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup, mine) -> None:
         e0, e1 = mine
+        call = _Arguments(module)
         calls = []  # per call in flight: (rows of x, first row of this rank's block, its rows)
 
-        def pre(mod, args):
-            x, counts = args[0], args[1]
+        def pre(mod, args, kwargs):
+            args = list(args)
+            x, counts = call.get(args, kwargs, 0), call.get(args, kwargs, 1)
             if x.is_floating_point():
                 x = mappings.all_reduce_grad(x, pg)
             per_expert = [int(c) for c in counts.tolist()]
             start, n = sum(per_expert[:e0]), sum(per_expert[e0:e1])
             calls.append((x.shape[0], start, n))
-            return (x[start:start + n], counts[e0:e1]) + tuple(args[2:])
+            call.put(args, kwargs, 0, x[start:start + n])
+            call.put(args, kwargs, 1, counts[e0:e1])
+            return tuple(args), kwargs
 
         def post(mod, args, out):
+            # always called (an exception in the forward too): this call's entry goes
             rows, start, n = calls.pop()
             if not isinstance(out, Tensor):
                 return out
@@ -516,8 +542,8 @@ class GroupedExpertsParallel(GroupedExpertsTensorParallel):
                              out.new_zeros((rows - start - n,) + tuple(out.shape[1:]))])
             return mappings.all_reduce_sum(out, pg) if self._reduce else out
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, always_call=True)
 
 
 class MoEIdentityExpert(ParallelStyle):
