@@ -119,9 +119,6 @@ def _pytorch_checkpoint(model, opt, ckpt, phase):
 def _get_set_state_dict(rank, world, ckpt, phase):
     """get_state_dict / dcp.save at TP ``world`` after 2 AdamW steps; then, in another world,
     dcp.load / set_state_dict and 2 more steps equal 4 uninterrupted steps on one device."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     # float64: AdamW divides by the root of its second moment, which turns float32 rounding
     # of tiny gradients into visible differences; the comparison is of the checkpoint path.
     torch.manual_seed(0)
@@ -158,61 +155,24 @@ class _MLP(nn.Module):
         return self.down(F.relu(self.up(x)))
 
 
-def _torch_tools(rank, world, kind):
-    """torch.nn.utils.clip_grad_norm_ and torch's foreach / fused AdamW over a model whose every
-    parameter is a DTensor (weights Shard, the row layer's bias Replicate), 3 steps."""
-    torch.manual_seed(0)  # float64: AdamW magnifies float32 rounding (see above)
-    ref = _MLP().double()
-    model = _MLP().double()
-    model.load_state_dict(ref.state_dict())
-    tpx.parallelize_module(model, None, {"up": tpx.ColwiseParallel(),
-                                         "down": tpx.RowwiseParallel()})
-    kw = {"foreach": dict(foreach=True), "fused": dict(fused=True),
-          "for-loop": dict(foreach=False)}[kind]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(6, 24, generator=g, dtype=torch.float64)
-        norms = []
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(x).pow(2).sum().backward()
-            # a max_norm below the norm, so that clipping scales
-            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
-            o.step()
-            o.zero_grad()
-        tpx_norm, ref_norm = norms
-        if hasattr(tpx_norm, "full_tensor"):
-            tpx_norm = tpx_norm.full_tensor()
-        torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
-        assert ref_norm > 0.5
-    assert_like_unsharded(model, ref, f"3 clipped AdamW steps ({kind})", rtol=1e-10,
-                          atol=1e-12)
-
-
-@pytest.mark.parametrize("kind", ["foreach", "fused", "for-loop"])
-def test_torch_clip_grad_norm_and_adamw(kind):
-    run_ranks(_torch_tools, 3, kind)
-
-
-def _mixed_styles(rank, world, kind):
-    """A plan mixing tpx's style (the column layer) with PyTorch's own (the row layer, applied
-    by tpx through PyTorch's implementation): every parameter a DTensor on one mesh, so torch's
-    clip_grad_norm_ and foreach / fused AdamW train the model equal to one device (3 steps).
-    At TP 2, where the 70 features split evenly: PyTorch's RowwiseParallel infers the global
-    shape of a plain input from the local one, as if every shard were as wide."""
+def _clipped_adamw_like_one_device(plan, kind, what):
+    """The MLP sharded by ``plan``, trained 3 steps with torch.nn.utils.clip_grad_norm_ (a
+    max_norm below the norm, so that clipping scales) and torch's AdamW (``kind``: foreach,
+    fused or for-loop), against the same steps on one device, in float64 (AdamW magnifies
+    float32 rounding, see above)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
     torch.manual_seed(0)
     ref = _MLP().double()
     model = _MLP().double()
     model.load_state_dict(ref.state_dict())
-    tpx.parallelize_module(model, None, {"up": tpx.ColwiseParallel(), "down": TorchRowwise()})
+    tpx.parallelize_module(model, None, plan)
     params = dict(model.named_parameters())
     assert all(isinstance(p, DTensor) for p in params.values()), sorted(params)
     assert params["up.weight"].device_mesh == params["down.weight"].device_mesh
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
+    kw = {"foreach": dict(foreach=True), "fused": dict(fused=True),
+          "for-loop": dict(foreach=False)}[kind]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     for i in range(3):
         g = torch.Generator().manual_seed(i)
@@ -227,8 +187,33 @@ def _mixed_styles(rank, world, kind):
         if isinstance(tpx_norm, DTensor):
             tpx_norm = tpx_norm.full_tensor()
         torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
-    assert_like_unsharded(model, ref, f"tpx + PyTorch styles, 3 AdamW steps ({kind})",
-                          rtol=1e-10, atol=1e-12)
+        assert ref_norm > 0.5
+    assert_like_unsharded(model, ref, f"{what}, 3 clipped AdamW steps ({kind})", rtol=1e-10,
+                          atol=1e-12)
+
+
+def _torch_tools(rank, world, kind):
+    """torch.nn.utils.clip_grad_norm_ and torch's foreach / fused AdamW over a model whose every
+    parameter is a DTensor (weights Shard, the row layer's bias Replicate), 3 steps."""
+    _clipped_adamw_like_one_device({"up": tpx.ColwiseParallel(), "down": tpx.RowwiseParallel()},
+                                   kind, "tpx styles")
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused", "for-loop"])
+def test_torch_clip_grad_norm_and_adamw(kind):
+    run_ranks(_torch_tools, 3, kind)
+
+
+def _mixed_styles(rank, world, kind):
+    """A plan mixing tpx's style (the column layer) with PyTorch's own (the row layer, applied
+    by tpx through PyTorch's implementation): every parameter a DTensor on one mesh, so torch's
+    clip_grad_norm_ and foreach / fused AdamW train the model equal to one device (3 steps).
+    At TP 2, where the 70 features split evenly: PyTorch's RowwiseParallel infers the global
+    shape of a plain input from the local one, as if every shard were as wide."""
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+
+    _clipped_adamw_like_one_device({"up": tpx.ColwiseParallel(), "down": TorchRowwise()},
+                                   kind, "tpx + PyTorch styles")
 
 
 @pytest.mark.parametrize("kind", ["foreach", "fused"])
