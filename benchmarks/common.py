@@ -162,7 +162,7 @@ def run_case_group(target, world: int, args, timeout: float, prefix: str):
     paths = [os.path.join(tmp, f"rank{r}.jsonl") for r in range(world)]
     seen, last = 0, time.monotonic()
     while any(p.is_alive() for p in procs):
-        time.sleep(0.5)
+        time.sleep(0.05)
         n = sum(len(read_jsonl(p)) for p in paths)
         if n > seen:
             seen, last = n, time.monotonic()

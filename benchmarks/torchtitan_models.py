@@ -503,7 +503,7 @@ def _rank(rank: int, world: int, cases, timeout: float, init: str, out_dir: str)
                 break
             if time.monotonic() > deadline:
                 os._exit(0)
-            time.sleep(0.1)
+            time.sleep(0.005)
         if any(x[i]["status"] in ("crash", "refused") for x in rows):
             os._exit(0)
     dist.barrier()
