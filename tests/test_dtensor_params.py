@@ -170,16 +170,29 @@ def _clipped_adamw_like_one_device(plan, kind, what):
     params = dict(model.named_parameters())
     assert all(isinstance(p, DTensor) for p in params.values()), sorted(params)
     assert params["up.weight"].device_mesh == params["down.weight"].device_mesh
+
+    def loss(m, i):
+        g = torch.Generator().manual_seed(i)
+        return m(torch.randn(6, 24, generator=g, dtype=torch.float64)).pow(2).sum()
+
+    _clipped_adamw_steps(model, ref, kind, loss, 3, what)
+
+
+def _clipped_adamw_steps(model, ref, kind, loss, steps, what):
+    """``steps`` steps of ``loss(m, step).backward()``, torch.nn.utils.clip_grad_norm_ (a
+    max_norm below the norm, so that clipping scales) and torch's AdamW (``kind``: foreach,
+    fused or for-loop) on the sharded ``model`` and on ``ref`` (one device, for-loop AdamW):
+    the norms equal at every step, the parameters equal after the steps."""
+    from torch.distributed.tensor import DTensor
+
     kw = {"foreach": dict(foreach=True), "fused": dict(fused=True),
           "for-loop": dict(foreach=False)}[kind]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(6, 24, generator=g, dtype=torch.float64)
+    for i in range(steps):
         norms = []
         for m, o in ((model, opt), (ref, ref_opt)):
-            m(x).pow(2).sum().backward()
+            loss(m, i).backward()
             norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
             o.step()
             o.zero_grad()
@@ -188,8 +201,8 @@ def _clipped_adamw_like_one_device(plan, kind, what):
             tpx_norm = tpx_norm.full_tensor()
         torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
         assert ref_norm > 0.5
-    assert_like_unsharded(model, ref, f"{what}, 3 clipped AdamW steps ({kind})", rtol=1e-10,
-                          atol=1e-12)
+    assert_like_unsharded(model, ref, f"{what}, {steps} clipped AdamW steps ({kind})",
+                          rtol=1e-10, atol=1e-12)
 
 
 def _torch_tools(rank, world, kind):
@@ -233,7 +246,9 @@ def _qwen3_torch_tools(rank, world):
     import hf_tiny
 
     torch.manual_seed(0)  # float64: AdamW magnifies float32 rounding
-    ref = hf_tiny.tiny("qwen3").double()
+    # 4 KV heads: whole KV heads per rank at TP 2 and 4 (KV heads replicated over ranks are a
+    # layout no DTensor states, which stays a plain tensor)
+    ref = hf_tiny.tiny("qwen3", num_key_value_heads=4).double()
     model = copy.deepcopy(ref)
     tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=True))
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
@@ -241,26 +256,14 @@ def _qwen3_torch_tools(rank, world):
     attn = model.model.layers[0].self_attn
     for norm in (attn.q_norm, attn.k_norm):
         assert tuple(norm.weight.placements) == (Replicate(),), norm.weight
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    for i in range(2):
-        ids = _batch(i)
-        norms = []
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(input_ids=ids, labels=ids).loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
-            o.step()
-            o.zero_grad()
-        tpx_norm, ref_norm = norms
-        if isinstance(tpx_norm, DTensor):
-            tpx_norm = tpx_norm.full_tensor()
-        torch.testing.assert_close(tpx_norm, ref_norm, rtol=1e-10, atol=1e-12)
-        assert ref_norm > 0.5
-    assert_like_unsharded(model, ref, "Qwen3, 2 clipped AdamW steps", rtol=1e-10, atol=1e-12)
+    _clipped_adamw_steps(model, ref, "foreach",
+                         lambda m, i: m(input_ids=_batch(i), labels=_batch(i)).loss, 2,
+                         f"Qwen3 at TP {world}")
 
 
-def test_qwen3_every_parameter_a_dtensor():
-    run_ranks(_qwen3_torch_tools, 2)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_qwen3_every_parameter_a_dtensor(world):
+    run_ranks(_qwen3_torch_tools, world)
 
 
 def _fused_layout_raises(rank, world):

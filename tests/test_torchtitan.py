@@ -127,16 +127,19 @@ def test_torchtitan_train_step_tp4():
     run_ranks(_train_step_like_one_device, 4)
 
 
-def _grouped_experts_like_one_device(rank, world):
+def _grouped_experts_like_one_device(rank, world, ckpt):
     """torchtitan's GroupedExperts (w1 / w3 [E, I, H], w2 [E, H, I], called on tokens grouped by
     expert) under tpx.GroupedExpertsTensorParallel (I = 10, uneven over 3 and 4 ranks) and
     tpx.GroupedExpertsParallel (E = 7 whole experts, uneven too): the parameters are Shard(1) /
     Shard(2), or Shard(0), DTensors of the global shapes; the output (with
     output_layouts=Partial(), as torchtitan's TensorParallel leaves it, summed here; with
     Replicate(), by the style), the input's gradient (summed by the style in both), every
-    parameter's gradient and the parameters after 2 SGD steps equal one device. Experts
-    without tokens, and padding rows after the routed ones, included."""
+    parameter's gradient and the parameters after 2 SGD steps equal one device; then
+    dcp.save(model.state_dict()) reloads into the unsharded module exactly as saved. Experts without tokens, and padding rows after the routed ones, included."""
+    import os
+
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     _import_torchtitan()
@@ -183,6 +186,15 @@ def _grouped_experts_like_one_device(rank, world):
                 opt.step()
                 opt.zero_grad()
         assert_like_unsharded(model, ref, f"{what}, after 2 steps", rtol=1e-5, atol=1e-5)
+        # PyTorch's checkpoint of the sharded experts reloads into the unsharded module
+        path = os.path.join(ckpt, f"{style.__name__}-{type(out_layout).__name__}")
+        dcp.save(model.state_dict(), checkpoint_id=path)
+        whole = GroupedExperts(dim=12, hidden_dim=10, num_experts=7, use_grouped_mm=False)
+        state = whole.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        for name, t in state.items():  # exactly the saved model
+            torch.testing.assert_close(t, getattr(model, name).full_tensor(), rtol=0, atol=0,
+                                       msg=lambda m: f"{name} reloaded ({what}): {m}")
     if world == 3:  # 4 experts split as tpx.shard_range does leave rank 2 none
         few = GroupedExperts(dim=12, hidden_dim=10, num_experts=4, use_grouped_mm=False)
         with pytest.raises(ValueError, match=r"rank\(s\) \[2\] without an expert"):
@@ -192,8 +204,8 @@ def _grouped_experts_like_one_device(rank, world):
 
 @pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow),
                                    pytest.param(2, marks=pytest.mark.slow)])
-def test_grouped_experts_tensor_parallel(world):
-    run_ranks(_grouped_experts_like_one_device, world)
+def test_grouped_experts_tensor_parallel(world, tmp_path):
+    run_ranks(_grouped_experts_like_one_device, world, str(tmp_path))
 
 
 def _titan_models(tmp_path, world):

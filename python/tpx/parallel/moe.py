@@ -174,31 +174,16 @@ class ExpertsTensorParallel(ParallelStyle):
 
     # -- apply --------------------------------------------------------------------------------
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        pg, src_rank = ctx.group, ctx.src_rank
+        pg = ctx.group
         lay = self._layout(module)
         world, rank = pg.size(), dist.get_rank(pg)
         shards, dn_bias = self._plan_shards(module, lay, world)
-        specs, fulls = [], []
-        for name, dim, rows in shards:
-            p = getattr(module, name)
-            shape = list(p.shape)
-            shape[dim] = sum(e - s for s, e in rows[rank])
-            specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
-                                   ranges=rows, dim=dim))
-            fulls.append(p)
-        if dn_bias is not None:  # replicated, each rank adds bias / P
-            specs.append(ShardSpec(torch.empty_like(dn_bias)))
-            fulls.append(dn_bias)
         config = dict(experts=lay["experts"], inter=lay["inter"], hidden=lay["hidden"],
                       transposed=lay["transposed"], gated=lay["gated"],
-                      interleaved=lay["interleaved"], names=[s[0] for s in shards],
-                      dtype=str(fulls[0].dtype))
-        load_initial(pg, type(self).__name__, config, specs,
-                     lambda: [p.detach() for p in fulls], src_rank=src_rank, drawn=False)
-        with torch.no_grad():
-            for p, spec in zip(fulls, specs):
-                p.data = spec.out
-                p.grad = None
+                      interleaved=lay["interleaved"], names=[s[0] for s in shards])
+        # the down bias is replicated: each rank adds bias / P
+        _shard_in_place(module, shards, ctx, type(self).__name__, config,
+                        replicated=[] if dn_bias is None else [dn_bias])
         module._shards = lambda shards=shards: [(n, d, rows) for n, d, rows in shards]
         module.group = pg
         module._tpx_experts_group = pg
@@ -277,6 +262,32 @@ class ExpertsTensorParallel(ParallelStyle):
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         module.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _shard_in_place(module: nn.Module, shards, ctx: TPContext, what: str, config: dict,
+                    replicated=()) -> None:
+    """Each parameter ``(name, dim, rows per rank)`` of ``shards`` keeps this rank's rows, the
+    ``replicated`` ones whole, all with the values of rank ``ctx.src_rank`` (the
+    ``Parameter`` objects stay; ``config`` is compared across the ranks first)."""
+    pg = ctx.group
+    rank = dist.get_rank(pg)
+    specs, fulls = [], []
+    for name, dim, rows in shards:
+        p = getattr(module, name)
+        shape = list(p.shape)
+        shape[dim] = rows_of(rows, rank)
+        specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
+                               ranges=rows, dim=dim))
+        fulls.append(p)
+    for p in replicated:
+        specs.append(ShardSpec(torch.empty_like(p)))
+        fulls.append(p)
+    load_initial(pg, what, dict(config, dtype=str(fulls[0].dtype)), specs,
+                 lambda: [p.detach() for p in fulls], src_rank=ctx.src_rank, drawn=False)
+    with torch.no_grad():
+        for p, spec in zip(fulls, specs):
+            p.data = spec.out
+            p.grad = None
 
 
 def _expert_range(experts: int, rank: int, world: int) -> Tuple[int, int]:
@@ -410,26 +421,13 @@ class GroupedExpertsTensorParallel(ParallelStyle):
         self._layout(module)
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        pg, src_rank = ctx.group, ctx.src_rank
+        pg = ctx.group
         experts, inter, hidden = self._layout(module)
         world, rank = pg.size(), dist.get_rank(pg)
         shards = self._plan(module, experts, inter, world)
-        specs, fulls = [], []
-        for name, dim, rows in shards:
-            p = getattr(module, name)
-            shape = list(p.shape)
-            shape[dim] = rows_of(rows, rank)
-            specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
-                                   ranges=rows, dim=dim))
-            fulls.append(p)
-        config = dict(experts=experts, inter=inter, hidden=hidden, names=self._names(),
-                      reduce=self._reduce, dtype=str(fulls[0].dtype))
-        load_initial(pg, type(self).__name__, config, specs,
-                     lambda: [p.detach() for p in fulls], src_rank=src_rank, drawn=False)
-        with torch.no_grad():
-            for p, spec in zip(fulls, specs):
-                p.data = spec.out
-                p.grad = None
+        _shard_in_place(module, shards, ctx, type(self).__name__,
+                        dict(experts=experts, inter=inter, hidden=hidden, names=self._names(),
+                             reduce=self._reduce))
         module._shards = lambda shards=shards: list(shards)
         module.group = pg
         module._tpx_dtensor_params = True
