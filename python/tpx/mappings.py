@@ -20,7 +20,7 @@ from .comm_groups import guarded
 from .ops import mesh_all_reduce, sum_by_name
 from .run import run_cache
 
-__all__ = ["all_reduce_grad", "all_reduce_grad_value", "all_reduce_grads", "all_reduce_sum",
+__all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
            "gather_dim", "gather_dim_for_partial_grads", "gather_last_dim", "partial_grad_input",
            "scale_forward", "split_dim", "split_last_dim", "sum_grad_over_holders",
            "sum_over_group"]
@@ -260,11 +260,6 @@ class _ScaleForward(torch.autograd.Function):
 def scale_forward(x: Tensor, factor: float) -> Tensor:
     """``x * factor`` whose backward is the identity (see :class:`_ScaleForward`)."""
     return _ScaleForward.apply(x, factor)
-
-
-def all_reduce_grad_value(grad: Tensor, pg: dist.ProcessGroup) -> Tensor:
-    """The sum over ``pg`` of a gradient (for a tensor hook on a replicated parameter)."""
-    return sum_by_name(grad, pg.group_name)
 
 
 class _SumGradOverHolders(torch.autograd.Function):

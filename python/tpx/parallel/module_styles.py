@@ -10,7 +10,6 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-
 from ..param_dtensors import compute_on_locals, replicate_params
 from .base import ParallelStyle, TPContext, redistribute, sum_grad_over_group
 
@@ -120,8 +119,7 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
-        params = list(module.parameters())
-        if not params:
+        if next(module.parameters(), None) is None:
             raise ValueError(f"tpx.ReplicatedWithGradAllReduce: {type(module).__name__} has no "
                              "parameter to sum the gradient of")
         # Replicate() DTensors, as under SequenceParallel (one kind of parameter for torch's

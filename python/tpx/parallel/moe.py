@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from .. import mappings
 from ..group import shard_bounds
 from ..initial import load_initial, ShardSpec
-from ..nn.dtensor_io import DTensor
+from ..nn.dtensor_io import DTensor, Partial, Replicate
 from ..param_dtensors import compute_on_locals
 from ..sharding import describe_params, guard_state_dict
 from .style import ParallelStyle, TPContext
@@ -372,8 +372,6 @@ class GroupedExpertsTensorParallel(ParallelStyle):
 
     def __init__(self, *, gate: str = "w1", up: Optional[str] = "w3", down: str = "w2",
                  output_layouts=None) -> None:
-        from ..nn.dtensor_io import Partial, Replicate
-
         out = Partial() if output_layouts is None else output_layouts
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]

@@ -16,8 +16,8 @@ from ..group import head_rows, shard_bounds
 from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
                   VocabParallelEmbedding)
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
-from ..sharding import mark_transposed_weight
 from ..param_dtensors import compute_on_locals, replicate_params
+from ..sharding import mark_transposed_weight
 from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
                    check_placement, is_style, redistribute, sum_grad_over_group, torch_style)
 from .module_styles import (PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
