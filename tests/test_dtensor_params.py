@@ -372,3 +372,71 @@ def test_get_set_state_dict_1d_to_2d_mesh(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_ranks(_mesh_resume, 2, ckpt, "save")
     run_ranks(_mesh_resume, 4, ckpt, "load")
+
+
+def _moe_experts_as_dtensors(rank, world, ckpt):
+    """Qwen3-MoE with expert parallelism (Hugging Face's fused 3-D experts, whole experts per
+    rank), its router and norms under NoParallel: every parameter is a DTensor (the experts' Shard(0)), so
+    torch's clip_grad_norm_ and foreach AdamW train it equal to one device, and
+    dcp.save(model.state_dict()) reloads into a differently initialised sharded copy and, as a
+    full state dict, into the unsharded model. Under expert TP the fused [gate | up] (its halves
+    split separately, a layout no DTensor states) makes state_dict() raise instead."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import hf_tiny
+
+    def sharded(seed, experts):
+        torch.manual_seed(seed)
+        m = hf_tiny.tiny("qwen3_moe", num_key_value_heads=4).double()
+        out = copy.deepcopy(m)
+        plan = tpx.plans.auto(out, experts=experts)
+        # the router and the norms, whole on every rank: left plain by Hugging Face's plan (as
+        # under PyTorch's TP), Replicate() DTensors under NoParallel (torchtitan's choice)
+        for name in ("mlp.gate", "input_layernorm", "post_attention_layernorm"):
+            plan[f"model.layers.*.{name}"] = tpx.NoParallel()
+        plan["model.norm"] = tpx.NoParallel()
+        tpx.parallelize_module(out, None, plan)
+        return m, out
+
+    ref, model = sharded(0, "ep")
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert plain == [], plain
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    assert tuple(experts.gate_up_proj.placements) == (Shard(0),)
+    router = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
+    assert tuple(router.weight.placements) == (Replicate(),)
+    full_shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == full_shapes
+    _clipped_adamw_steps(model, ref, "foreach",
+                         lambda m, i: m(input_ids=_batch(i), labels=_batch(i)).loss, 2,
+                         f"Qwen3-MoE, expert parallelism, TP {world}")
+    dcp.save(model.state_dict(), checkpoint_id=ckpt)
+    _, other = sharded(7, "ep")
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)  # in place: the DTensors are views of the parameters
+    ids = _batch(99)
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+    if rank == 0:
+        dcp_to_torch_save(ckpt, ckpt + ".pt")
+        full = torch.load(ckpt + ".pt")
+        assert set(full) == set(ref.state_dict())
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"{key} of the checkpoint: {m}")
+    dist.barrier()
+    _, tp = sharded(0, "tp")
+    tp_experts = next(m for n, m in tp.named_modules() if n.endswith("mlp.experts"))
+    assert tuple(tp_experts.down_proj.placements) == (Shard(2),)
+    assert not isinstance(tp_experts.gate_up_proj, DTensor)
+    with pytest.raises(RuntimeError, match="tpx.checkpoint.save"):
+        tp.state_dict()
+
+
+def test_moe_experts_as_dtensors(tmp_path):
+    run_ranks(_moe_experts_as_dtensors, 2, str(tmp_path / "ckpt"))

@@ -36,7 +36,9 @@ def tiny(family: str, impl: str = "grouped_mm", inter: int = 48):
         config = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=4,
                                             num_experts_per_tok=2, **common)
     elif family == "qwen3_moe":
+        # layer 0 a dense MLP, layer 1 the experts
         config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=inter,
+                                             mlp_only_layers=[0],
                                              num_experts=4, num_experts_per_tok=2,
                                              head_dim=8, norm_topk_prob=True, **common)
     elif family == "qwen2_moe":
@@ -88,22 +90,30 @@ def plan(family: str, attention: bool = True, experts=None):
     return p
 
 
-def _batch(step: int):
+def _batch(step: int, seq: int = 12):
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, V, (2, 12), generator=g)
+    ids = torch.randint(0, V, (2, seq), generator=g)
     labels = ids.clone()
     labels[0, :2] = -100
     return ids, labels
 
 
 def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, steps=3, ep=False,
-                           auto=False):
-    what = f"{family} ({impl}, I={inter}{', EP' if ep else ''}{', plans.auto' if auto else ''}) TP={world}"
+                           auto=False, sp=False):
+    what = (f"{family} ({impl}, I={inter}{', EP' if ep else ''}{', plans.auto' if auto else ''}"
+            f"{', sequence parallel' if sp else ''}) TP={world}")
     torch.manual_seed(0)
     ref = tiny(family, impl, inter)
     model = copy.deepcopy(ref)
+    # sequence parallelism: 13 positions, padded to a multiple of the TP size (the router must
+    # not see the padding: the load-balancing loss counts every token it routes)
+    seq = 13 if sp else 12
     if auto:  # the model's own Hugging Face plan, read by tpx
-        tpx.parallelize_module(model, None, tpx.plans.auto(model, experts="ep" if ep else "tp"))
+        tpx.parallelize_module(model, None, tpx.plans.auto(model, experts="ep" if ep else "tp",
+                                                           sequence_parallel=sp))
+        sharded = [m for m in model.modules() if hasattr(m, "_tpx_experts_group")]
+        assert sharded and all(hasattr(m, "_tpx_local_experts") == ep for m in sharded), \
+            f"{what}: experts={'ep' if ep else 'tp'} must give expert parallelism exactly then"
     else:
         experts = tpx.ExpertsParallel() if ep else None
         tpx.parallelize_module(model, None, plan(family, attention=4 % world == 0,
@@ -112,7 +122,7 @@ def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, ste
     # level (1e-7, summed in another order on one device) becomes a step of +-lr there.
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
     for step in range(steps):
-        ids, labels = _batch(step)
+        ids, labels = _batch(step, seq)
         out_ref = ref(input_ids=ids, labels=labels)
         out = model(input_ids=ids, labels=labels)
         at = f"{what}, step {step}"
@@ -141,14 +151,15 @@ def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, ste
     torch.manual_seed(7)
     other = tiny(family, impl, inter)
     if auto:
-        tpx.parallelize_module(other, None, tpx.plans.auto(other, experts="ep" if ep else "tp"))
+        tpx.parallelize_module(other, None, tpx.plans.auto(other, experts="ep" if ep else "tp",
+                                                           sequence_parallel=sp))
     else:
         tpx.parallelize_module(other, None, plan(family, attention=4 % world == 0,
                                                  experts=tpx.ExpertsParallel() if ep else None),
                                strict=False)
     tpx.checkpoint.load_full_state_dict(other, ref_state)
     with torch.no_grad():
-        ids, _ = _batch(steps)
+        ids, _ = _batch(steps, seq)
         torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits,
                                    msg=lambda m: f"reloaded ({what}): {m}")
 
@@ -167,6 +178,10 @@ def _cases(rank, world, names):
     table.update({f"{f}-auto-ep": (lambda f=f: _train_like_one_device(rank, world, f, ep=True,
                                                                      auto=True))
                   for f in FAMILIES})
+    table["qwen3_moe-auto-sp"] = lambda: _train_like_one_device(rank, world, "qwen3_moe",
+                                                                auto=True, sp=True)
+    table["mixtral-auto-ep-sp"] = lambda: _train_like_one_device(rank, world, "mixtral", ep=True,
+                                                                 auto=True, sp=True)
     table["gpt_oss"] = lambda: _train_like_one_device(rank, world, "gpt_oss")
     table["gpt_oss-ep"] = lambda: _train_like_one_device(rank, world, "gpt_oss", ep=True)
     table["mixtral-eager-ep"] = lambda: _train_like_one_device(rank, world, "mixtral", "eager",
@@ -191,7 +206,8 @@ def test_moe_tp2():
     generate(), a ModuleList of experts, the errors, the bytes."""
     run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
         "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
-        "qwen3_moe-auto-ep", "generate", "module-list", "errors", "bytes"])
+        "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "mixtral-auto-ep-sp", "generate",
+        "module-list", "errors", "bytes"])
 
 
 @pytest.mark.slow
@@ -207,7 +223,7 @@ def test_moe_tp4():
     run_ranks(_cases, 4, FAMILIES + [f"{f}-ep" for f in FAMILIES] +
               [f"{f}-auto" for f in FAMILIES] + [f"{f}-auto-ep" for f in FAMILIES] +
               ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
-               "bytes"])
+               "qwen3_moe-auto-sp", "mixtral-auto-ep-sp", "bytes"])
 
 
 def _generate(rank, world):

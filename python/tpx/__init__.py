@@ -11,9 +11,10 @@ from .group import resolve_group, shard_range
 from .parallel import (MeshAttention, MeshInput, MeshParallel)
 from .parallel import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel,
                        GroupedExpertsTensorParallel, MoEIdentityExpert)
-from .parallel import (ColwiseParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                       Replicate, ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel,
-                       Shard, ShardedAttention, loss_parallel, parallelize_module, plans)
+from .parallel import (ColwiseParallel, NoParallel, PairwiseParallel, ParallelStyle,
+                       PrepareModuleInput, PrepareModuleOutput, Replicate,
+                       ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
+                       ShardedAttention, loss_parallel, parallelize_module, plans)
 from .replicas import ReplicaMismatch, check_replicas
 from .run import end_run
 from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
@@ -40,7 +41,7 @@ __all__ = [
     "SequenceParallel",
     "Shard",
     "ShardedAttention",
-    "ReplicatedWithGradAllReduce",
+    "NoParallel", "ReplicatedWithGradAllReduce",
     "ExpertsTensorParallel",
     "ExpertsParallel",
     "GroupedExpertsParallel",

@@ -69,7 +69,11 @@ def reduce_scatter(output: Tensor, tensor: Tensor, pg: dist.ProcessGroup) -> Non
     """``output`` <- block ``rank`` (along dim 0) of the sum over ranks of ``tensor``."""
     wire = _wire(pg)
     count_collective(pg, "reduce_scatter", output)
-    _run(dist.reduce_scatter_tensor, output, tensor, group=wire)
+    _run(_REDUCE_SCATTER, output, tensor, group=wire)
+
+
+# torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def broadcast(tensor: Tensor, src_rank: int, pg: dist.ProcessGroup) -> None:

@@ -22,7 +22,7 @@ from .run import run_cache
 
 __all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
            "gather_dim", "gather_dim_for_partial_grads", "gather_last_dim", "partial_grad_input",
-           "scale_forward", "split_dim", "split_last_dim", "sum_grad_over_holders",
+           "reduce_scatter_dim", "scale_forward", "split_dim", "split_last_dim", "sum_grad_over_holders",
            "sum_over_group"]
 
 
@@ -129,6 +129,39 @@ def partial_grad_input(x: Tensor, pg: dist.ProcessGroup):
     if twin is None or twin[1] != pg.group_name or torch.compiler.is_compiling():
         return None
     return twin[0]
+
+
+class _ReduceScatterDim(torch.autograd.Function):
+    """P -> S(dim) forward, in equal blocks (the sum over the group, this rank's block);
+    backward gathers the gradient back to R."""
+
+    @staticmethod
+    @guarded
+    def forward(ctx, x, dim, pg):
+        world = pg.size()
+        per = x.shape[dim] // world
+        ctx.dim, ctx.sizes, ctx.pg = dim, [per] * world, pg
+        src = x.movedim(dim, 0).contiguous()
+        out = src.new_empty((per,) + tuple(src.shape[1:]))
+        collectives.reduce_scatter(out, src, pg)
+        return out.movedim(0, dim).contiguous()
+
+    @staticmethod
+    @guarded
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.sizes, ctx.pg), None, None
+
+
+def reduce_scatter_dim(x: Tensor, dim: int, pg: dist.ProcessGroup) -> Tensor:
+    """``x P -> S(dim)``: the sum of every rank's ``x``, split along ``dim`` in equal blocks
+    (``x.shape[dim]`` must divide by the group's size), this rank's block."""
+    if pg.size() == 1:
+        return x
+    dim %= x.dim()
+    if x.shape[dim] % pg.size():
+        raise ValueError(f"tpx: reduce-scatter along dim {dim} of shape {tuple(x.shape)} needs "
+                         f"a size that divides by the group's {pg.size()} ranks")
+    return _ReduceScatterDim.apply(x, dim, pg)
 
 
 def split_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:

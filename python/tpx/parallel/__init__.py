@@ -13,13 +13,14 @@ from .moe import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel
                   GroupedExpertsTensorParallel, MoEIdentityExpert)
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
-from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                    ReplicatedWithGradAllReduce, Replicate, RowwiseParallel, SequenceParallel,
-                    Shard, ShardedAttention, TPContext)
+from .style import (ColwiseParallel, NoParallel, ParallelStyle, PrepareModuleInput,
+                    PrepareModuleOutput, ReplicatedWithGradAllReduce, Replicate, RowwiseParallel,
+                    SequenceParallel, Shard, ShardedAttention, TPContext)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "TPContext", "Replicate", "Shard",
-           "ShardedAttention", "ReplicatedWithGradAllReduce", "loss_parallel", "plans", "hf_plan",
+           "ShardedAttention", "NoParallel", "ReplicatedWithGradAllReduce", "loss_parallel",
+           "plans", "hf_plan",
            "compat", "PairwiseParallel", "mesh_styles", "MeshParallel", "MeshAttention",
            "MeshInput", "moe", "ExpertsTensorParallel", "ExpertsParallel", "MoEIdentityExpert",
            "GroupedExpertsTensorParallel", "GroupedExpertsParallel"]

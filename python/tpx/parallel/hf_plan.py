@@ -32,6 +32,7 @@ only under a module marked ``moe_tp_experts``, whose tpx style
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import inspect
 import re
@@ -40,11 +41,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..nn.dtensor_io import Partial
 from .generate import with_generate
 from .hf_styles import (HF_STYLES, AllReduceOutput, HeadParams, HFStyle,  # noqa: F401
                         KeepWhole, PartialGradParams, SplitRopeGrad, VocabParallelEmbeddingStyle,
                         packed_colwise, style, text_config)
-from .sequence import Chain, GatherSequence, PadSequence, SeqLength, SplitSequence, find_module
+from .sequence import (Chain, ExpertsBlockSequence, GatherSequence, PadSequence, SeqLength,
+                       SplitSequence, find_module)
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
                     SequenceParallel, Shard, ShardedAttention)
 
@@ -165,12 +168,12 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
             mod_entries[key] = name
         elif any(fnmatch.fnmatchcase(p, key) for p in param_names):
             param_entries[key] = name
-    experts = {k for k, s in mod_entries.items() if s == "moe_tp_experts"}
-    under: Dict[str, Dict[str, str]] = {k: {} for k in experts}
+    expert_keys = {k for k, s in mod_entries.items() if s == "moe_tp_experts"}
+    under: Dict[str, Dict[str, str]] = {k: {} for k in expert_keys}
     bare: Dict[str, Dict[str, str]] = {}  # owner -> {parameter: style}, outside experts
     for key, name in param_entries.items():
         owner, attr = _parent(key)
-        if owner in experts:
+        if owner in expert_keys:
             under[owner][attr] = name
         else:
             bare.setdefault(owner, {})[attr] = name
@@ -484,16 +487,22 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     base = layers[: len(layers) - len("layers")]
     layer = model.get_submodule(layers)[0]
     rows = {k: s for k, s in entries.items() if s in _ROWWISE and k.startswith(pre)}
-    blocks = {}
+    # a mixture-of-experts block ends in its experts (whose sum over the group is the block's
+    # reduction) where a dense MLP ends in its down projection
+    experts = [k for k, s in entries.items() if s == "moe_tp_experts" and k.startswith(pre)]
+    blocks: Dict[str, Dict[str, List[str]]] = {}
     for key in rows:
-        block = key[len(pre):].split(".")[0]
-        blocks.setdefault(block, []).append(key)
+        blocks.setdefault(key[len(pre):].split(".")[0], {}).setdefault("rows", []).append(key)
+    for key in experts:
+        blocks.setdefault(key[len(pre):].split(".")[0], {}).setdefault("experts", []).append(key)
     attn = [p for p in attn_parents if p.startswith(pre)]
     if any(attn_parents[p] != [p] for p in attn):
         raise fail("not every decoder layer has the attention the plan splits by heads")
-    if len(attn) != 1 or any(len(v) != 1 for v in blocks.values()) or len(blocks) != 2:
+    if len(attn) != 1 or len(blocks) != 2 or any(
+            len(v) != 1 for ends in blocks.values() for v in ends.values()):
         raise fail("the decoder layer is not one attention and one MLP, each ending in one "
-                   "row-parallel projection")
+                   "row-parallel projection (or, for a mixture of experts, in its experts "
+                   "alone, without shared experts)")
     attn_child = attn[0][len(pre):]
     if "." in attn_child or attn_child not in blocks:
         raise fail("the attention is not a direct child of the decoder layer")
@@ -515,9 +524,24 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         plan[key] = Chain(new, PadSequence(n)) if key.startswith(attn[0] + ".") else new
     plan[attn[0]] = Chain(plan[attn[0]], GatherSequence(n, "input"))
     # tpx's own plan hands local tensors between the blocks (no DTensor on the hot path)
-    plan[pre + mlp_child] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),),
-                                               use_local_output=True)
+    gather_padded = PrepareModuleInput(input_layouts=(Shard(1),),
+                                       desired_input_layouts=(Replicate(),),
+                                       use_local_output=True)
+    if not experts:
+        plan[pre + mlp_child] = gather_padded
+    else:
+        # A mixture-of-experts block gathers the real positions only; its experts leave their
+        # partial output to it, which it reduce-scatters along the sequence
+        # (ExpertsBlockSequence).
+        key = experts[0]
+        style = copy.copy(plan[key])
+        style.output_layouts = Partial()
+        plan[key] = style
+        sparse = {n.rsplit(".", 1)[0] for n, _ in model.named_modules()
+                  if fnmatch.fnmatchcase(n, key)}
+        for name, _ in model.named_modules():
+            if fnmatch.fnmatchcase(name, pre + mlp_child):
+                plan[name] = ExpertsBlockSequence(n) if name in sparse else gather_padded
     plan[pre.replace("*", "0").rstrip(".")] = SplitSequence(n)
     for name, sub in layer.named_children():
         if name not in (attn_child, mlp_child):

@@ -13,7 +13,7 @@ from torch import nn
 from ..param_dtensors import compute_on_locals, replicate_params
 from .base import ParallelStyle, TPContext, redistribute, sum_grad_over_group
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "ReplicatedWithGradAllReduce",
+__all__ = ["NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "ReplicatedWithGradAllReduce",
            "ShardedAttention"]
 
 
@@ -100,6 +100,27 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class NoParallel(ParallelStyle):
+    """A module kept whole on every rank, computing the same thing on every rank (its inputs
+    are replicated): a mixture-of-experts router, a norm outside sequence parallelism. Its
+    parameters become ``Replicate()`` ``DTensor`` s on the TP mesh with the values of rank
+    ``src_rank`` (the module computes on their local tensors; the gradients, already whole on
+    every rank, land as ``Replicate()`` ``DTensor`` s; nothing is communicated), so that a model
+    whose every parameter is a ``DTensor`` goes through torch's ``clip_grad_norm_``, foreach and
+    fused optimizers and ``torch.distributed.checkpoint`` as under PyTorch's TP. torchtitan's
+    ``NoParallel`` (for plain tensor inputs and outputs).
+
+    Placement: parameters ``Replicate()`` ``DTensor`` s; inputs and outputs as they are.
+    """
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        compute_on_locals(module, replicate_params(module, ctx.group))
+        return module
+
+    def __repr__(self) -> str:
+        return "NoParallel()"
 
 
 class ReplicatedWithGradAllReduce(ParallelStyle):

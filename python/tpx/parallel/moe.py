@@ -87,22 +87,32 @@ class ExpertsTensorParallel(ParallelStyle):
       ``[E, I, H]``, split as one block.
 
     Placements: ``hidden_states`` R, ``top_k_index`` R, ``top_k_weights`` R (their gradients
-    are partial sums, summed in one all-reduce) -> output R (the partial outputs summed once).
-    The routing must be the same on every rank (a replicated router on replicated inputs).
+    are partial sums, summed in one all-reduce) -> output R (the partial outputs summed once;
+    with ``output_layouts=Partial()`` each rank's partial sum, for the block around the experts
+    to reduce: sequence parallelism reduce-scatters it along the sequence). The routing must be
+    the same on every rank (a replicated router on replicated inputs).
 
-    ``gate_up`` / ``down``: the parameter names (Hugging Face's). Checkpoints, gradient
-    clipping and memory accounting see the slices through the parameters' sharding
-    description, like every tpx layer's.
+    ``gate_up`` / ``down``: the parameter names (Hugging Face's). A weight split in
+    ``tpx.shard_range``'s blocks (``I`` a multiple of ``P`` times the 16-byte unit, as in real
+    models) becomes a ``DTensor`` parameter ``Shard(dim)`` of its global shape on the group's
+    1-D mesh, the down bias a ``Replicate()`` one; the module's own forward runs on their local
+    tensors and their gradients land as ``DTensor`` s. A fused ``[gate | up]`` (its halves split
+    separately) or another split stays this rank's plain tensor: ``state_dict()`` raises on it,
+    naming ``tpx.checkpoint``, which saves and loads every layout. Checkpoints, gradient clipping
+    and memory accounting see the slices through the parameters' sharding description, like
+    every tpx layer's.
     """
 
     def __init__(self, *, gate_up: str = "gate_up_proj", down: str = "down_proj",
                  packed: Optional[bool] = None, transposed: Optional[bool] = None,
-                 interleaved: Optional[bool] = None) -> None:
+                 interleaved: Optional[bool] = None, output_layouts=None) -> None:
         self.gate_up, self.down = gate_up, down
         self.packed, self.transposed, self.interleaved = packed, transposed, interleaved
+        self.output_layouts = _output_layout(type(self).__name__, output_layouts, Replicate())
 
     def __repr__(self) -> str:
-        return f"ExpertsTensorParallel(gate_up={self.gate_up!r}, down={self.down!r})"
+        return (f"{type(self).__name__}(gate_up={self.gate_up!r}, down={self.down!r}, "
+                f"output_layouts={self.output_layouts!r})")
 
     # -- layout -------------------------------------------------------------------------------
     def _layout(self, module: nn.Module):
@@ -112,6 +122,8 @@ class ExpertsTensorParallel(ParallelStyle):
                              "shard each expert with the stock styles instead, e.g. "
                              "{'experts.*.w1': ColwiseParallel(), 'experts.*.w3': "
                              "ColwiseParallel(), 'experts.*.w2': RowwiseParallel()}")
+        if hasattr(module, "_tpx_experts_group"):
+            raise ValueError(f"{what}: the experts are sharded already")
         params = dict(module.named_parameters(recurse=False))
         for name in (self.gate_up, self.down):
             if name not in params:
@@ -126,8 +138,6 @@ class ExpertsTensorParallel(ParallelStyle):
                 raise ValueError(f"{what}: {name!r} must be a 3-D [experts, out, in] weight; "
                                  f"got shape {tuple(p.shape)}. A ModuleList of expert MLPs "
                                  "takes ColwiseParallel / RowwiseParallel on each expert")
-        if hasattr(module, "_tpx_experts_group"):
-            raise ValueError(f"{what}: the experts are sharded already")
         transposed = bool(getattr(module, "is_transposed", False)) if self.transposed is None \
             else bool(self.transposed)
         gated = bool(getattr(module, "has_gate", True)) if self.packed is None else bool(self.packed)
@@ -187,11 +197,18 @@ class ExpertsTensorParallel(ParallelStyle):
         module._shards = lambda shards=shards: [(n, d, rows) for n, d, rows in shards]
         module.group = pg
         module._tpx_experts_group = pg
+        # DTensors where torch's placements say the layout: a weight split as shard_range
+        # splits it Shard(dim), the down bias Replicate(); the halves of a fused [gate | up]
+        # split separately stay this rank's plain tensor (state_dict() raises on it, naming
+        # tpx.checkpoint)
+        module._tpx_dtensor_params = True
         describe_params(module)
+        compute_on_locals(module, [(module, n) for n, p in module._parameters.items()
+                                   if isinstance(p, DTensor)])
         guard_state_dict(module)  # state_dict() speaks the full experts' names and shapes
         self._local_experts(module, lay, world, rank)
         if world > 1:
-            self._install_hooks(module, pg, dn_bias)
+            self._install_hooks(module, pg, dn_bias is not None)
         return module
 
     def _plan_shards(self, module: nn.Module, lay: dict, world: int):
@@ -213,8 +230,7 @@ class ExpertsTensorParallel(ParallelStyle):
         """The expert indices and routing weights this rank's experts see (all of them)."""
         return index, weights
 
-    def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup,
-                       dn_bias: Optional[nn.Parameter]) -> None:
+    def _install_hooks(self, module: nn.Module, pg: dist.ProcessGroup, dn_bias: bool) -> None:
         names = _expert_args(module)
         bias_name = self.down + "_bias"
         world = pg.size()
@@ -246,22 +262,34 @@ class ExpertsTensorParallel(ParallelStyle):
                     args[slot[1]] = v
                 else:
                     kwargs[slot[1]] = v
-            if dn_bias is not None:  # each rank adds bias / P: the group's sum adds it once
-                del mod._parameters[bias_name]
-                object.__setattr__(mod, bias_name,
-                                   mappings.scale_forward(dn_bias, 1.0 / world))
+            if dn_bias:  # each rank adds bias / P: the group's sum adds it once
+                # (the bias's local tensor, swapped in by compute_on_locals' hook before this
+                # one, which also puts the parameter back after the forward)
+                mod._parameters[bias_name] = mappings.scale_forward(
+                    mod._parameters[bias_name], 1.0 / world)
             return tuple(args), kwargs
 
+        reduce = isinstance(self.output_layouts, Replicate)
+
         def post(mod, args, kwargs, output):
-            if dn_bias is not None and bias_name not in mod._parameters:
-                mod.__dict__.pop(bias_name, None)
-                mod._parameters[bias_name] = dn_bias
-            if isinstance(output, Tensor):
+            if reduce and isinstance(output, Tensor):
                 return mappings.all_reduce_sum(output, pg)
             return output
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True, always_call=True)
+        module.register_forward_hook(post, with_kwargs=True)
+
+
+def _output_layout(what: str, given, default):
+    """The experts' output placement: ``Partial()`` (each rank's partial sum, for the caller to
+    reduce) or ``Replicate()`` (summed here); ``default`` when ``given`` is ``None``."""
+    out = default if given is None else given
+    if isinstance(out, (tuple, list)) and len(out) == 1:
+        out = out[0]
+    if not isinstance(out, (Partial, Replicate)):
+        raise ValueError(f"tpx.{what}: `output_layouts` must be Partial() (the caller reduces) "
+                         f"or Replicate(); got {out!r}")
+    return out
 
 
 def _shard_in_place(module: nn.Module, shards, ctx: TPContext, what: str, config: dict,
@@ -291,15 +319,21 @@ def _shard_in_place(module: nn.Module, shards, ctx: TPContext, what: str, config
 
 
 def _expert_range(experts: int, rank: int, world: int) -> Tuple[int, int]:
-    """The experts rank ``rank`` holds: counts differ by at most one (``E=4`` over 3 ranks:
-    1, 1, 2), so that every rank holds one when ``E >= P``."""
+    """The experts rank ``rank`` holds: ``tpx.shard_range``'s blocks (the layout of a ``Shard(0)``
+    ``DTensor``) where they leave no rank without one; otherwise counts that differ by at most
+    one (``E=4`` over 3 ranks: 1, 1, 2), so that every rank holds one when ``E >= P``."""
+    if all(shard_bounds(experts, r, world)[1] > shard_bounds(experts, r, world)[0]
+           for r in range(world)):
+        return shard_bounds(experts, rank, world)
     return rank * experts // world, (rank + 1) * experts // world
 
 
 class ExpertsParallel(ExpertsTensorParallel):
     """Expert parallelism over the TP group, for the same fused 3-D experts as
-    :class:`ExpertsTensorParallel`: each rank keeps a subset of WHOLE experts (experts
-    ``[r E / P, (r+1) E / P)``; every parameter, biases included, split along dim 0) and computes
+    :class:`ExpertsTensorParallel`: each rank keeps a subset of WHOLE experts (every parameter,
+    biases included, split along dim 0: ``tpx.shard_range(E)``, a ``Shard(0)`` ``DTensor``
+    parameter, where that leaves every rank an expert; otherwise experts
+    ``[r E // P, (r+1) E // P)``, plain tensors) and computes
     them for the tokens routed to them; the others' slots are masked (index set to the local
     expert count, Hugging Face's convention for experts not held here; routing weight zero).
 
@@ -312,9 +346,6 @@ class ExpertsParallel(ExpertsTensorParallel):
 
     Placements: as :class:`ExpertsTensorParallel` (inputs R, gradients P summed to R; output R).
     """
-
-    def __repr__(self) -> str:
-        return f"ExpertsParallel(gate_up={self.gate_up!r}, down={self.down!r})"
 
     def _plan_shards(self, module: nn.Module, lay: dict, world: int):
         experts = lay["experts"]
@@ -372,12 +403,7 @@ class GroupedExpertsTensorParallel(ParallelStyle):
 
     def __init__(self, *, gate: str = "w1", up: Optional[str] = "w3", down: str = "w2",
                  output_layouts=None) -> None:
-        out = Partial() if output_layouts is None else output_layouts
-        if isinstance(out, (tuple, list)) and len(out) == 1:
-            out = out[0]
-        if not isinstance(out, (Partial, Replicate)):
-            raise ValueError("tpx.GroupedExpertsTensorParallel: `output_layouts` must be "
-                             f"Partial() (the caller reduces) or Replicate(); got {out!r}")
+        out = _output_layout(type(self).__name__, output_layouts, Partial())
         self.gate, self.up, self.down = gate, up, down
         self.output_layouts = out
         self._reduce = isinstance(out, Replicate)

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from .. import mappings
 from .style import ParallelStyle, TPContext, apply_style
 
-__all__ = ["Chain", "GatherSequence", "PadSequence", "SeqLength", "SplitSequence", "find_module"]
+__all__ = ["Chain", "ExpertsBlockSequence", "GatherSequence", "PadSequence", "SeqLength",
+           "SplitSequence", "find_module"]
 
 
 def find_module(model: nn.Module, suffix: str) -> Optional[str]:
@@ -77,13 +78,17 @@ class SplitSequence(ParallelStyle):
         return module
 
 
-def _gather_sequence(x: Tensor, seq: SeqLength, pg: dist.ProcessGroup, trim: bool) -> Tensor:
-    world = pg.size()
-    per = x.shape[1]
+def _check_block(per: int, world: int, seq: SeqLength) -> None:
     if per * world != seq.padded:
         raise ValueError(f"tpx.plans (sequence_parallel=True): a block of {per} positions on "
                          f"each of {world} ranks, but the first decoder layer split "
                          f"{seq.padded}; call the model as a whole, not a layer on its own")
+
+
+def _gather_sequence(x: Tensor, seq: SeqLength, pg: dist.ProcessGroup, trim: bool) -> Tensor:
+    world = pg.size()
+    per = x.shape[1]
+    _check_block(per, world, seq)
     if not (trim and seq.length != seq.padded):
         # Nothing to trim: the column-parallel projections reading the result (q, k, v) leave
         # their input gradients partial; their sum is reduce-scattered once.
@@ -115,6 +120,53 @@ class GatherSequence(ParallelStyle):
             module.register_forward_hook(
                 lambda mod, args, out: _gather_sequence(out, seq, pg, True))
         return module
+
+
+class ExpertsBlockSequence(ParallelStyle):
+    """A mixture-of-experts block under sequence parallelism, whose experts leave their output
+    ``Partial()``: its input ``hidden_states S(1) -> R``, gathered and trimmed to the real
+    positions (its router must not see the padding: the load-balancing loss counts every
+    token it routes; the input's gradient is whole on every rank, the experts having summed
+    theirs, so the backward keeps this rank's block), and its output ``P -> S(1)``, padded to
+    the length the first decoder layer split and reduce-scattered along the sequence (one
+    reduce-scatter, as a dense MLP's down projection; the backward gathers the gradient)."""
+
+    def __init__(self, seq: SeqLength) -> None:
+        self.seq = seq
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg, seq = ctx.group, self.seq
+        world, rank = pg.size(), dist.get_rank(pg)
+
+        def pre(mod, args, kwargs):
+            x = _hidden(args, kwargs)
+            if not isinstance(x, Tensor):
+                return None
+            per = x.shape[1]
+            _check_block(per, world, seq)
+            x = mappings.gather_dim(x, 1, [per] * world, rank * per, pg)
+            if seq.length != seq.padded:
+                x = x.narrow(1, 0, seq.length).contiguous()
+            return _replace_hidden(args, kwargs, x)
+
+        def scatter(x):
+            if x.shape[1] < seq.padded:
+                x = F.pad(x, (0, 0, 0, seq.padded - x.shape[1]))
+            return mappings.reduce_scatter_dim(x, 1, pg)
+
+        def post(mod, args, out):
+            if isinstance(out, Tensor):
+                return scatter(out)
+            if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+                return (scatter(out[0]),) + out[1:]
+            return out
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post)
+        return module
+
+    def __repr__(self) -> str:
+        return "ExpertsBlockSequence()"
 
 
 class PadSequence(ParallelStyle):

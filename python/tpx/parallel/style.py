@@ -20,12 +20,12 @@ from ..param_dtensors import compute_on_locals, replicate_params
 from ..sharding import mark_transposed_weight
 from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
                    check_placement, is_style, redistribute, sum_grad_over_group, torch_style)
-from .module_styles import (PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
+from .module_styles import (NoParallel, PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
                             ReplicatedWithGradAllReduce, ShardedAttention)
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
-           "ReplicatedWithGradAllReduce", "apply_style", "is_style", "torch_style"]
+           "NoParallel", "ReplicatedWithGradAllReduce", "apply_style", "is_style", "torch_style"]
 
 
 def _is_conv1d(module: nn.Module) -> bool:
