@@ -112,3 +112,113 @@ def test_fsdp2_tpx_checkpoint(tmp_path):
     checkpoint read by the model sharded by tpx alone (and the other way)."""
     pytest.importorskip("torch.distributed.fsdp")
     run_ranks(_checkpoints, 4, str(tmp_path))
+
+
+def _moe_sequence_parallel(rank, world, ckpt):
+    """TP x FSDP2 on a 2 x 2 mesh of a Hugging Face Qwen3-MoE (a dense and an expert layer)
+    with sequence parallelism, expert parallelism and the router under tpx.NoParallel: every
+    parameter a DTensor, so FSDP2 shards all of them. The gradients the TP ranks sum (the
+    norms on blocks of the sequence, the per-head q_norm / k_norm) are summed inside each
+    call's autograd graph and so reach FSDP2's unsharded parameters: torch's clip_grad_norm_
+    and one AdamW step equal one device; dcp.save(model.state_dict()) reloads into another
+    TP x FSDP2 model, which then computes the same logits."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import hf_tiny
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+
+    def build(seed):
+        torch.manual_seed(seed)
+        ref = hf_tiny.tiny("qwen3_moe", num_key_value_heads=4).double()
+        model = copy.deepcopy(ref)
+        plan = tpx.plans.auto(model, experts="ep", sequence_parallel=True)
+        plan["model.layers.*.mlp.gate"] = tpx.NoParallel()
+        tpx.parallelize_module(model, mesh["tp"], plan)
+        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        assert plain == [], plain
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return ref, model
+
+    ref, model = build(0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (4, 11), generator=g)  # 11 positions: padded to 12 for SP
+    halves = (slice(0, 2), slice(2, 4))  # FSDP averages the dp ranks' gradients
+    sum(ref(input_ids=ids[h], labels=ids[h]).loss for h in halves).div(2).backward()
+    model(input_ids=ids[halves[dp]], labels=ids[halves[dp]]).loss.backward()
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in (model, ref)]
+    torch.testing.assert_close(norms[0].full_tensor(), norms[1], rtol=1e-10, atol=0)
+    assert norms[1] > 0.5  # the clipping scales
+    for m in (ref, model):
+        torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=m is model).step()
+    assert_like_unsharded(model, ref, "TP x FSDP2, one clipped AdamW step", rtol=1e-10,
+                          atol=1e-12, local=lambda p: p.full_tensor())
+    dcp.save(model.state_dict(), checkpoint_id=ckpt)
+    _, other = build(5)
+    dcp.load(other.state_dict(), checkpoint_id=ckpt)
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids[halves[dp]]).logits,
+                                   model(input_ids=ids[halves[dp]]).logits, rtol=0, atol=0)
+
+
+@needs_fsdp2_on_cpu
+def test_fsdp2_moe_sequence_parallel(tmp_path):
+    pytest.importorskip("transformers")
+    run_ranks(_moe_sequence_parallel, 4, str(tmp_path / "ckpt"))
+
+
+def _unstated_layouts(rank, world, ckpt):
+    """TP x FSDP2 of models with a parameter tpx splits in a layout no DTensor states (GPT-2's
+    fused c_attn, its q, k and v split separately; Qwen3-MoE's fused [gate | up] under expert
+    TP): FSDP2's DTensor of it states the data-parallel split only, so model.state_dict() (and
+    tpx.checkpoint.save, which reads it) raises instead of writing every TP rank's part under
+    the full name; tpx.checkpoint.full_state_dict gives the full model, equal to the unsharded
+    one after a training step."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hf_tiny
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for family, key in (("gpt2", "transformer.h.0.attn.c_attn.weight"),
+                        ("qwen3_moe", "model.layers.1.mlp.experts.gate_up_proj")):
+        torch.manual_seed(0)
+        ref = hf_tiny.tiny(family).double()
+        model = copy.deepcopy(ref)
+        tpx.parallelize_module(model, mesh["tp"], tpx.plans.auto(model))
+        blocks = model.transformer.h if family == "gpt2" else model.model.layers
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+        for m in (ref, model):  # the same batch on both dp ranks: the same step as one device
+            m(input_ids=ids, labels=ids).loss.backward()
+            torch.optim.SGD(m.parameters(), lr=0.5).step()
+        with pytest.raises(RuntimeError, match=f"{key}.*FSDP2.*full_state_dict"):
+            model.state_dict()
+        with pytest.raises(RuntimeError, match=f"{key}.*FSDP2"):
+            tpx.checkpoint.save(model, f"{ckpt}-{family}")
+        for rank0_only in (False, True):
+            full = tpx.checkpoint.full_state_dict(model, rank0_only=rank0_only)
+            if rank0_only and rank != 0:
+                assert full == {}
+                continue
+            want = ref.state_dict()
+            assert sorted(full) == sorted(want), family
+            for k, v in want.items():
+                torch.testing.assert_close(full[k], v, rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"{family} {k}: {m}")
+
+
+@needs_fsdp2_on_cpu
+def test_fsdp2_layouts_no_dtensor_states(tmp_path):
+    pytest.importorskip("transformers")
+    run_ranks(_unstated_layouts, 4, str(tmp_path / "ckpt"))

@@ -14,7 +14,7 @@ from torch import nn
 from .nn.dtensor_io import DTensor, Replicate
 
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
-           "replace_param", "replicate_params", "with_local"]
+           "replace_param", "replicate_params", "sum_partial_grads", "with_local"]
 
 
 #: Marks a parameter :func:`replicate_params` made a ``Replicate()`` ``DTensor``: its value
@@ -37,19 +37,31 @@ def replicate_params(module: nn.Module, group) -> List[Tuple[nn.Module, str]]:
     return done
 
 
-def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]]) -> None:
+def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
+                      sum_grads_over=None) -> None:
     """Runs ``module``'s own forward (code tpx did not write: a norm, an activation) on the
     local tensors of its ``DTensor`` parameters ``owned`` (``(owner, name)`` pairs, as
     :func:`replicate_params` returns them): a forward pre-hook swaps them into the owners'
     ``_parameters`` (through :func:`local_params`, so the gradients land on the ``DTensor``
-    parameters) and a hook called even when the forward raises puts the ``DTensor`` s back."""
+    parameters) and a hook called even when the forward raises puts the ``DTensor`` s back.
+
+    ``sum_grads_over`` (a process group): the gradients each rank computes are partial sums
+    (the module saw this rank's block of the sequence, or its heads), summed over the group in
+    the backward with one all-reduce (:func:`tpx.mappings.all_reduce_grads`). The sum is part
+    of the autograd graph of each call, so it reaches whichever parameter object the module
+    holds at that call (FSDP2's unsharded one too), a parameter made trainable later as well."""
     if not owned:
         return
     stack = []  # one entry per call in flight (a module called again inside its own forward)
+    if sum_grads_over is not None and sum_grads_over.size() == 1:
+        sum_grads_over = None
 
     def swap_in(mod, args):
         params = [owner._parameters[name] for owner, name in owned]
-        for (owner, name), local in zip(owned, local_params(*params)):
+        locals_ = list(local_params(*params))
+        if sum_grads_over is not None:
+            sum_partial_grads(locals_, sum_grads_over)
+        for (owner, name), local in zip(owned, locals_):
             owner._parameters[name] = local
         stack.append(params)
 
@@ -60,6 +72,19 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]]) -> 
 
     module.register_forward_pre_hook(swap_in, prepend=True)
     module.register_forward_hook(restore, prepend=True, always_call=True)
+
+
+def sum_partial_grads(tensors: list, pg) -> None:
+    """Replaces, in the list ``tensors``, those that need a gradient by views whose gradients
+    are summed over ``pg`` in the backward (one all-reduce for all of them)."""
+    if not torch.is_grad_enabled():
+        return
+    idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if idx:
+        from .mappings import all_reduce_grads
+
+        for i, t in zip(idx, all_reduce_grads([tensors[i] for i in idx], pg)):
+            tensors[i] = t
 
 
 def with_local(like: "DTensor", local: torch.Tensor) -> "DTensor":

@@ -41,7 +41,7 @@ from .nn.dtensor_io import DTensor, Replicate, Shard
 from .run import run_cache
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
-           "KeepsParamSharding", "raw_state_dict"]
+           "KeepsParamSharding", "collect_unstated", "raw_state_dict"]
 
 ATTR = "_tpx_sharding"
 
@@ -407,6 +407,7 @@ def present_state(module: nn.Module, destination, prefix: str) -> None:
     raises where none can (see :class:`KeepsParamSharding`)."""
     if getattr(_RAW, "on", False):
         return
+    layouts = None
     for name, param in module._parameters.items():
         key = prefix + name
         if param is None or key not in destination:
@@ -414,24 +415,57 @@ def present_state(module: nn.Module, destination, prefix: str) -> None:
         desc = sharding_of(param)
         value = destination[key]
         if isinstance(param, DTensor):
+            # A DTensor tpx did not make (FSDP2's, over the data-parallel mesh) of a parameter
+            # tpx split in a layout no DTensor states: it states the data-parallel split only.
+            if layouts is None:
+                layouts = dict(group_layouts(module))
+            lay = layouts.get(name)
+            if lay is not None and lay.group.size() > 1 and not (
+                    lay.chunked and getattr(module, "_tpx_dtensor_params", False)):
+                unstated = getattr(_RAW, "unstated", None)
+                if unstated is None:
+                    raise _layout_not_stated(module, name, key, lay, " (its DTensor, FSDP2's, "
+                                             "states the data-parallel split only)")
+                unstated.append((key, lay))  # the caller gathers it over the TP group
+                continue
             if _transposed(module, name):
                 destination[key] = value.t()
         elif isinstance(desc, MeshSharding):
             destination[key] = desc.dtensor(value)
         elif isinstance(desc, GroupSharding) and desc.group.size() > 1:
             if not desc.chunked:
-                raise RuntimeError(
-                    f"tpx: {type(module).__name__}.{name} ({key!r}) is split over its group in "
-                    f"a layout a DTensor cannot state (each rank holds the rows "
-                    f"{list(desc.rows[desc.rank])} of {desc.full_shape[desc.dim]}: segments "
-                    "split separately, or rows held by several ranks), so state_dict() cannot "
-                    "give it under its full name without gathering. Save with "
-                    "tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
-                    "degree on load), or take the full model with "
-                    "tpx.checkpoint.full_state_dict(model, rank0_only=True) (for "
-                    "save_pretrained: pass it as state_dict=)")
+                raise _layout_not_stated(module, name, key, desc, "")
             dt = as_dtensor(value, desc.group, Shard(desc.dim), desc.full_shape)
             destination[key] = dt.t() if _transposed(module, name) else dt
+
+
+@contextlib.contextmanager
+def collect_unstated():
+    """Within this block, ``state_dict()`` of a model FSDP2 shards too gives a parameter tpx
+    split in a layout no ``DTensor`` states as FSDP2 gives it (this rank's TP part, split over
+    the data-parallel mesh) instead of raising, and lists ``(key, layout)`` of each in the
+    list this yields, for tpx's own code to gather them over the TP group."""
+    before = getattr(_RAW, "unstated", None)
+    _RAW.unstated = []
+    try:
+        yield _RAW.unstated
+    finally:
+        _RAW.unstated = before
+
+
+def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, what: str):
+    return RuntimeError(
+        f"tpx: {type(module).__name__}.{name} ({key!r}) is split over its TP group in a layout "
+        f"a DTensor cannot state{what} (each rank holds the rows {list(desc.rows[desc.rank])} "
+        f"of {desc.full_shape[desc.dim]}: segments split separately, or rows held by several "
+        "ranks), so state_dict() cannot give it under its full name without gathering. "
+        + ("Take the full model with tpx.checkpoint.full_state_dict(model, rank0_only=True) "
+           "(for save_pretrained: pass it as state_dict=); a sharded checkpoint of this layout "
+           "under FSDP2 is not supported (tpx.checkpoint.save works on the model sharded by tpx "
+           "alone)" if what else
+           "Save with tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
+           "degree on load), or take the full model with tpx.checkpoint.full_state_dict(model, "
+           "rank0_only=True) (for save_pretrained: pass it as state_dict=)"))
 
 
 def take_state(module: nn.Module, state_dict, prefix: str) -> None:

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from ..group import mesh_for_group
 from ..nn.multidim import BlockSpec
 from ..nn.dtensor_io import DTensor
-from ..sharding import GroupSharding, group_layouts, mesh_layouts, MeshSharding, raw_state_dict
+from ..sharding import (GroupSharding, MeshSharding, collect_unstated, group_layouts,
+                        mesh_layouts, raw_state_dict)
 from ..param_dtensors import local_of
 
 
@@ -145,8 +146,18 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_model_state_dict)
 
-        return dict(get_model_state_dict(model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=rank0_only)))
+        with collect_unstated() as unstated:
+            state = dict(get_model_state_dict(model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=rank0_only and not _any_unstated(model))))
+        # FSDP2 gathered its own split of a parameter tpx split in a layout no DTensor states
+        # (fused segments): this rank's TP part, gathered here over the TP group
+        for key, lay in unstated:
+            state[key] = lay.gather(state[key])
+        if unstated and rank0_only:
+            if dist.get_rank() != 0:
+                return {}
+            state = {k: v.cpu() for k, v in state.items()}
+        return state
     with raw_state_dict():
         state = {k: v.detach() for k, v in model.state_dict().items()}
     for sh in sharded_params(model):
@@ -159,6 +170,18 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return state
+
+
+def _any_unstated(model: nn.Module) -> bool:
+    """Whether some parameter of ``model`` is split by tpx in a layout no ``DTensor`` states
+    (then every rank takes part in gathering it, so torch's full state dict stays on every
+    rank until then)."""
+    for module in model.modules():
+        for name, lay in group_layouts(module):
+            if lay.group.size() > 1 and not (
+                    lay.chunked and getattr(module, "_tpx_dtensor_params", False)):
+                return True
+    return False
 
 
 def check_full_shape(where: str, sh: Sharded, full: Tensor) -> None:

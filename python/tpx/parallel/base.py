@@ -18,10 +18,9 @@ from ..comm_groups import guarded
 from ..group import mesh_for_group, resolve_group, shard_bounds, shard_sizes
 from ..mesh import check_mesh, mesh_layout
 from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, gathered_local, wrap_output
-from ..param_dtensors import with_local
 
 __all__ = ["ParallelStyle", "TPContext", "apply_style", "check_placement", "is_style",
-           "redistribute", "sum_grad_over_group", "torch_style"]
+           "redistribute", "torch_style"]
 
 MESH_LAYOUTS = ("2d", "2.5d", "3d")
 
@@ -91,15 +90,6 @@ def _all_ranks_group(mesh, layout: str) -> dist.ProcessGroup:
     from ..nn.multidim.blocks import tp_mesh_group
 
     return tp_mesh_group(check_mesh(mesh, layout, "parallelize_module"))
-
-
-def sum_grad_over_group(grad, pg: dist.ProcessGroup):
-    """The sum over ``pg`` of a gradient whose every rank holds part of the sum (``P -> R``),
-    for a tensor hook on a parameter every rank holds whole. The gradient of a ``Replicate()``
-    ``DTensor`` parameter stays a ``DTensor`` of that placement, its local tensor summed."""
-    if isinstance(grad, DTensor):
-        return with_local(grad, mappings.sum_over_group(grad._local_tensor, pg))
-    return mappings.sum_over_group(grad, pg)
 
 
 def check_placement(style: str, name: str, value, allowed: tuple) -> None:

@@ -14,8 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
-from ..param_dtensors import compute_on_locals, replicate_params
-from .base import sum_grad_over_group
+from ..param_dtensors import compute_on_locals, replicate_params, sum_partial_grads
 from .moe import MoEIdentityExpert
 from .style import (ColwiseParallel, ParallelStyle, Replicate, ReplicatedWithGradAllReduce,
                     RowwiseParallel, SequenceParallel, TPContext)
@@ -335,14 +334,20 @@ class PartialGradParams(ParallelStyle):
             return module
         state = {"partial": False, "outputs": set(), "hooked": set()}
         self.block.register_forward_pre_hook(lambda mod, args: self._start(state))
-        module.register_forward_pre_hook(lambda mod, args: self._see(state, args))
         # Replicate() DTensors, the module computing on their local tensors (as
-        # ReplicatedWithGradAllReduce's)
-        compute_on_locals(module, replicate_params(module, pg))
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_hook(lambda g, pg=pg: sum_grad_over_group(g, pg)
-                                if state["partial"] else g)
+        # ReplicatedWithGradAllReduce's), swapped in by a hook that runs before this one
+        owned = replicate_params(module, pg)
+
+        def see(mod, args):
+            self._see(state, args)
+            if state["partial"]:  # this call's gradients summed in its backward
+                locals_ = [owner._parameters[name] for owner, name in owned]
+                sum_partial_grads(locals_, pg)
+                for (owner, name), local in zip(owned, locals_):
+                    owner._parameters[name] = local
+
+        module.register_forward_pre_hook(see)
+        compute_on_locals(module, owned)
         return module
 
     def _start(self, state) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..param_dtensors import compute_on_locals, replicate_params
-from .base import ParallelStyle, TPContext, redistribute, sum_grad_over_group
+from .base import ParallelStyle, TPContext, redistribute
 
 __all__ = ["NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "ReplicatedWithGradAllReduce",
            "ShardedAttention"]
@@ -127,7 +127,7 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
     """A module whose parameters stay whole on every rank but see only this rank's part of the
     computation: a per-head norm after a column-parallel projection (Qwen3's ``q_norm`` /
     ``k_norm``), a norm over this rank's heads. Their gradients are partial sums; this style
-    sums them over the group as they are computed (one all-reduce per parameter and backward),
+    sums them over the group in the backward of each call (one all-reduce for all of them),
     so the replicas stay equal and equal to one device. Hugging Face's plans call it
     ``replicated_with_grad_allreduce``.
 
@@ -146,22 +146,9 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         # Replicate() DTensors, as under SequenceParallel (one kind of parameter for torch's
         # clip_grad_norm_, foreach optimizers and DCP); the module computes on their local
         # tensors, swapped in for its forward only.
-        compute_on_locals(module, replicate_params(module, pg))
-        params = list(module.parameters())
-        if pg.size() > 1:
-            def hook_trainable(*_):
-                for p in params:
-                    if not p.requires_grad or \
-                            getattr(p, "_tpx_grad_sum_group", None) == pg.group_name:
-                        continue  # frozen, or shared with a module styled already
-                    p._tpx_grad_sum_group = pg.group_name
-                    p.register_hook(lambda g, pg=pg: sum_grad_over_group(g, pg))
-
-            hook_trainable()
-            if not all(p.requires_grad for p in params):
-                # Frozen now (a norm under LoRA fine-tuning): hooked at the first forward
-                # after it is made trainable.
-                module.register_forward_pre_hook(hook_trainable)
+        # The gradients are summed in the backward of each call (part of its autograd graph):
+        # a parameter frozen now (a norm under LoRA fine-tuning) and made trainable later too.
+        compute_on_locals(module, replicate_params(module, pg), sum_grads_over=pg)
         return module
 
     def __repr__(self) -> str:

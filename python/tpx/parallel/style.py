@@ -19,7 +19,7 @@ from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
 from ..param_dtensors import compute_on_locals, replicate_params
 from ..sharding import mark_transposed_weight
 from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
-                   check_placement, is_style, redistribute, sum_grad_over_group, torch_style)
+                   check_placement, is_style, redistribute, torch_style)
 from .module_styles import (NoParallel, PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
                             ReplicatedWithGradAllReduce, ShardedAttention)
 
@@ -338,9 +338,10 @@ class SequenceParallel(ParallelStyle):
     """A module that works row by row (LayerNorm, RMSNorm, dropout) run on this rank's block
     of the sequence: input and output ``Shard(sequence_dim)``, parameters replicated. Each
     rank sees only part of the sequence, so the gradients of the parameters are summed over
-    the group as they are produced: every rank ends with the full, identical gradient.
-    (The sums are tensor hooks on the parameters, which a ``copy.deepcopy`` of the model does
-    not carry over: parallelize the copy instead of copying a parallelized model.)
+    the group in the backward of each call (one all-reduce per call, part of the autograd
+    graph: FSDP2's unsharded parameters get them too): every rank ends with the full,
+    identical gradient. (The swaps are forward hooks bound to this module: parallelize a copy
+    rather than copying a parallelized model.)
 
     A plain tensor input is this rank's block; a ``DTensor`` input (any placement) is
     redistributed to ``Shard(sequence_dim)`` first. As PyTorch's, the output is a ``DTensor``
@@ -370,11 +371,6 @@ class SequenceParallel(ParallelStyle):
         # torch's clip_grad_norm_, foreach optimizers and DCP see one kind of parameter); the
         # module computes on their local tensors (swapped in for its forward only).
         owned = replicate_params(module, pg)
-        if pg.size() > 1:
-            for owner, name in owned:
-                p = owner._parameters[name]
-                if p.requires_grad:
-                    p.register_hook(lambda g, pg=pg: sum_grad_over_group(g, pg))
         seq = Shard(self.sequence_dim)
         want = bool(self.use_local_output)
         state = {}
@@ -398,7 +394,7 @@ class SequenceParallel(ParallelStyle):
                 return wrap_output(out, seq, pg, shape)
             return redistribute(out, seq, seq, pg, local=False)
 
-        compute_on_locals(module, owned)
+        compute_on_locals(module, owned, sum_grads_over=pg)
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
