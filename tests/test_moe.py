@@ -180,6 +180,8 @@ def _cases(rank, world, names):
                   for f in FAMILIES})
     table["qwen3_moe-auto-sp"] = lambda: _train_like_one_device(rank, world, "qwen3_moe",
                                                                 auto=True, sp=True)
+    table["qwen2_moe-auto-sp"] = lambda: _train_like_one_device(rank, world, "qwen2_moe",
+                                                                auto=True, sp=True)
     table["mixtral-auto-ep-sp"] = lambda: _train_like_one_device(rank, world, "mixtral", ep=True,
                                                                  auto=True, sp=True)
     table["gpt_oss"] = lambda: _train_like_one_device(rank, world, "gpt_oss")
@@ -206,7 +208,8 @@ def test_moe_tp2():
     generate(), a ModuleList of experts, the errors, the bytes."""
     run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
         "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
-        "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "mixtral-auto-ep-sp", "generate",
+        "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
+        "generate",
         "module-list", "errors", "bytes"])
 
 
@@ -223,7 +226,7 @@ def test_moe_tp4():
     run_ranks(_cases, 4, FAMILIES + [f"{f}-ep" for f in FAMILIES] +
               [f"{f}-auto" for f in FAMILIES] + [f"{f}-auto-ep" for f in FAMILIES] +
               ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
-               "qwen3_moe-auto-sp", "mixtral-auto-ep-sp", "bytes"])
+               "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp", "bytes"])
 
 
 def _generate(rank, world):
@@ -304,6 +307,15 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match="ModuleList of expert MLPs"):
         tpx.parallelize_module(nn.Sequential(MoE()), None,
                                {"0.experts": tpx.ExpertsTensorParallel()})
+    # sequence parallelism with shared experts split inside the mixture-of-experts block
+    # (their row-parallel output would be scattered along the hidden size of flat tokens)
+    shared = tiny("qwen2_moe")
+    hf = tpx.parallel.hf_plan.hf_tp_plan(shared)
+    hf.update({"model.layers.*.mlp.shared_expert.gate_proj": "colwise",
+               "model.layers.*.mlp.shared_expert.up_proj": "colwise",
+               "model.layers.*.mlp.shared_expert.down_proj": "rowwise"})
+    with pytest.raises(ValueError, match="shared experts beside the routed"):
+        tpx.parallel.hf_plan.translate(shared, tp_plan=hf, sequence_parallel=True)
     tpx.parallelize_module(model, None, {"model.layers.0.mlp.experts": tpx.ExpertsTensorParallel()})
     with pytest.raises(ValueError, match="sharded already"):
         tpx.parallelize_module(model, None, {"model.layers.0.mlp.experts":

@@ -507,6 +507,15 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     if "." in attn_child or attn_child not in blocks:
         raise fail("the attention is not a direct child of the decoder layer")
     mlp_child = next(b for b in blocks if b != attn_child)
+    # the mixture-of-experts blocks (the modules holding the experts)
+    sparse = {n.rsplit(".", 1)[0] for n, _ in model.named_modules()
+              for key in experts if fnmatch.fnmatchcase(n, key)}
+    for key in blocks[mlp_child].get("rows", []):
+        inside = [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, key)
+                  and any(n.startswith(b + ".") for b in sparse)]
+        if inside:
+            raise fail(f"its mixture-of-experts block holds shared experts beside the routed "
+                       f"ones ({inside[0]})")
     for name, sub in layer.named_children():
         if name in (attn_child, mlp_child):
             continue
@@ -533,15 +542,24 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         # A mixture-of-experts block gathers the real positions only; its experts leave their
         # partial output to it, which it reduce-scatters along the sequence
         # (ExpertsBlockSequence).
+        # Where the block adds nothing to the experts' output (its other children with
+        # parameters are the router), the experts leave their output Partial() and the block
+        # reduce-scatters it; where it adds more (a shared expert every rank computes whole),
+        # the experts sum theirs and the block keeps its block of the sequence.
         key = experts[0]
-        style = copy.copy(plan[key])
-        style.output_layouts = Partial()
-        plan[key] = style
-        sparse = {n.rsplit(".", 1)[0] for n, _ in model.named_modules()
-                  if fnmatch.fnmatchcase(n, key)}
+        routers = ("gate", "router")
+        alone = all(child is getattr(block, "experts", None) or name in routers
+                    or next(child.parameters(), None) is None
+                    for block in (model.get_submodule(b) for b in sparse)
+                    for name, child in block.named_children())
+        if alone:
+            style = copy.copy(plan[key])
+            style.output_layouts = Partial()
+            plan[key] = style
         for name, _ in model.named_modules():
             if fnmatch.fnmatchcase(name, pre + mlp_child):
-                plan[name] = ExpertsBlockSequence(n) if name in sparse else gather_padded
+                plan[name] = (ExpertsBlockSequence(n, partial=alone) if name in sparse
+                              else gather_padded)
     plan[pre.replace("*", "0").rstrip(".")] = SplitSequence(n)
     for name, sub in layer.named_children():
         if name not in (attn_child, mlp_child):

@@ -123,20 +123,23 @@ class GatherSequence(ParallelStyle):
 
 
 class ExpertsBlockSequence(ParallelStyle):
-    """A mixture-of-experts block under sequence parallelism, whose experts leave their output
-    ``Partial()``: its input ``hidden_states S(1) -> R``, gathered and trimmed to the real
-    positions (its router must not see the padding: the load-balancing loss counts every
-    token it routes; the input's gradient is whole on every rank, the experts having summed
-    theirs, so the backward keeps this rank's block), and its output ``P -> S(1)``, padded to
-    the length the first decoder layer split and reduce-scattered along the sequence (one
-    reduce-scatter, as a dense MLP's down projection; the backward gathers the gradient)."""
+    """A mixture-of-experts block under sequence parallelism: its input
+    ``hidden_states S(1) -> R``, gathered and trimmed to the real positions (its router must not
+    see the padding: the load-balancing loss counts every token it routes; the input's gradient
+    is whole on every rank, the experts having summed theirs, so the backward keeps this rank's
+    block). Its output, padded to the length the first decoder layer split: with
+    ``partial=True`` (the experts leave their output ``Partial()`` and the block adds nothing
+    else) ``P -> S(1)``, one reduce-scatter along the sequence, as a dense MLP's down
+    projection (the backward gathers the gradient); otherwise ``R -> S(1)``, this rank's block
+    (the experts summed theirs; a shared expert every rank computes whole added to it)."""
 
-    def __init__(self, seq: SeqLength) -> None:
-        self.seq = seq
+    def __init__(self, seq: SeqLength, partial: bool = True) -> None:
+        self.seq, self.partial = seq, partial
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg, seq = ctx.group, self.seq
         world, rank = pg.size(), dist.get_rank(pg)
+        partial = self.partial
 
         def pre(mod, args, kwargs):
             x = _hidden(args, kwargs)
@@ -152,7 +155,10 @@ class ExpertsBlockSequence(ParallelStyle):
         def scatter(x):
             if x.shape[1] < seq.padded:
                 x = F.pad(x, (0, 0, 0, seq.padded - x.shape[1]))
-            return mappings.reduce_scatter_dim(x, 1, pg)
+            if partial:
+                return mappings.reduce_scatter_dim(x, 1, pg)
+            per = seq.padded // world
+            return mappings.split_dim(x, 1, [per] * world, rank * per, pg)
 
         def post(mod, args, out):
             if isinstance(out, Tensor):
@@ -166,7 +172,7 @@ class ExpertsBlockSequence(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return "ExpertsBlockSequence()"
+        return f"ExpertsBlockSequence(partial={self.partial})"
 
 
 class PadSequence(ParallelStyle):
