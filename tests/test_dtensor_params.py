@@ -438,5 +438,6 @@ def _moe_experts_as_dtensors(rank, world, ckpt):
         tp.state_dict()
 
 
-def test_moe_experts_as_dtensors(tmp_path):
-    run_ranks(_moe_experts_as_dtensors, 2, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_moe_experts_as_dtensors(tmp_path, world):
+    run_ranks(_moe_experts_as_dtensors, world, str(tmp_path / "ckpt"))

@@ -99,11 +99,22 @@ def _batch(step: int, seq: int = 12):
 
 
 def _train_like_one_device(rank, world, family, impl="grouped_mm", inter=48, steps=3, ep=False,
-                           auto=False, sp=False):
+                           auto=False, sp=False, idle=False):
     what = (f"{family} ({impl}, I={inter}{', EP' if ep else ''}{', plans.auto' if auto else ''}"
-            f"{', sequence parallel' if sp else ''}) TP={world}")
+            f"{', sequence parallel' if sp else ''}{', idle experts' if idle else ''}) "
+            f"TP={world}")
     torch.manual_seed(0)
     ref = tiny(family, impl, inter)
+    if idle:
+        # Routers of zeros: every score ties and top-k takes the same two experts for every
+        # token, so no token reaches the other two (under expert parallelism at TP 2: one
+        # rank's experts are idle).
+        chosen = {tuple(r) for r in torch.topk(torch.zeros(24, 4), 2).indices.tolist()}
+        assert len(chosen) == 1 and set(chosen.pop()) in ({0, 1}, {2, 3}), chosen
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.zero_()
     model = copy.deepcopy(ref)
     # sequence parallelism: 13 positions, padded to a multiple of the TP size (the router must
     # not see the padding: the load-balancing loss counts every token it routes)
@@ -184,6 +195,8 @@ def _cases(rank, world, names):
                                                                 auto=True, sp=True)
     table["mixtral-auto-ep-sp"] = lambda: _train_like_one_device(rank, world, "mixtral", ep=True,
                                                                  auto=True, sp=True)
+    table["mixtral-eager-ep-idle"] = lambda: _train_like_one_device(rank, world, "mixtral",
+                                                                    "eager", ep=True, idle=True)
     table["gpt_oss"] = lambda: _train_like_one_device(rank, world, "gpt_oss")
     table["gpt_oss-ep"] = lambda: _train_like_one_device(rank, world, "gpt_oss", ep=True)
     table["mixtral-eager-ep"] = lambda: _train_like_one_device(rank, world, "mixtral", "eager",
@@ -209,7 +222,7 @@ def test_moe_tp2():
     run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
         "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
         "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
-        "generate",
+        "mixtral-eager-ep-idle", "generate",
         "module-list", "errors", "bytes"])
 
 

@@ -21,9 +21,9 @@ from .ops import mesh_all_reduce, sum_by_name
 from .run import run_cache
 
 __all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
-           "gather_dim", "gather_dim_for_partial_grads", "gather_last_dim", "partial_grad_input",
-           "reduce_scatter_dim", "scale_forward", "split_dim", "split_last_dim", "sum_grad_over_holders",
-           "sum_over_group"]
+           "depend_on", "gather_dim", "gather_dim_for_partial_grads", "gather_last_dim", "partial_grad_input",
+           "reduce_scatter_dim", "scale_forward", "split_dim", "split_last_dim",
+           "sum_grad_over_holders", "sum_over_group"]
 
 
 def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Tensor:
@@ -162,6 +162,33 @@ def reduce_scatter_dim(x: Tensor, dim: int, pg: dist.ProcessGroup) -> Tensor:
         raise ValueError(f"tpx: reduce-scatter along dim {dim} of shape {tuple(x.shape)} needs "
                          f"a size that divides by the group's {pg.size()} ranks")
     return _ReduceScatterDim.apply(x, dim, pg)
+
+
+class _DependOn(torch.autograd.Function):
+    """``out`` itself (a view), recorded as depending on ``tensors``: the backward hands them
+    zeros, so that the backward of what produced them runs whether or not this rank's
+    computation used them."""
+
+    @staticmethod
+    def forward(ctx, out, *tensors):
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device)
+                         for shape, dtype, device in ctx.meta))
+
+
+def depend_on(out: Tensor, tensors: List[Tensor]) -> Tensor:
+    """``out``, with a backward that reaches every tensor of ``tensors`` that needs a gradient
+    (with zeros where ``out`` did not use it). For a tensor whose backward is a collective
+    (:func:`all_reduce_grads`' outputs) that a rank may not use (expert parallelism: no token
+    routed to this rank's experts): every rank then takes part in the collective."""
+    needed = [t for t in tensors if isinstance(t, Tensor) and t.requires_grad]
+    if not needed or not torch.is_grad_enabled():
+        return out
+    return _DependOn.apply(out, *needed)
 
 
 def split_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.ProcessGroup) -> Tensor:

@@ -41,7 +41,7 @@ from .nn.dtensor_io import DTensor, Replicate, Shard
 from .run import run_cache
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
-           "KeepsParamSharding", "collect_unstated", "raw_state_dict"]
+           "KeepsParamSharding", "collect_unstated", "raw_state_dict", "unstated_layouts"]
 
 ATTR = "_tpx_sharding"
 
@@ -418,14 +418,12 @@ def present_state(module: nn.Module, destination, prefix: str) -> None:
             # A DTensor tpx did not make (FSDP2's, over the data-parallel mesh) of a parameter
             # tpx split in a layout no DTensor states: it states the data-parallel split only.
             if layouts is None:
-                layouts = dict(group_layouts(module))
+                layouts = dict(unstated_layouts(module))
             lay = layouts.get(name)
-            if lay is not None and lay.group.size() > 1 and not (
-                    lay.chunked and getattr(module, "_tpx_dtensor_params", False)):
+            if lay is not None:
                 unstated = getattr(_RAW, "unstated", None)
                 if unstated is None:
-                    raise _layout_not_stated(module, name, key, lay, " (its DTensor, FSDP2's, "
-                                             "states the data-parallel split only)")
+                    raise _layout_not_stated(module, name, key, lay, fsdp=True)
                 unstated.append((key, lay))  # the caller gathers it over the TP group
                 continue
             if _transposed(module, name):
@@ -434,7 +432,7 @@ def present_state(module: nn.Module, destination, prefix: str) -> None:
             destination[key] = desc.dtensor(value)
         elif isinstance(desc, GroupSharding) and desc.group.size() > 1:
             if not desc.chunked:
-                raise _layout_not_stated(module, name, key, desc, "")
+                raise _layout_not_stated(module, name, key, desc, fsdp=False)
             dt = as_dtensor(value, desc.group, Shard(desc.dim), desc.full_shape)
             destination[key] = dt.t() if _transposed(module, name) else dt
 
@@ -453,7 +451,18 @@ def collect_unstated():
         _RAW.unstated = before
 
 
-def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, what: str):
+def unstated_layouts(module: nn.Module) -> Iterator[Tuple[str, GroupSharding]]:
+    """``(name, layout)`` of each parameter of the 1-D layer ``module`` split over more than one
+    rank in a layout no ``DTensor`` states (fused segments split separately, rows held by
+    several ranks: such a parameter stays this rank's plain tensor)."""
+    in_dtensors = getattr(module, "_tpx_dtensor_params", False)
+    for name, lay in group_layouts(module):
+        if lay.group.size() > 1 and not (lay.chunked and in_dtensors):
+            yield name, lay
+
+
+def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, fsdp: bool):
+    what = " (its DTensor, FSDP2's, states the data-parallel split only)" if fsdp else ""
     return RuntimeError(
         f"tpx: {type(module).__name__}.{name} ({key!r}) is split over its TP group in a layout "
         f"a DTensor cannot state{what} (each rank holds the rows {list(desc.rows[desc.rank])} "
@@ -462,7 +471,7 @@ def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, what: s
         + ("Take the full model with tpx.checkpoint.full_state_dict(model, rank0_only=True) "
            "(for save_pretrained: pass it as state_dict=); a sharded checkpoint of this layout "
            "under FSDP2 is not supported (tpx.checkpoint.save works on the model sharded by tpx "
-           "alone)" if what else
+           "alone)" if fsdp else
            "Save with tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
            "degree on load), or take the full model with tpx.checkpoint.full_state_dict(model, "
            "rank0_only=True) (for save_pretrained: pass it as state_dict=)"))

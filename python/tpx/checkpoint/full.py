@@ -16,7 +16,7 @@ from ..group import mesh_for_group
 from ..nn.multidim import BlockSpec
 from ..nn.dtensor_io import DTensor
 from ..sharding import (GroupSharding, MeshSharding, collect_unstated, group_layouts,
-                        mesh_layouts, raw_state_dict)
+                        mesh_layouts, raw_state_dict, unstated_layouts)
 from ..param_dtensors import local_of
 
 
@@ -146,9 +146,12 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_model_state_dict)
 
+        # a layout no DTensor states is gathered by every rank below: torch's full state dict
+        # stays on every rank until then
+        gather_here = any(next(unstated_layouts(m), None) for m in model.modules())
         with collect_unstated() as unstated:
             state = dict(get_model_state_dict(model, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=rank0_only and not _any_unstated(model))))
+                full_state_dict=True, cpu_offload=rank0_only and not gather_here)))
         # FSDP2 gathered its own split of a parameter tpx split in a layout no DTensor states
         # (fused segments): this rank's TP part, gathered here over the TP group
         for key, lay in unstated:
@@ -170,18 +173,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return state
-
-
-def _any_unstated(model: nn.Module) -> bool:
-    """Whether some parameter of ``model`` is split by tpx in a layout no ``DTensor`` states
-    (then every rank takes part in gathering it, so torch's full state dict stays on every
-    rank until then)."""
-    for module in model.modules():
-        for name, lay in group_layouts(module):
-            if lay.group.size() > 1 and not (
-                    lay.chunked and getattr(module, "_tpx_dtensor_params", False)):
-                return True
-    return False
 
 
 def check_full_shape(where: str, sh: Sharded, full: Tensor) -> None:

@@ -539,11 +539,9 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     if not experts:
         plan[pre + mlp_child] = gather_padded
     else:
-        # A mixture-of-experts block gathers the real positions only; its experts leave their
-        # partial output to it, which it reduce-scatters along the sequence
-        # (ExpertsBlockSequence).
-        # Where the block adds nothing to the experts' output (its other children with
-        # parameters are the router), the experts leave their output Partial() and the block
+        # A mixture-of-experts block gathers the real positions only (ExpertsBlockSequence).
+        # Where it adds nothing to the experts' output (its other children with parameters
+        # are the router), the experts leave their output Partial() and the block
         # reduce-scatters it; where it adds more (a shared expert every rank computes whole),
         # the experts sum theirs and the block keeps its block of the sequence.
         key = experts[0]

@@ -234,6 +234,7 @@ class ExpertsTensorParallel(ParallelStyle):
         names = _expert_args(module)
         bias_name = self.down + "_bias"
         world = pg.size()
+        calls = []  # per call in flight: the tensors whose gradients are summed over the group
 
         def pre(mod, args, kwargs):
             args = list(args)
@@ -253,6 +254,10 @@ class ExpertsTensorParallel(ParallelStyle):
             summed = mappings.all_reduce_grads([values[i] for i in keep], pg)
             for i, v in zip(keep, summed):
                 values[i] = v
+            # this call's tensors whose backward must run on every rank: the summed inputs
+            # and the local parameters (compute_on_locals' hook swapped them in before this one)
+            calls.append(list(summed) + [p for p in mod._parameters.values()
+                                         if isinstance(p, Tensor) and p.requires_grad])
             if values[1] is not None and values[2] is not None:
                 values[1], values[2] = self._route(mod, values[1], values[2])
             for slot, v in zip(slots, values):
@@ -272,12 +277,18 @@ class ExpertsTensorParallel(ParallelStyle):
         reduce = isinstance(self.output_layouts, Replicate)
 
         def post(mod, args, kwargs, output):
-            if reduce and isinstance(output, Tensor):
-                return mappings.all_reduce_sum(output, pg)
-            return output
+            used = calls.pop() if calls else []  # always called: an exception's entry too
+            if not isinstance(output, Tensor):
+                return output
+            # Every rank runs the backward of the input sums, their all-reduce included, and
+            # every parameter gets a gradient (zeros for an expert no token reached, as on one
+            # device), also when no token reached this rank's experts (expert parallelism:
+            # then the forward used none of them).
+            output = mappings.depend_on(output, used)
+            return mappings.all_reduce_sum(output, pg) if reduce else output
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True)
+        module.register_forward_hook(post, with_kwargs=True, always_call=True)
 
 
 def _output_layout(what: str, given, default):
@@ -322,9 +333,9 @@ def _expert_range(experts: int, rank: int, world: int) -> Tuple[int, int]:
     """The experts rank ``rank`` holds: ``tpx.shard_range``'s blocks (the layout of a ``Shard(0)``
     ``DTensor``) where they leave no rank without one; otherwise counts that differ by at most
     one (``E=4`` over 3 ranks: 1, 1, 2), so that every rank holds one when ``E >= P``."""
-    if all(shard_bounds(experts, r, world)[1] > shard_bounds(experts, r, world)[0]
-           for r in range(world)):
-        return shard_bounds(experts, rank, world)
+    blocks = [shard_bounds(experts, r, world) for r in range(world)]
+    if all(e > s for s, e in blocks):
+        return blocks[rank]
     return rank * experts // world, (rank + 1) * experts // world
 
 
