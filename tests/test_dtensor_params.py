@@ -379,8 +379,7 @@ def _moe_experts_as_dtensors(rank, world, ckpt):
     rank), its router and norms under NoParallel: every parameter is a DTensor (the experts' Shard(0)), so
     torch's clip_grad_norm_ and foreach AdamW train it equal to one device, and
     dcp.save(model.state_dict()) reloads into a differently initialised sharded copy and, as a
-    full state dict, into the unsharded model. Under expert TP the fused [gate | up] (its halves
-    split separately, a layout no DTensor states) makes state_dict() raise instead."""
+    full state dict, into the unsharded model."""
     import copy
 
     import torch.distributed.checkpoint as dcp
@@ -430,14 +429,87 @@ def _moe_experts_as_dtensors(rank, world, ckpt):
             torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-12,
                                        msg=lambda m: f"{key} of the checkpoint: {m}")
     dist.barrier()
-    _, tp = sharded(0, "tp")
-    tp_experts = next(m for n, m in tp.named_modules() if n.endswith("mlp.experts"))
-    assert tuple(tp_experts.down_proj.placements) == (Shard(2),)
-    assert not isinstance(tp_experts.gate_up_proj, DTensor)
-    with pytest.raises(RuntimeError, match="tpx.checkpoint.save"):
-        tp.state_dict()
+
+
+def _moe_expert_tp_as_dtensors(rank, world, ckpt):
+    """Qwen3-MoE under expert TP: the fused [gate | up] (each half split by shard_range) is a
+    DTensor of torch's _StridedShard, down_proj Shard(2): torch's clip_grad_norm_ and foreach
+    AdamW equal one device; state_dict() gives DTensors whose full tensors are one device's;
+    torch.distributed.checkpoint refuses to save the strided DTensor and its optimizer state
+    (where a plain local tensor under the full name was written without a word);
+    tpx.checkpoint.save / load round-trips model and optimizer exactly."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import hf_tiny
+
+    def sharded(seed):
+        torch.manual_seed(seed)
+        m = hf_tiny.tiny("qwen3_moe", num_key_value_heads=4).double()
+        out = copy.deepcopy(m)
+        plan = tpx.plans.auto(out, experts="tp")
+        for name in ("mlp.gate", "input_layernorm", "post_attention_layernorm"):
+            plan[f"model.layers.*.{name}"] = tpx.NoParallel()
+        plan["model.norm"] = tpx.NoParallel()
+        tpx.parallelize_module(out, None, plan)
+        return m, out
+
+    ref, model = sharded(0)
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert plain == [], plain
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    assert tuple(experts.down_proj.placements) == (Shard(2),)
+    assert tuple(experts.gate_up_proj.placements) == (_StridedShard(1, split_factor=2),)
+    torch.testing.assert_close(experts.gate_up_proj.full_tensor(),
+                               dict(ref.named_parameters())[
+                                   next(n for n, p in model.named_parameters()
+                                        if p is experts.gate_up_proj)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    _clipped_adamw_steps(model, ref, "foreach",
+                         lambda m, i: m(input_ids=_batch(i), labels=_batch(i)).loss, 2,
+                         f"Qwen3-MoE, expert TP, TP {world}")
+    state = model.state_dict()
+    for key, value in ref.state_dict().items():
+        got = state[key].full_tensor() if isinstance(state[key], DTensor) else state[key]
+        torch.testing.assert_close(got, value, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"{key} of state_dict(): {m}")
+    with pytest.raises(BaseException, match="overlapping"):  # DCP: a CheckpointException
+        dcp.save(state, checkpoint_id=ckpt + ".model")
+    model(input_ids=_batch(5), labels=_batch(5)).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(BaseException, match="overlapping"):  # DCP: a CheckpointException
+        dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=ckpt + ".optim")
+    tpx.checkpoint.save(model, ckpt, optimizer=opt)
+    _, other = sharded(7)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=True)
+    tpx.checkpoint.load(other, ckpt, optimizer=other_opt)
+    for m, o in ((model, opt), (other, other_opt)):
+        m(input_ids=_batch(6), labels=_batch(6)).loss.backward()
+        o.step()
+    ids = _batch(99)
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+    # a full state dict, as torch takes it into DTensor parameters
+    set_model_state_dict(other, ref.state_dict(),
+                         options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_experts_as_dtensors(tmp_path, world):
     run_ranks(_moe_experts_as_dtensors, world, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_moe_expert_tp_as_dtensors(tmp_path, world):
+    run_ranks(_moe_expert_tp_as_dtensors, world, str(tmp_path / "ckpt"))

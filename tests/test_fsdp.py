@@ -175,22 +175,30 @@ def test_fsdp2_moe_sequence_parallel(tmp_path):
 
 
 def _unstated_layouts(rank, world, ckpt):
-    """TP x FSDP2 of models with a parameter tpx splits in a layout no DTensor states (GPT-2's
-    fused c_attn, its q, k and v split separately; Qwen3-MoE's fused [gate | up] under expert
-    TP): FSDP2's DTensor of it states the data-parallel split only, so model.state_dict() (and
-    tpx.checkpoint.save, which reads it) raises instead of writing every TP rank's part under
-    the full name; tpx.checkpoint.full_state_dict gives the full model, equal to the unsharded
-    one after a training step."""
+    """TP x FSDP2 of models with a parameter tpx splits in segments (GPT-2's fused c_attn, its
+    q, k and v split separately; Qwen3-MoE's fused [gate | up] under expert TP).
+
+    GPT-2's c_attn is split along dim 0, the dim FSDP2 splits too: no DTensor states the two,
+    so model.state_dict() (and tpx.checkpoint.save, which reads it) raises instead of writing
+    every TP rank's part under the full name. The experts' [gate | up] is split along dim 1:
+    FSDP2 keeps tpx's _StridedShard beside its Shard(0), state_dict() gives it, and
+    tpx.checkpoint.save / load round-trip model and AdamW state into another TP x FSDP2
+    model, while torch.distributed.checkpoint refuses the strided optimizer state it cannot
+    place. tpx.checkpoint.full_state_dict gives both full models, equal to the unsharded one
+    after a training step."""
     import copy
 
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     import hf_tiny
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for family, key in (("gpt2", "transformer.h.0.attn.c_attn.weight"),
-                        ("qwen3_moe", "model.layers.1.mlp.experts.gate_up_proj")):
-        torch.manual_seed(0)
+
+    def build(family, seed):
+        torch.manual_seed(seed)
         ref = hf_tiny.tiny(family).double()
         model = copy.deepcopy(ref)
         tpx.parallelize_module(model, mesh["tp"], tpx.plans.auto(model))
@@ -198,14 +206,41 @@ def _unstated_layouts(rank, world, ckpt):
         for block in blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+        return ref, model
+
+    for family, key in (("gpt2", "transformer.h.0.attn.c_attn.weight"),
+                        ("qwen3_moe", "model.layers.1.mlp.experts.gate_up_proj")):
+        ref, model = build(family, 0)
         ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-        for m in (ref, model):  # the same batch on both dp ranks: the same step as one device
-            m(input_ids=ids, labels=ids).loss.backward()
-            torch.optim.SGD(m.parameters(), lr=0.5).step()
-        with pytest.raises(RuntimeError, match=f"{key}.*FSDP2.*full_state_dict"):
-            model.state_dict()
-        with pytest.raises(RuntimeError, match=f"{key}.*FSDP2"):
-            tpx.checkpoint.save(model, f"{ckpt}-{family}")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for m, o in ((ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)), (model, opt)):
+            m(input_ids=ids, labels=ids).loss.backward()  # the same batch on both dp ranks
+            o.step()
+            o.zero_grad()
+        if family == "gpt2":
+            with pytest.raises(RuntimeError, match=f"{key}.*FSDP2.*full_state_dict"):
+                model.state_dict()
+            with pytest.raises(RuntimeError, match=f"{key}.*FSDP2"):
+                tpx.checkpoint.save(model, f"{ckpt}-{family}")
+        else:
+            state = model.state_dict()
+            assert [type(p).__name__ for p in state[key].placements] == ["Shard",
+                                                                         "_StridedShard"]
+            for k, v in ref.state_dict().items():
+                got = state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]
+                torch.testing.assert_close(got, v, rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"{family} state_dict() {k}: {m}")
+            with pytest.raises(BaseException, match="overlapping"):  # DCP: CheckpointException
+                dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=f"{ckpt}-optim")
+            tpx.checkpoint.save(model, f"{ckpt}-{family}", optimizer=opt)
+            _, other = build(family, 5)
+            other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+            tpx.checkpoint.load(other, f"{ckpt}-{family}", optimizer=other_opt)
+            for (name, a), b in zip(model.named_parameters(), other.parameters()):
+                assert torch.equal(a.to_local(), b.to_local()), name
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(opt.state[a][k].to_local(),
+                                       other_opt.state[b][k].to_local()), (name, k)
         for rank0_only in (False, True):
             full = tpx.checkpoint.full_state_dict(model, rank0_only=rank0_only)
             if rank0_only and rank != 0:

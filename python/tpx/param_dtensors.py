@@ -164,3 +164,148 @@ def local_params(*params):
     for i, o in zip(idx, outs):
         res[i] = o
     return tuple(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused segments split separately: torch's _StridedShard states them.
+
+def strided_placement(dim: int, rows, full: int):
+    """torch's ``_StridedShard(dim, split_factor=sf)`` when it states the 1-D layout ``rows``
+    (per rank, the ranges of dim ``dim`` it holds, of ``full`` entries): dim cut into
+    ``sf * P`` equal pieces, rank ``r`` holding pieces ``r, r + P, ...`` (a fused
+    ``[gate | up]`` with each segment split by ``shard_range``). ``None`` otherwise, and where
+    this torch's ``DTensor`` does not give exactly these rows, or where its
+    ``torch.distributed.checkpoint`` would not refuse to save the placement (it computes one
+    chunk per rank; a torch whose chunks do not overlap would write wrong ones without a
+    word). No communication."""
+    world, sf = len(rows), len(rows[0]) if rows else 0
+    if world < 2 or sf < 2 or full % (sf * world):
+        return None
+    piece = full // (sf * world)
+    for r, ranges in enumerate(rows):
+        if tuple(ranges) != tuple(((i * world + r) * piece, (i * world + r + 1) * piece)
+                                  for i in range(sf)):
+            return None
+    key = (world, sf, full)
+    ok = _STRIDED_OK.get(key)
+    if ok is None:
+        ok = _strided_understood(world, sf, full, rows)
+        _STRIDED_OK[key] = ok
+    if not ok:
+        return None
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=sf)
+
+
+_STRIDED_OK: dict = {}
+
+
+def _strided_understood(world: int, sf: int, full: int, rows) -> bool:
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        placement = _StridedShard(0, split_factor=sf)
+        pieces = placement._split_tensor(torch.arange(full), world, with_padding=False)[0]
+        for r, ranges in enumerate(rows):
+            want = torch.cat([torch.arange(s, e) for s, e in ranges])
+            if not torch.equal(pieces[r], want):
+                return False
+        chunks = sorted(
+            (off[0], off[0] + size[0]) for size, off in
+            (_compute_local_shape_and_global_offset((full,), (world,), [r], [placement])
+             for r in range(world)))
+        return any(b[0] < a[1] for a, b in zip(chunks, chunks[1:]))
+    except Exception:  # a torch without these: the parameter stays plain
+        return False
+
+
+def strided(dt) -> bool:
+    """Whether ``dt`` is a ``DTensor`` of segments split separately: a ``_StridedShard``
+    placement on a dim no other mesh dimension splits (FSDP2's own ``_StridedShard`` over a TP
+    ``Shard`` of the same dim is a block layout, which torch's checkpoint reads)."""
+    if not isinstance(dt, DTensor):
+        return False
+    dims = [p.dim for p in dt.placements if not p.is_replicate()]
+    return any(type(p).__name__ == "_StridedShard" and dims.count(p.dim) == 1
+               for p in dt.placements)
+
+
+def _block_ranges(placements, mesh, coord, shape) -> List[List[Tuple[int, int]]]:
+    """Per dim of the global ``shape``, the ranges this rank (``coord`` on ``mesh``) holds, in
+    its local order, under ``placements`` (``Shard`` / ``_StridedShard`` on distinct dims,
+    ``Replicate``)."""
+    ranges = [[(0, n)] for n in shape]
+    for m, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        d, n, k = p.dim, mesh.size(m), coord[m]
+        if len(ranges[d]) != 1 or ranges[d][0] != (0, shape[d]):
+            raise ValueError("two mesh dimensions split the same dim in a strided layout")
+        if type(p).__name__ == "_StridedShard":
+            piece = shape[d] // (p.split_factor * n)
+            ranges[d] = [((i * n + k) * piece, (i * n + k + 1) * piece)
+                         for i in range(p.split_factor)]
+        else:
+            per = -(-shape[d] // n)
+            start = min(k * per, shape[d])
+            ranges[d] = [(start, min(start + per, shape[d]))]
+    return ranges
+
+
+def cut_strided(full: torch.Tensor, like: "DTensor") -> "DTensor":
+    """This rank's part of the full tensor ``full`` as a ``DTensor`` with the placements of
+    ``like`` (a strided layout). No communication."""
+    ranges = _block_ranges(like.placements, like.device_mesh,
+                           like.device_mesh.get_coordinate(), tuple(full.shape))
+    local = full
+    for d, rs in enumerate(ranges):
+        parts = [local.narrow(d, s, e - s) for s, e in rs]
+        local = parts[0] if len(parts) == 1 else torch.cat(parts, d)
+    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())
+
+
+def _blocks(dt: "DTensor"):
+    """``(view, global offsets, sizes)`` of each contiguous block of the full tensor that the
+    local tensor of the strided ``DTensor`` ``dt`` holds, in one fixed order."""
+    import itertools
+
+    local = dt._local_tensor
+    ranges = _block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
+                           tuple(dt.shape))
+    offsets = [[0] + list(itertools.accumulate(e - s for s, e in rs))[:-1] for rs in ranges]
+    out = []
+    for combo in itertools.product(*[range(len(rs)) for rs in ranges]):
+        view, start, size = local, [], []
+        for d, i in enumerate(combo):
+            s, e = ranges[d][i]
+            view = view.narrow(d, offsets[d][i], e - s)
+            start.append(s)
+            size.append(e - s)
+        if all(size):
+            out.append((view, start, size))
+    return out
+
+
+def savable(dt: "DTensor"):
+    """A strided ``DTensor`` as a ``ShardedTensor`` of its blocks (copies, contiguous), the form
+    ``torch.distributed.checkpoint`` saves as the blocks they are and loads resharded to any
+    layout; :func:`read_back` puts what a load wrote into it back into ``dt``. Collective over
+    the default group."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard as Block, ShardedTensor
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    placement = f"rank:{dist.get_rank()}/{dt._local_tensor.device}"
+    blocks = [Block(view.contiguous(), ShardMetadata(start, size, placement))
+              for view, start, size in _blocks(dt)]
+    return ShardedTensor._init_from_local_shards(blocks, list(dt.shape))
+
+
+def read_back(st, dt: "DTensor") -> None:
+    """Copies the blocks of ``st`` (made by :func:`savable` from ``dt``) into ``dt``'s local
+    tensor."""
+    for (view, _, _), block in zip(_blocks(dt), st.local_shards()):
+        view.copy_(block.tensor)

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .mappings import gather_dim
-from .param_dtensors import as_dtensor, local_of, replace_param
+from .param_dtensors import (as_dtensor, cut_strided, local_of, replace_param, strided,
+                             strided_placement)
 from .nn.dtensor_io import DTensor, Replicate, Shard
 from .run import run_cache
 
@@ -312,9 +313,10 @@ def describe_params(module: nn.Module) -> None:
     A 1-D layer that computes through :func:`local_params` (``_tpx_dtensor_params``) gets its
     parameters as ``DTensor`` s where torch's placements say the whole layout: a parameter
     split with ``shard_range`` becomes ``Shard(dim)`` of its global shape, a replicated one
-    (a row-parallel bias) ``Replicate()``, both on the layer's 1-D mesh. Parameters split
-    another way (segments of a fused projection split separately, rows held by several
-    ranks) stay this rank's plain tensor, described here."""
+    (a row-parallel bias) ``Replicate()``, both on the layer's 1-D mesh; fused segments each
+    split by ``shard_range`` along a dim other than 0 torch's ``_StridedShard``
+    (:func:`dtensor_placement`). Parameters split another way (segments along dim 0, rows held
+    by several ranks) stay this rank's plain tensor, described here."""
     if hasattr(module, "_param_splits") and hasattr(module, "mesh_info"):
         for name, desc in mesh_layouts(module, present_only=False):
             param = getattr(module, name, None)
@@ -328,11 +330,12 @@ def describe_params(module: nn.Module) -> None:
     for name, desc in group_layouts(module):
         param = getattr(module, name)
         sharded.add(name)
-        if in_dtensors and desc.chunked:
+        placement = dtensor_placement(desc) if in_dtensors else None
+        if placement is not None:
             desc = dataclasses.replace(desc, in_dtensor=True)
             if not isinstance(param, DTensor):
-                param = replace_param(module, name, as_dtensor(param, module.group,
-                                                                 Shard(desc.dim), desc.full_shape))
+                param = replace_param(module, name, as_dtensor(param, module.group, placement,
+                                                                 desc.full_shape))
         _attach(param, desc)
     if in_dtensors:
         for name, param in list(module._parameters.items()):
@@ -374,9 +377,10 @@ class KeepsParamSharding:
     In ``state_dict()`` a ``DTensor`` parameter is that ``DTensor`` (transposed back for a
     layer made from a Hugging Face ``Conv1D``: a view, so an in-place
     ``torch.distributed.checkpoint.load`` still reaches the parameter); a block of a
-    multi-dimensional layer is a ``DTensor`` over its mesh (also a view). A parameter whose
-    layout no ``DTensor`` says (a fused projection's segments split separately, rows held by
-    several ranks) raises: its local tensor under the full name would be a checkpoint that
+    multi-dimensional layer is a ``DTensor`` over its mesh (also a view); fused segments split
+    separately along a dim other than 0 are a ``_StridedShard`` ``DTensor``. A parameter whose
+    layout no ``DTensor`` says (segments split separately along dim 0, rows held by several
+    ranks) raises: its local tensor under the full name would be a checkpoint that
     reloads to a different model. ``load_state_dict()`` takes ``DTensor`` s, or FULL tensors
     (each rank keeps its part; no communication)."""
 
@@ -420,6 +424,11 @@ def present_state(module: nn.Module, destination, prefix: str) -> None:
             if layouts is None:
                 layouts = dict(unstated_layouts(module))
             lay = layouts.get(name)
+            if lay is None and not _distinct_dims(value):
+                mine = dict(group_layouts(module)).get(name)
+                if mine is not None and not mine.chunked:
+                    # FSDP2 split the dim tpx splits in segments: no DTensor states the two
+                    raise _layout_not_stated(module, name, key, mine, fsdp=True)
             if lay is not None:
                 unstated = getattr(_RAW, "unstated", None)
                 if unstated is None:
@@ -457,8 +466,22 @@ def unstated_layouts(module: nn.Module) -> Iterator[Tuple[str, GroupSharding]]:
     several ranks: such a parameter stays this rank's plain tensor)."""
     in_dtensors = getattr(module, "_tpx_dtensor_params", False)
     for name, lay in group_layouts(module):
-        if lay.group.size() > 1 and not (lay.chunked and in_dtensors):
+        if lay.group.size() > 1 and not (in_dtensors and dtensor_placement(lay) is not None):
             yield name, lay
+
+
+def dtensor_placement(lay: GroupSharding):
+    """The placement of the ``DTensor`` that states ``lay`` on the layer's 1-D mesh:
+    ``Shard(dim)`` for ``shard_range`` rows; torch's ``_StridedShard`` for fused segments each
+    split by ``shard_range`` into equal pieces along a dim other than 0 (FSDP2 shards dim 0
+    by default, and its ``DTensor`` of a strided split of that same dim would not say where
+    the rows are); ``None`` where no placement states it (it stays this rank's plain
+    tensor)."""
+    if lay.chunked:
+        return Shard(lay.dim)
+    if lay.dim == 0 or lay.transposed:
+        return None
+    return strided_placement(lay.dim, lay.rows, lay.full_size())
 
 
 def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, fsdp: bool):
@@ -475,6 +498,11 @@ def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, fsdp: b
            "Save with tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
            "degree on load), or take the full model with tpx.checkpoint.full_state_dict(model, "
            "rank0_only=True) (for save_pretrained: pass it as state_dict=)"))
+
+
+def _distinct_dims(dt) -> bool:
+    dims = [p.dim for p in dt.placements if not p.is_replicate()]
+    return len(dims) == len(set(dims))
 
 
 def take_state(module: nn.Module, state_dict, prefix: str) -> None:
@@ -555,6 +583,8 @@ def _cut(full: torch.Tensor, param) -> torch.Tensor:
     placements (no communication)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if strided(param):
+        return cut_strided(full, param)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
                                                           param.placements)
     local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]

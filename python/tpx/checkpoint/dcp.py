@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_d
 from .optim import get_optimizer_state_dict, load_optimizer_part
 from ..nn.dtensor_io import DTensor
 from ..sharding import raw_state_dict
-from ..param_dtensors import local_of
+from ..param_dtensors import local_of, read_back, savable, strided
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +85,8 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
                              "the optimizer state is saved under; rename that submodule or "
                              "save the optimizer separately with get_optimizer_state_dict")
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
+    if fsdp:
+        state, _ = _savable(state)
     final = os.path.normpath(os.fspath(checkpoint_id))
     staging = final + _PARTIAL
     rank = dist.get_rank()
@@ -211,6 +213,36 @@ def _torch_model_state(model: nn.Module) -> Dict[str, Any]:
     return dict(get_model_state_dict(model))
 
 
+def _savable(state: Any, path: tuple = ()) -> Tuple[Any, Dict[tuple, Any]]:
+    """``state`` (nested dicts) with each ``DTensor`` of a strided layout (fused segments split
+    separately, under FSDP2 too) replaced by a ``ShardedTensor`` of its blocks, which
+    ``torch.distributed.checkpoint`` saves and loads (it refuses the ``DTensor``: one chunk
+    per rank cannot say where the rows are); and the replaced ``DTensor`` s by their path.
+    Collective."""
+    replaced: Dict[tuple, Any] = {}
+    if isinstance(state, dict):
+        out = {}
+        for key in sorted(state, key=str):  # the same order on every rank: savable() is collective
+            out[key], more = _savable(state[key], path + (key,))
+            replaced.update(more)
+        return out, replaced
+    if strided(state):
+        replaced[path] = state
+        return savable(state), replaced
+    return state, replaced
+
+
+def _put_back(loaded: Dict[str, Any], state: Dict[str, Any],
+              replaced: Dict[tuple, Any]) -> None:
+    """Copies what a load read into each ``ShardedTensor`` of ``loaded`` (made by
+    :func:`_savable` from ``state``) into the ``DTensor`` it replaced."""
+    for path, value in replaced.items():
+        node = loaded
+        for key in path:
+            node = node[key]
+        read_back(node, value)
+
+
 def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
     """:func:`load` into a model FSDP2 shards too: the checkpoint is read into torch's state
     dicts of this run's layout (any layout the checkpoint was saved from), then set with
@@ -230,7 +262,9 @@ def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
                              "without optimizer=, or save with tpx.checkpoint.save(model, "
                              "checkpoint_id, optimizer=optimizer)")
         state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    loading, replaced = _savable(state)
+    dcp.load(loading, checkpoint_id=os.fspath(checkpoint_id))
+    _put_back(loading, state, replaced)
     optim = state.pop(OPTIM_KEY, None)
     set_model_state_dict(model, state)
     if optimizer is not None:
