@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .nn.dtensor_io import DTensor, Replicate
+from .ops.core import dtensor_of
 
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
            "replace_param", "replicate_params", "sum_partial_grads", "with_local"]
@@ -89,7 +90,7 @@ def sum_partial_grads(tensors: list, pg) -> None:
 
 def with_local(like: "DTensor", local: torch.Tensor) -> "DTensor":
     """A ``DTensor`` with ``like``'s mesh and placements whose local tensor is ``local``."""
-    return _dtensor(local, like._spec)
+    return dtensor_of(local, like._spec)
 
 
 def replace_param(module: nn.Module, name: str, dt: "DTensor") -> nn.Parameter:
@@ -134,17 +135,10 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return tuple(g if spec is None or g is None else _dtensor(g.contiguous(), spec)
+        return tuple(g if spec is None or g is None else dtensor_of(g.contiguous(), spec)
                      for g, spec in zip(grads, ctx.specs))
 
 
-def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
-    """``DTensor(local, spec, requires_grad=False)``. Outside ``torch.compile`` it is built by
-    ``DTensor.__new__`` alone: the constructor's ``__init__`` does nothing but pass through a
-    wrapper that turns ``torch.compile`` off around it, which costs about 25 us a call."""
-    if torch.compiler.is_compiling():
-        return DTensor(local, spec, requires_grad=False)
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def local_params(*params):

@@ -286,9 +286,17 @@ class ColumnParallelLinear(_ParallelLinear):
         x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
                         self.group, "ColumnParallelLinear")
         self._check_input(x, self.in_features, "in_features")
+        twin = None if self.sequence_parallel else mappings.partial_grad_input(x, self.group)
+        if (twin is None and not self.sequence_parallel and not self.replicated_rows
+                and ops.params_path(self.weight, self.bias)):
+            # the common training call: the operator takes the DTensor parameters itself
+            y = ops.replicated_matmul(x, None, self.group, self.chunks, bias=self.bias,
+                                      weight=self.weight)
+            if self.gather_output:
+                y = mappings.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
+            return y
         weight, bias = self._row_params(self.weight, self.bias)
         w_t = weight.t()
-        twin = None if self.sequence_parallel else mappings.partial_grad_input(x, self.group)
         if self.sequence_parallel:
             _, y = ops.all_gather_matmul(x, w_t, self._seq_dim(x), self.group, self.chunks,
                                          bias=bias, return_gathered=False)
@@ -411,6 +419,11 @@ class RowParallelLinear(_ParallelLinear):
     @guarded
     def forward(self, x: Tensor) -> Tensor:
         x = self._local_columns(x, "RowParallelLinear")
+        if (not self.sequence_parallel and self.reduce_output
+                and ops.params_path(self.weight, self.bias)):
+            # the common training call: the operator takes the DTensor parameters itself
+            return ops.matmul_all_reduce(x, None, self.group, self.chunks, bias=self.bias,
+                                         weight=self.weight)
         weight, bias = local_params(self.weight, self.bias)
         w_t = weight.t()
         if self.sequence_parallel:

@@ -34,7 +34,7 @@ kernels. Nothing outside this package calls ``torch.ops.tpx`` itself.
 """
 
 from . import amp
-from .core import register_eager_function
+from .core import params_path, register_eager_function
 from .matmul import (all_gather_matmul, cpu_gemm_backend, default_chunks, local_matmul,
                      matmul_all_reduce, matmul_reduce_scatter, replicated_matmul)
 from .multidim import linear_2d, linear_3d, mesh_all_gather, mesh_all_reduce, sum_by_name
@@ -56,4 +56,5 @@ __all__ = [
     "linear_3d",
     "mesh_all_reduce",
     "mesh_all_gather",
+    "params_path",
 ]

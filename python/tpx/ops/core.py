@@ -48,6 +48,95 @@ def call(op: str, *args):
     return function.apply(*args)
 
 
+def call_on_params(op: str, args: tuple, transposed: tuple = ()):
+    """``call(op, *args)`` where some of ``args`` are ``DTensor`` parameters: the operator
+    computes on their local tensors (a transposed view at the positions in ``transposed``)
+    and, where autograd records, ONE Function takes the parameters themselves and hands
+    their gradients back as ``DTensor`` s of their placements (the layer's own local views
+    and the operator's Function would be two autograd nodes). Elsewhere (no gradient wanted,
+    ``torch.compile``, ``torch.autocast``) it is ``call`` on the local tensors, with the
+    parameters' gradients reaching them through ``tpx.param_dtensors.local_params``."""
+    DTensor = _dtensor_class()
+    function = _EAGER_FUNCTIONS.get(op)
+    if (function is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+            or torch._C._is_any_autocast_enabled() or not any_requires_grad(args)):
+        # DTensor's own to_local: differentiable wherever autograd (or the compiler) records
+        local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+        for i in transposed:
+            local[i] = local[i].t()
+        return call(op, *local)
+    key = (op, transposed)
+    merged = _ON_PARAMS.get(key)
+    if merged is None:
+        merged = _ON_PARAMS[key] = _on_params_function(op, function, transposed)
+    return merged.apply(*args)
+
+
+def params_path(*params) -> bool:
+    """Whether a layer hands its ``DTensor`` parameters to the operator itself
+    (:func:`call_on_params`: where autograd records in eager mode, a parameter needs a
+    gradient); otherwise it takes their local tensors (``tpx.param_dtensors.local_params``)."""
+    return (isinstance(params[0], _dtensor_class()) and torch.is_grad_enabled()
+            and any_requires_grad(params) and not torch.compiler.is_compiling()
+            and not torch._C._is_any_autocast_enabled())
+
+
+_ON_PARAMS: dict = {}
+
+
+def _on_params_function(op: str, function: type, transposed: tuple) -> type:
+    """The Function of :func:`call_on_params` for ``op`` (its eager Function ``function``),
+    its arguments in the operator's order, so that ``ctx.needs_input_grad`` lines up."""
+    DTensor = _dtensor_class()
+    new = DTensor.__new__
+
+    def forward(ctx, *args):
+        params = {}
+        local = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, DTensor):
+                params[i] = a._spec
+                t = a._local_tensor
+                local[i] = t.t() if i in transposed else t
+        ctx.param_specs = params
+        return function.forward(ctx, *local)
+
+    def backward(ctx, *grads):
+        out = list(function.backward(ctx, *grads))
+        for i, spec in ctx.param_specs.items():
+            g = out[i]
+            if g is not None:
+                if i in transposed:
+                    g = g.t()
+                out[i] = new(DTensor, g.contiguous(), spec, requires_grad=False)
+        return tuple(out)
+
+    return type(f"{op}_on_params_function", (torch.autograd.Function,), dict(
+        forward=staticmethod(forward), backward=staticmethod(backward), __module__="tpx.ops",
+        __doc__=f"``torch.ops.tpx.{op}`` on DTensor parameters (see :func:`call_on_params`)."))
+
+
+_DTENSOR: list = []
+
+
+def _dtensor_class():
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def dtensor_of(local: Tensor, spec) -> Tensor:
+    """``DTensor(local, spec, requires_grad=False)``. Outside ``torch.compile`` it is built by
+    ``DTensor.__new__`` alone: the constructor's ``__init__`` does nothing but pass through a
+    wrapper that turns ``torch.compile`` off around it, which costs about 25 us a call."""
+    DTensor = _dtensor_class()
+    if torch.compiler.is_compiling():
+        return DTensor(local, spec, requires_grad=False)
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+
 def any_requires_grad(args) -> bool:
     for t in args:
         if isinstance(t, Tensor) and t.requires_grad:

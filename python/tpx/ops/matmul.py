@@ -26,7 +26,7 @@ from torch import Tensor
 from .. import _ext
 from ..comm_groups import guarded
 from ..group import GroupLike
-from .core import call, dim_first_shape, group_name, register, world
+from .core import call, call_on_params, dim_first_shape, group_name, register, world
 
 
 @guarded
@@ -132,11 +132,12 @@ def matmul_reduce_scatter(
 @guarded
 def matmul_all_reduce(
     a: Tensor,
-    b: Tensor,
+    b: Optional[Tensor],
     group: GroupLike = None,
     chunks: Optional[int] = None,
     *,
     bias: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
 ) -> Tensor:
     """``out = all_reduce(a @ b (+ bias))``: the GEMM of row chunk ``i+1`` runs while chunk
     ``i`` is all-reduced.
@@ -145,32 +146,53 @@ def matmul_all_reduce(
 
     Args:
         a: ``[..., k_r]``, this rank's slice of the contraction dimension.
-        b: ``[k_r, n]``.
+        b: ``[k_r, n]``; ``None`` with ``weight``.
         group, chunks: as in :func:`all_gather_matmul`.
         bias: optional replicated ``[n]``, added once to the reduced result.
+        weight: instead of ``b``, a row-parallel ``nn.Linear`` weight ``[n, k_r]`` (``b`` is
+            its transpose), which may be a ``DTensor`` parameter, as may ``bias``: the
+            operator then computes on their local tensors and hands their gradients back as
+            ``DTensor`` s (one autograd node).
     """
-    # The contraction width (b.shape[0]) may differ by rank; the output shape may not.
+    if weight is not None:
+        # The contraction width may differ by rank; the output shape may not.
+        name = group_name("matmul_all_reduce", group, _local(bias),
+                          out_shape=(*a.shape[:-1], weight.shape[0]), a_dtype=str(a.dtype),
+                          chunks=chunks)
+        return call_on_params("matmul_all_reduce", (a, weight, name, chunks, bias), (1,))
     name = group_name("matmul_all_reduce", group, bias, out_shape=(*a.shape[:-1], b.shape[1]),
                        a_dtype=str(a.dtype), chunks=chunks)
     return call("matmul_all_reduce", a, b, name, chunks, bias)
 
 
+def _local(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t._local_tensor if t is not None and hasattr(t, "_local_tensor") else t
+
+
 @guarded
 def replicated_matmul(
     a: Tensor,
-    b: Tensor,
+    b: Optional[Tensor],
     group: GroupLike = None,
     chunks: Optional[int] = None,
     *,
     bias: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
 ) -> Tensor:
     """``out = a @ b (+ bias)`` for a replicated input: no communication forward; backward
     all-reduces the input gradient, issued before the weight-gradient GEMM and waited after it
     (the column-parallel linear without sequence parallelism).
 
     Placement: ``a R, b S(1) -> out S(-1)``; ``grad_a`` is R (summed over ranks).
+
+    ``weight``: instead of ``b`` (then ``None``), a column-parallel ``nn.Linear`` weight
+    ``[n_r, k]`` (``b`` is its transpose), which may be a ``DTensor`` parameter, as may
+    ``bias``: the operator then computes on their local tensors and hands their gradients
+    back as ``DTensor`` s (one autograd node).
     """
     name = group_name("replicated_matmul", group, a, chunks=chunks)
+    if weight is not None:
+        return call_on_params("replicated_matmul", (a, weight, name, chunks, bias), (1,))
     return call("replicated_matmul", a, b, name, chunks, bias)
 
 
