@@ -76,7 +76,7 @@ def params_path(*params) -> bool:
     """Whether a layer hands its ``DTensor`` parameters to the operator itself
     (:func:`call_on_params`: where autograd records in eager mode, a parameter needs a
     gradient); otherwise it takes their local tensors (``tpx.param_dtensors.local_params``)."""
-    return (isinstance(params[0], _dtensor_class()) and torch.is_grad_enabled()
+    return (torch.is_grad_enabled() and isinstance(params[0], _dtensor_class())
             and any_requires_grad(params) and not torch.compiler.is_compiling()
             and not torch._C._is_any_autocast_enabled())
 
