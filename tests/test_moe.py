@@ -56,9 +56,18 @@ def tiny(family: str, impl: str = "grouped_mm", inter: int = 48):
         config = transformers.GptOssConfig(intermediate_size=inter, num_local_experts=4,
                                            num_experts_per_tok=2, head_dim=8, sliding_window=8,
                                            **common)
+    elif family in ("glm4_moe", "llama4_text"):
+        # a dense layer, then a sparse one whose shared expert Hugging Face's plan splits
+        # (GLM-4-MoE's mlp.shared_experts, Llama 4's feed_forward.shared_expert); Llama 4's
+        # MoE block hands back its tokens flattened
+        import hf_tiny
+
+        size = "moe_intermediate_size" if family == "glm4_moe" else "intermediate_size"
+        config = hf_tiny.tiny_config(family, vocab_size=V, **{size: inter})
     else:
         raise ValueError(family)
-    config._experts_implementation = impl
+    if family != "llama4_text":  # its experts have one implementation
+        config._experts_implementation = impl
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # Hugging Face starts biases at zero: make them count from step 0
         for name, p in model.named_parameters():
@@ -193,6 +202,9 @@ def _cases(rank, world, names):
                                                                 auto=True, sp=True)
     table["qwen2_moe-auto-sp"] = lambda: _train_like_one_device(rank, world, "qwen2_moe",
                                                                 auto=True, sp=True)
+    table.update({f"{f}-auto-sp": (lambda f=f: _train_like_one_device(rank, world, f,
+                                                                     auto=True, sp=True))
+                  for f in ("glm4_moe", "llama4_text")})
     table["mixtral-auto-ep-sp"] = lambda: _train_like_one_device(rank, world, "mixtral", ep=True,
                                                                  auto=True, sp=True)
     table["mixtral-eager-ep-idle"] = lambda: _train_like_one_device(rank, world, "mixtral",
@@ -222,7 +234,7 @@ def test_moe_tp2():
     run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
         "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
         "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
-        "mixtral-eager-ep-idle", "generate",
+        "glm4_moe-auto-sp", "llama4_text-auto-sp", "mixtral-eager-ep-idle", "generate",
         "module-list", "errors", "bytes"])
 
 
@@ -239,7 +251,8 @@ def test_moe_tp4():
     run_ranks(_cases, 4, FAMILIES + [f"{f}-ep" for f in FAMILIES] +
               [f"{f}-auto" for f in FAMILIES] + [f"{f}-auto-ep" for f in FAMILIES] +
               ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
-               "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp", "bytes"])
+               "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
+               "glm4_moe-auto-sp", "llama4_text-auto-sp", "bytes"])
 
 
 def _generate(rank, world):
@@ -320,14 +333,15 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match="ModuleList of expert MLPs"):
         tpx.parallelize_module(nn.Sequential(MoE()), None,
                                {"0.experts": tpx.ExpertsTensorParallel()})
-    # sequence parallelism with shared experts split inside the mixture-of-experts block
-    # (their row-parallel output would be scattered along the hidden size of flat tokens)
+    # sequence parallelism with shared experts split inside a mixture-of-experts block that
+    # also holds a module computed whole (Qwen2-MoE's shared_expert_gate): the block's output
+    # cannot be left Partial() for one reduce-scatter without knowing how the two combine
     shared = tiny("qwen2_moe")
     hf = tpx.parallel.hf_plan.hf_tp_plan(shared)
     hf.update({"model.layers.*.mlp.shared_expert.gate_proj": "colwise",
                "model.layers.*.mlp.shared_expert.up_proj": "colwise",
                "model.layers.*.mlp.shared_expert.down_proj": "rowwise"})
-    with pytest.raises(ValueError, match="shared experts beside the routed"):
+    with pytest.raises(ValueError, match="a module with parameters computed whole"):
         tpx.parallel.hf_plan.translate(shared, tp_plan=hf, sequence_parallel=True)
     tpx.parallelize_module(model, None, {"model.layers.0.mlp.experts": tpx.ExpertsTensorParallel()})
     with pytest.raises(ValueError, match="sharded already"):

@@ -498,24 +498,32 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     attn = [p for p in attn_parents if p.startswith(pre)]
     if any(attn_parents[p] != [p] for p in attn):
         raise fail("not every decoder layer has the attention the plan splits by heads")
-    if len(attn) != 1 or len(blocks) != 2 or any(
-            len(v) != 1 for ends in blocks.values() for v in ends.values()):
+    # the mixture-of-experts blocks (the modules holding the experts), and the row-parallel
+    # projections inside them: the ends of shared experts the plan splits
+    sparse = {n.rsplit(".", 1)[0] for n, _ in model.named_modules()
+              for key in experts if fnmatch.fnmatchcase(n, key)}
+    names = [n for n, _ in model.named_modules()]
+    shared = [k for k in rows if any(fnmatch.fnmatchcase(n, k) and n.startswith(b + ".")
+                                     for n in names for b in sparse)]
+    for k in shared:
+        if not all(any(n.startswith(b + ".") for b in sparse)
+                   for n in names if fnmatch.fnmatchcase(n, k)):
+            raise fail(f"the row-parallel projection {k!r} is inside some of its "
+                       "mixture-of-experts blocks and outside others")
+
+    def one_end(ends) -> bool:  # one dense end (and / or the experts), any shared experts
+        dense = [k for k in ends.get("rows", []) if k not in shared]
+        return len(dense) <= 1 and len(ends.get("experts", [])) <= 1 and bool(
+            dense or ends.get("experts"))
+
+    if len(attn) != 1 or len(blocks) != 2 or not all(one_end(e) for e in blocks.values()):
         raise fail("the decoder layer is not one attention and one MLP, each ending in one "
-                   "row-parallel projection (or, for a mixture of experts, in its experts "
-                   "alone, without shared experts)")
+                   "row-parallel projection (or, for a mixture of experts, in its experts, "
+                   "beside shared experts the plan splits)")
     attn_child = attn[0][len(pre):]
     if "." in attn_child or attn_child not in blocks:
         raise fail("the attention is not a direct child of the decoder layer")
     mlp_child = next(b for b in blocks if b != attn_child)
-    # the mixture-of-experts blocks (the modules holding the experts)
-    sparse = {n.rsplit(".", 1)[0] for n, _ in model.named_modules()
-              for key in experts if fnmatch.fnmatchcase(n, key)}
-    for key in blocks[mlp_child].get("rows", []):
-        inside = [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, key)
-                  and any(n.startswith(b + ".") for b in sparse)]
-        if inside:
-            raise fail(f"its mixture-of-experts block holds shared experts beside the routed "
-                       f"ones ({inside[0]})")
     for name, sub in layer.named_children():
         if name in (attn_child, mlp_child):
             continue
@@ -529,7 +537,10 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     n = SeqLength()
     for key in rows:
         st = plan[key]
-        new = RowwiseParallel(input_layouts=st.input_layouts, output_layouts=Shard(1))
+        # a shared expert's end leaves its output Partial(): the block reduce-scatters it
+        # with the routed experts' (ExpertsBlockSequence)
+        new = RowwiseParallel(input_layouts=st.input_layouts,
+                              output_layouts=Partial() if key in shared else Shard(1))
         plan[key] = Chain(new, PadSequence(n)) if key.startswith(attn[0] + ".") else new
     plan[attn[0]] = Chain(plan[attn[0]], GatherSequence(n, "input"))
     # tpx's own plan hands local tensors between the blocks (no DTensor on the hot path)
@@ -546,10 +557,17 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         # the experts sum theirs and the block keeps its block of the sequence.
         key = experts[0]
         routers = ("gate", "router")
+        split_shared = {n.rsplit(".", 1)[0] for n in names for k in shared
+                        if fnmatch.fnmatchcase(n, k)}
         alone = all(child is getattr(block, "experts", None) or name in routers
                     or next(child.parameters(), None) is None
-                    for block in (model.get_submodule(b) for b in sparse)
+                    or f"{b}.{name}" in split_shared
+                    for b, block in ((b, model.get_submodule(b)) for b in sparse)
                     for name, child in block.named_children())
+        if shared and not alone:
+            raise fail("its mixture-of-experts block holds, beside the routed experts and the "
+                       "shared experts the plan splits, a module with parameters computed "
+                       "whole on every rank")
         if alone:
             style = copy.copy(plan[key])
             style.output_layouts = Partial()

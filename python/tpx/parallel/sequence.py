@@ -141,6 +141,8 @@ class ExpertsBlockSequence(ParallelStyle):
         world, rank = pg.size(), dist.get_rank(pg)
         partial = self.partial
 
+        batch = []  # the batch size of the call in flight
+
         def pre(mod, args, kwargs):
             x = _hidden(args, kwargs)
             if not isinstance(x, Tensor):
@@ -150,15 +152,21 @@ class ExpertsBlockSequence(ParallelStyle):
             x = mappings.gather_dim(x, 1, [per] * world, rank * per, pg)
             if seq.length != seq.padded:
                 x = x.narrow(1, 0, seq.length).contiguous()
+            batch[:] = [x.shape[0]]
             return _replace_hidden(args, kwargs, x)
 
         def scatter(x):
+            flat = x.dim() == 2 and batch and x.shape[0] == batch[0] * seq.length
+            if flat:  # the block hands back its tokens flattened ([B * S, H]: Llama 4)
+                x = x.view(batch[0], seq.length, x.shape[-1])
             if x.shape[1] < seq.padded:
                 x = F.pad(x, (0, 0, 0, seq.padded - x.shape[1]))
             if partial:
-                return mappings.reduce_scatter_dim(x, 1, pg)
-            per = seq.padded // world
-            return mappings.split_dim(x, 1, [per] * world, rank * per, pg)
+                x = mappings.reduce_scatter_dim(x, 1, pg)
+            else:
+                per = seq.padded // world
+                x = mappings.split_dim(x, 1, [per] * world, rank * per, pg)
+            return x.reshape(-1, x.shape[-1]) if flat else x
 
         def post(mod, args, out):
             if isinstance(out, Tensor):
