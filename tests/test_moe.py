@@ -204,7 +204,7 @@ def _cases(rank, world, names):
                                                                 auto=True, sp=True)
     table.update({f"{f}-auto-sp": (lambda f=f: _train_like_one_device(rank, world, f,
                                                                      auto=True, sp=True))
-                  for f in ("glm4_moe", "llama4_text")})
+                  for f in ("glm4_moe", "llama4_text", "deepseek_v3")})
     table["mixtral-auto-ep-sp"] = lambda: _train_like_one_device(rank, world, "mixtral", ep=True,
                                                                  auto=True, sp=True)
     table["mixtral-eager-ep-idle"] = lambda: _train_like_one_device(rank, world, "mixtral",
@@ -234,7 +234,8 @@ def test_moe_tp2():
     run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
         "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
         "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
-        "glm4_moe-auto-sp", "llama4_text-auto-sp", "mixtral-eager-ep-idle", "generate",
+        "glm4_moe-auto-sp", "llama4_text-auto-sp", "deepseek_v3-auto-sp", "mixtral-eager-ep-idle",
+        "generate",
         "module-list", "errors", "bytes"])
 
 
@@ -252,7 +253,7 @@ def test_moe_tp4():
               [f"{f}-auto" for f in FAMILIES] + [f"{f}-auto-ep" for f in FAMILIES] +
               ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
                "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
-               "glm4_moe-auto-sp", "llama4_text-auto-sp", "bytes"])
+               "glm4_moe-auto-sp", "llama4_text-auto-sp", "deepseek_v3-auto-sp", "bytes"])
 
 
 def _generate(rank, world):

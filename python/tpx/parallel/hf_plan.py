@@ -47,6 +47,7 @@ from .hf_styles import (HF_STYLES, AllReduceOutput, HeadParams, HFStyle,  # noqa
                         KeepWhole, PartialGradParams, SplitRopeGrad, VocabParallelEmbeddingStyle,
                         packed_colwise, style, text_config)
 from .sequence import (Chain, ExpertsBlockSequence, GatherSequence, PadSequence, SeqLength,
+                       WholeOnSequence,
                        SplitSequence, find_module)
 from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
                     SequenceParallel, Shard, ShardedAttention)
@@ -474,7 +475,10 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
     decoder layers run on this rank's block of the sequence (padded to a multiple of the TP
     size), their norms on the block; attention gathers the sequence before it (trimmed to
     the real positions) and its output projection reduce-scatters it; the MLP gathers
-    it (padded) and its down projection reduce-scatters; the final norm gathers it back."""
+    it (padded) and its down projection reduce-scatters; the final norm gathers it back. A
+    mixture-of-experts block gathers the real positions and reduce-scatters its experts' (and
+    split shared experts') partial output (:class:`ExpertsBlockSequence`); an attention the
+    plan keeps whole runs on the gathered sequence (:class:`WholeOnSequence`)."""
 
     def fail(why):
         return ValueError(f"tpx.plans.auto: sequence_parallel=True is not supported for "
@@ -516,12 +520,26 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         return len(dense) <= 1 and len(ends.get("experts", [])) <= 1 and bool(
             dense or ends.get("experts"))
 
-    if len(attn) != 1 or len(blocks) != 2 or not all(one_end(e) for e in blocks.values()):
+    whole = None  # an attention the plan keeps whole: it runs on the whole sequence
+    if not attn:
+        others = [name for name, sub in layer.named_children() if name not in blocks
+                  and not ("norm" in type(sub).__name__.lower() or isinstance(sub, nn.Dropout))]
+        if len(others) == 1 and not any(k.startswith(pre + others[0]) for k in entries):
+            whole = others[0]
+            kinds = {tuple((n, type(c).__name__) for n, c in lay.named_children())
+                     for lay in model.get_submodule(layers)}
+            if len({k for kind in kinds for n, k in kind if n == whole}) != 1 or any(
+                    whole not in dict(kind) for kind in kinds):
+                what = type(getattr(layer, whole)).__name__
+                raise fail(f"the decoder layers differ: {whole} ({what}) is not in every one "
+                           "of them alike")
+    if (len(attn) != 1 and whole is None) or len(blocks) != (1 if whole else 2) or not all(
+            one_end(e) for e in blocks.values()):
         raise fail("the decoder layer is not one attention and one MLP, each ending in one "
                    "row-parallel projection (or, for a mixture of experts, in its experts, "
                    "beside shared experts the plan splits)")
-    attn_child = attn[0][len(pre):]
-    if "." in attn_child or attn_child not in blocks:
+    attn_child = whole or attn[0][len(pre):]
+    if not whole and ("." in attn_child or attn_child not in blocks):
         raise fail("the attention is not a direct child of the decoder layer")
     mlp_child = next(b for b in blocks if b != attn_child)
     for name, sub in layer.named_children():
@@ -541,8 +559,12 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
         # with the routed experts' (ExpertsBlockSequence)
         new = RowwiseParallel(input_layouts=st.input_layouts,
                               output_layouts=Partial() if key in shared else Shard(1))
-        plan[key] = Chain(new, PadSequence(n)) if key.startswith(attn[0] + ".") else new
-    plan[attn[0]] = Chain(plan[attn[0]], GatherSequence(n, "input"))
+        plan[key] = (Chain(new, PadSequence(n)) if attn and key.startswith(attn[0] + ".")
+                     else new)
+    if whole:
+        plan[pre + whole] = WholeOnSequence(n)
+    else:
+        plan[attn[0]] = Chain(plan[attn[0]], GatherSequence(n, "input"))
     # tpx's own plan hands local tensors between the blocks (no DTensor on the hot path)
     gather_padded = PrepareModuleInput(input_layouts=(Shard(1),),
                                        desired_input_layouts=(Replicate(),),
@@ -572,10 +594,17 @@ def _sequence_parallel(model: nn.Module, plan: Plan, entries: Dict[str, str],
             style = copy.copy(plan[key])
             style.output_layouts = Partial()
             plan[key] = style
+        dense = [k for k in rows if k not in shared]
         for name, _ in model.named_modules():
-            if fnmatch.fnmatchcase(name, pre + mlp_child):
-                plan[name] = (ExpertsBlockSequence(n, partial=alone) if name in sparse
-                              else gather_padded)
+            if not fnmatch.fnmatchcase(name, pre + mlp_child):
+                continue
+            if name in sparse:
+                plan[name] = ExpertsBlockSequence(n, partial=alone)
+            elif any(fnmatch.fnmatchcase(m, k) and m.startswith(name + ".")
+                     for m in names for k in dense):
+                plan[name] = gather_padded
+            else:  # a dense MLP the plan keeps whole (AFMoE's first layer)
+                plan[name] = WholeOnSequence(n)
     plan[pre.replace("*", "0").rstrip(".")] = SplitSequence(n)
     for name, sub in layer.named_children():
         if name not in (attn_child, mlp_child):

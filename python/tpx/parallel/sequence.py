@@ -15,6 +15,7 @@ from .. import mappings
 from .style import ParallelStyle, TPContext, apply_style
 
 __all__ = ["Chain", "ExpertsBlockSequence", "GatherSequence", "PadSequence", "SeqLength",
+           "WholeOnSequence",
            "SplitSequence", "find_module"]
 
 
@@ -181,6 +182,21 @@ class ExpertsBlockSequence(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"ExpertsBlockSequence(partial={self.partial})"
+
+
+class WholeOnSequence(ExpertsBlockSequence):
+    """A module the plan keeps whole (an attention it does not split: DeepSeek-V3's MLA,
+    GraniteMoE's) under sequence parallelism: its input ``hidden_states S(1) -> R``, gathered
+    and trimmed to the real positions; every rank computes it whole on the whole sequence and
+    keeps its block of the output, ``R -> S(1)``, padded as the first decoder layer split it.
+    The backward all-gathers the output's gradient, so every rank computes the same whole
+    gradients (its parameters need no sum), and keeps its block of the input's."""
+
+    def __init__(self, seq: SeqLength) -> None:
+        super().__init__(seq, partial=False)
+
+    def __repr__(self) -> str:
+        return "WholeOnSequence()"
 
 
 class PadSequence(ParallelStyle):
