@@ -7,6 +7,8 @@ random configs, nothing downloaded) and every TP size asked for, the ranks (gloo
 the same unsharded model from the same seed and a copy sharded by
 
 * ``tpx``: ``tpx.parallelize_module(model, None, tpx.plans.auto(model))``;
+* ``tpx-sp``: the same with ``tpx.plans.auto(model, sequence_parallel=True)``, on batches of 15
+  positions (padded to a multiple of the TP size inside: the uneven case);
 * ``hf``: transformers' own tensor parallelism applied to the built model
   (``model._resolve_parallel_plans(DistributedConfig(tp_size=P))`` then
   ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``: what
@@ -25,7 +27,7 @@ numbers differ: the first tensor out of tolerance is named), ``refused`` (an err
 the library that says it does not take the model, before training) or ``crash`` (any other
 exception, a hang or a dead rank; the exception's first line).
 
-    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf]
+    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf,tpx-sp]
 
 prints the table and writes ``benchmarks/results/hf_zoo.json``.
 """
@@ -76,10 +78,11 @@ def _full(t):
 
 
 def _shard(impl: str, model, world: int):
-    if impl == "tpx":
+    if impl in ("tpx", "tpx-sp"):
         import tpx
 
-        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+        tpx.parallelize_module(model, None, tpx.plans.auto(
+            model, sequence_parallel=impl == "tpx-sp"))
         return
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed import DistributedConfig
@@ -90,7 +93,7 @@ def _shard(impl: str, model, world: int):
 
 
 def _full_state(impl: str, model):
-    if impl == "tpx":
+    if impl in ("tpx", "tpx-sp"):
         import tpx.checkpoint
 
         return tpx.checkpoint.full_state_dict(model)
@@ -120,7 +123,7 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
     worst = (0.0, "")
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
-        ids = torch.randint(3, 1003, (2, 16), generator=g)
+        ids = torch.randint(3, 1003, (2, 15 if impl == "tpx-sp" else 16), generator=g)
         out_ref = ref(input_ids=ids, labels=ids)
         out = model(input_ids=ids, labels=ids)
         for what, a, b, rtol, atol in (("logits", _full(out.logits), out_ref.logits, 1e-4, 2e-5),

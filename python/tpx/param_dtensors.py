@@ -288,18 +288,32 @@ def savable(dt: "DTensor"):
     ``torch.distributed.checkpoint`` saves as the blocks they are and loads resharded to any
     layout; :func:`read_back` puts what a load wrote into it back into ``dt``. Collective over
     the default group."""
-    import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import Shard as Block, ShardedTensor
-    from torch.distributed._shard.sharding_spec import ShardMetadata
-
-    placement = f"rank:{dist.get_rank()}/{dt._local_tensor.device}"
-    blocks = [Block(view.contiguous(), ShardMetadata(start, size, placement))
-              for view, start, size in _blocks(dt)]
-    return ShardedTensor._init_from_local_shards(blocks, list(dt.shape))
+    return sharded_blocks(_blocks(dt), dt.shape)
 
 
 def read_back(st, dt: "DTensor") -> None:
     """Copies the blocks of ``st`` (made by :func:`savable` from ``dt``) into ``dt``'s local
     tensor."""
-    for (view, _, _), block in zip(_blocks(dt), st.local_shards()):
+    read_back_blocks(st, _blocks(dt))
+
+
+def sharded_blocks(blocks, shape):
+    """A ``ShardedTensor`` of global ``shape`` whose local shards are copies of ``blocks``
+    (``(view, global offsets, sizes)``, the views in their own order). Collective over the
+    default group."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard as Block, ShardedTensor
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    out = []
+    for view, start, size in blocks:
+        placement = f"rank:{dist.get_rank()}/{view.device}"
+        out.append(Block(view.contiguous(), ShardMetadata(list(start), list(size), placement)))
+    return ShardedTensor._init_from_local_shards(out, list(shape))
+
+
+def read_back_blocks(st, blocks) -> None:
+    """Copies the local shards of ``st`` (made by :func:`sharded_blocks` from ``blocks``) into
+    the views of ``blocks``."""
+    for (view, _, _), block in zip(blocks, st.local_shards()):
         view.copy_(block.tensor)

@@ -491,13 +491,9 @@ def _layout_not_stated(module, name: str, key: str, desc: GroupSharding, fsdp: b
         f"a DTensor cannot state{what} (each rank holds the rows {list(desc.rows[desc.rank])} "
         f"of {desc.full_shape[desc.dim]}: segments split separately, or rows held by several "
         "ranks), so state_dict() cannot give it under its full name without gathering. "
-        + ("Take the full model with tpx.checkpoint.full_state_dict(model, rank0_only=True) "
-           "(for save_pretrained: pass it as state_dict=); a sharded checkpoint of this layout "
-           "under FSDP2 is not supported (tpx.checkpoint.save works on the model sharded by tpx "
-           "alone)" if fsdp else
-           "Save with tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
-           "degree on load), or take the full model with tpx.checkpoint.full_state_dict(model, "
-           "rank0_only=True) (for save_pretrained: pass it as state_dict=)"))
+        + "Save with tpx.checkpoint.save(model, path) (torch.distributed.checkpoint, any TP "
+          "degree on load), or take the full model with tpx.checkpoint.full_state_dict(model, "
+          "rank0_only=True) (for save_pretrained: pass it as state_dict=)")
 
 
 def _distinct_dims(dt) -> bool:

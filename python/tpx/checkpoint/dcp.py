@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,10 @@ from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_d
                    mesh_params, sharded_params)
 from .optim import get_optimizer_state_dict, load_optimizer_part
 from ..nn.dtensor_io import DTensor
-from ..sharding import raw_state_dict
-from ..param_dtensors import local_of, read_back, savable, strided
+from ..sharding import GroupSharding, collect_unstated, raw_state_dict
+from ..nn.dtensor_io import Shard
+from ..param_dtensors import (local_of, read_back, read_back_blocks, savable, sharded_blocks,
+                              strided)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,15 +80,13 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     import torch.distributed.checkpoint as dcp
 
     fsdp = fsdp_managed(model)
-    state = _torch_model_state(model) if fsdp else sharded_state_dict(model)
-    if optimizer is not None:
-        if any(k == OPTIM_KEY or k.startswith(OPTIM_KEY + ".") for k in state):
-            raise ValueError(f"tpx.checkpoint.save: the model has state under {OPTIM_KEY!r}, the key "
-                             "the optimizer state is saved under; rename that submodule or "
-                             "save the optimizer separately with get_optimizer_state_dict")
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
     if fsdp:
-        state, _ = _savable(state)
+        _, state, _, _ = _fsdp_state(model, optimizer, "save")
+    else:
+        state = sharded_state_dict(model)
+        if optimizer is not None:
+            _no_optim_key("save", state)
+            state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
     final = os.path.normpath(os.fspath(checkpoint_id))
     staging = final + _PARTIAL
     rank = dist.get_rank()
@@ -213,34 +213,105 @@ def _torch_model_state(model: nn.Module) -> Dict[str, Any]:
     return dict(get_model_state_dict(model))
 
 
-def _savable(state: Any, path: tuple = ()) -> Tuple[Any, Dict[tuple, Any]]:
-    """``state`` (nested dicts) with each ``DTensor`` of a strided layout (fused segments split
-    separately, under FSDP2 too) replaced by a ``ShardedTensor`` of its blocks, which
-    ``torch.distributed.checkpoint`` saves and loads (it refuses the ``DTensor``: one chunk
-    per rank cannot say where the rows are); and the replaced ``DTensor`` s by their path.
-    Collective."""
-    replaced: Dict[tuple, Any] = {}
+def _no_optim_key(where: str, state: Dict[str, Any]) -> None:
+    if any(k == OPTIM_KEY or k.startswith(OPTIM_KEY + ".") for k in state):
+        raise ValueError(f"tpx.checkpoint.{where}: the model has state under {OPTIM_KEY!r}, the "
+                         "key the optimizer state is saved under; rename that submodule or save "
+                         "the optimizer separately with get_optimizer_state_dict")
+
+
+def _fsdp_state(model: nn.Module, optimizer, where: str):
+    """torch's state dicts of a model FSDP2 shards too (the optimizer's under ``"optim"``):
+    ``(state, savable, blocks, unstated)``. In ``savable`` each ``DTensor`` that
+    ``torch.distributed.checkpoint`` cannot place is a ``ShardedTensor`` of this rank's blocks
+    of the full tensor (copies): a strided layout (fused segments split separately), and a
+    parameter tpx splits in a layout no ``DTensor`` states, whose FSDP2 ``DTensor`` states
+    only the data-parallel split of this rank's TP part (and its optimizer state alike).
+    ``blocks``: ``(path, views)`` to read a load back into ``state``'s tensors; ``unstated``:
+    the model keys of the latter. Collective."""
+    with collect_unstated() as found:
+        state = _torch_model_state(model)
+    lays = dict(found)
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import \
+            get_optimizer_state_dict as torch_optimizer_state
+
+        _no_optim_key(where, state)
+        state[OPTIM_KEY] = torch_optimizer_state(model, optimizer)
+    blocks: List[Tuple[tuple, list]] = []
+    return state, _savable(state, lays, (), blocks), blocks, set(lays)
+
+
+def _savable(state: Any, lays: Dict[str, GroupSharding], path: tuple, blocks: list) -> Any:
     if isinstance(state, dict):
-        out = {}
-        for key in sorted(state, key=str):  # the same order on every rank: savable() is collective
-            out[key], more = _savable(state[key], path + (key,))
-            replaced.update(more)
-        return out, replaced
+        # the same order on every rank: a ShardedTensor is made collectively
+        return {key: _savable(state[key], lays, path + (key,), blocks)
+                for key in sorted(state, key=str)}
+    if not isinstance(state, DTensor):
+        return state
+    key = path[0] if len(path) == 1 else (
+        path[2] if len(path) == 4 and path[:2] == (OPTIM_KEY, "state") else None)
+    if key in lays and state.dim() > 0:
+        lay = lays[key]
+        views = _unstated_blocks(state, lay)
+        shape = list(lay.full_shape)
+        blocks.append((path, views))
+        return sharded_blocks(views, shape[::-1] if lay.transposed else shape)
     if strided(state):
-        replaced[path] = state
-        return savable(state), replaced
-    return state, replaced
+        blocks.append((path, None))
+        return savable(state)
+    return state
 
 
-def _put_back(loaded: Dict[str, Any], state: Dict[str, Any],
-              replaced: Dict[tuple, Any]) -> None:
+def _unstated_blocks(dt: DTensor, lay: GroupSharding) -> list:
+    """``(view, global offsets, sizes)`` of the rows this rank counts (a row held by several
+    ranks on the lowest of them) of the full tensor, in the original orientation, for FSDP2's
+    ``DTensor`` ``dt`` (``Shard(0)`` of this rank's TP part over the data-parallel mesh) of a
+    parameter split as ``lay`` over the TP group."""
+    if tuple(dt.placements) != (Shard(0),) or dt.device_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"tpx.checkpoint: a parameter split over the TP group as {lay.rows[lay.rank]} "
+            f"whose FSDP2 DTensor has placements {dt.placements}; only fully_shard's default "
+            "Shard(0) over a 1-D data-parallel mesh is supported")
+    local, tp_rows = dt._local_tensor, lay.local_shape[0]
+    world, k = dt.device_mesh.size(), dt.device_mesh.get_local_rank()
+    per = -(-tp_rows // world)
+    a0 = min(k * per, tp_rows)  # FSDP2's rows [a0, a0 + len) of dim 0 of this rank's TP part
+    a1 = a0 + local.shape[0]
+    counted = lay.owned() or [(0, lay.local_shape[lay.dim])]
+    out, offset = [], 0
+    for s, e in lay.rows[lay.rank]:  # the TP part along lay.dim: these global rows in order
+        for w0, w1 in counted:
+            lo, hi = max(offset, w0), min(offset + e - s, w1)
+            if lay.dim == 0:
+                lo, hi = max(lo, a0), min(hi, a1)
+            if hi <= lo:
+                continue
+            start = [0] * local.dim()
+            if lay.dim == 0:
+                view = local.narrow(0, lo - a0, hi - lo)
+            else:
+                view = local.narrow(lay.dim, lo, hi - lo)
+                start[0] = a0
+            start[lay.dim] = s + lo - offset
+            out.append((view, start, list(view.shape)))
+        offset += e - s
+    if lay.transposed:
+        out = [(v.t(), st[::-1], sz[::-1]) for v, st, sz in out]
+    return out
+
+
+def _read_back(loaded: Dict[str, Any], state: Dict[str, Any], blocks: list) -> None:
     """Copies what a load read into each ``ShardedTensor`` of ``loaded`` (made by
-    :func:`_savable` from ``state``) into the ``DTensor`` it replaced."""
-    for path, value in replaced.items():
-        node = loaded
+    :func:`_fsdp_state`) into the tensor of ``state`` it stands for."""
+    for path, views in blocks:
+        got, own = loaded, state
         for key in path:
-            node = node[key]
-        read_back(node, value)
+            got, own = got[key], own[key]
+        if views is None:
+            read_back(got, own)
+        else:
+            read_back_blocks(got, views)
 
 
 def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
@@ -248,11 +319,9 @@ def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
     dicts of this run's layout (any layout the checkpoint was saved from), then set with
     torch's ``set_state_dict``. Shapes and the optimizer part are checked first."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    state = _torch_model_state(model)
-    _check_model_keys(checkpoint_id, metadata, state)
     if optimizer is not None:
         held = metadata.planner_data or {}
         if not any(isinstance(p, tuple) and len(p) > 1 and p[0] == OPTIM_KEY
@@ -261,11 +330,14 @@ def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
                              "optimizer state (it was saved without `optimizer`); call load "
                              "without optimizer=, or save with tpx.checkpoint.save(model, "
                              "checkpoint_id, optimizer=optimizer)")
-        state[OPTIM_KEY] = get_optimizer_state_dict(model, optimizer)
-    loading, replaced = _savable(state)
+    state, loading, blocks, unstated = _fsdp_state(model, optimizer, "load")
+    _check_model_keys(checkpoint_id, metadata,
+                      {k: v for k, v in loading.items() if k != OPTIM_KEY})
     dcp.load(loading, checkpoint_id=os.fspath(checkpoint_id))
-    _put_back(loading, state, replaced)
+    _read_back(loading, state, blocks)
     optim = state.pop(OPTIM_KEY, None)
-    set_model_state_dict(model, state)
+    # the parameters in layouts no DTensor states were read into their storage in place
+    set_model_state_dict(model, {k: v for k, v in state.items() if k not in unstated},
+                         options=StateDictOptions(strict=not unstated))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim)

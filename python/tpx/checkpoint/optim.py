@@ -14,6 +14,7 @@ from .full import (OPTIM_KEY, MeshSharded, Sharded, as_stored, chunked_dtensor, 
                    mesh_dtensor, mesh_params, sharded_params)
 from ..nn.dtensor_io import DTensor
 from ..param_dtensors import local_of
+from ..sharding import unstated_layouts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +206,16 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
         from torch.distributed.checkpoint.state_dict import \
             get_optimizer_state_dict as torch_get
 
+        for prefix, m in model.named_modules():
+            for name, lay in unstated_layouts(m):
+                # FSDP2's DTensor of its state states the data-parallel split of this rank's
+                # TP part only: under the full name it would be one TP rank's part
+                raise ValueError(
+                    f"tpx.checkpoint.get_optimizer_state_dict: {prefix}.{name} is "
+                    "split over the TP group in a layout no DTensor states and FSDP2 shards it "
+                    "too, so its optimizer state cannot be given under its full name; save the "
+                    "optimizer with tpx.checkpoint.save(model, path, optimizer=optimizer) "
+                    "(sharded, loaded by tpx.checkpoint.load at any layout)")
         return torch_get(model, optimizer, options=options)
     full, cpu_offload, _ = _options("get_optimizer_state_dict", options)
     params = ParamSet(model)
