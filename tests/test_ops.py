@@ -191,6 +191,29 @@ def test_chunks_match_reference(world):
     run_ranks(_check_chunks_agree, world)
 
 
+def _check_weight_argument(rank, world):
+    """``weight=`` (a Linear weight, the transpose of ``b``) gives what ``b`` gives: output and
+    the gradients of the input, the weight and the bias."""
+    gen = torch.Generator().manual_seed(11 + rank)
+    for op, k in ((tpx.ops.replicated_matmul, 16), (tpx.ops.matmul_all_reduce, 5 + rank)):
+        x, w, bias = (randn(3, k, gen=gen, dev="cpu"), randn(12, k, gen=gen, dev="cpu"),
+                      randn(12, gen=gen, dev="cpu"))
+        grads = []
+        for use_weight in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (x, w, bias)]
+            a, wl, bl = leaves
+            out = (op(a, None, bias=bl, weight=wl) if use_weight else op(a, wl.t(), bias=bl))
+            (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+            grads.append([out.detach()] + [t.grad for t in leaves])
+        for name, got, want in zip(("out", "grad x", "grad weight", "grad bias"), *grads[::-1]):
+            assert torch.equal(got, want), f"{op.__name__} {name} with weight="
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_weight_argument_matches_b(world):
+    run_ranks(_check_weight_argument, world)
+
+
 def _opcheck_all(rank, world, dev="cpu"):
     name = dist.group.WORLD.group_name
     gen = torch.Generator().manual_seed(11)

@@ -96,19 +96,20 @@ def _on_params_function(op: str, function: type, transposed: tuple) -> type:
         for i, a in enumerate(args):
             if isinstance(a, DTensor):
                 params[i] = a._spec
-                t = a._local_tensor
-                local[i] = t.t() if i in transposed else t
+                local[i] = a._local_tensor
+        for i in transposed:
+            local[i] = local[i].t()
         ctx.param_specs = params
         return function.forward(ctx, *local)
 
     def backward(ctx, *grads):
         out = list(function.backward(ctx, *grads))
+        for i in transposed:
+            if out[i] is not None:
+                out[i] = out[i].t()
         for i, spec in ctx.param_specs.items():
-            g = out[i]
-            if g is not None:
-                if i in transposed:
-                    g = g.t()
-                out[i] = new(DTensor, g.contiguous(), spec, requires_grad=False)
+            if out[i] is not None:
+                out[i] = new(DTensor, out[i].contiguous(), spec, requires_grad=False)
         return tuple(out)
 
     return type(f"{op}_on_params_function", (torch.autograd.Function,), dict(
