@@ -37,6 +37,11 @@ def tiny(family: str, **overrides):
                   hidden_dropout=0.0, attention_dropout=0.0)
         kw.update(overrides)
         config = transformers.GPTNeoXConfig(**kw)
+    elif family == "phi3":  # its plan gathers the attention's and the MLP's projections
+        import hf_tiny
+
+        config = hf_tiny.tiny_config(family, vocab_size=V, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attention_dropout=0.0, **overrides)
     else:
         raise ValueError(family)
     return transformers.AutoModelForCausalLM.from_config(config)
@@ -101,6 +106,14 @@ def test_llama_gqa(world):
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_family_sequence_and_loss_parallel(family):
     run_ranks(_check_family, 4 if family == "llama" else 2, family, True, True)
+
+
+def test_sequence_parallel_over_gathered_blocks():
+    """Phi-3, whose Hugging Face plan gathers the outputs of its fused qkv and gate / up
+    projections (the heads whole on every rank) and splits the input of o_proj and down_proj:
+    under sequence parallelism both blocks run on the real positions (15, padded to 16
+    between them) and their row-parallel ends reduce-scatter."""
+    run_ranks(_check_family, 2, "phi3", True, True, 15)
 
 
 def test_mistral():

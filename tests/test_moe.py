@@ -56,12 +56,13 @@ def tiny(family: str, impl: str = "grouped_mm", inter: int = 48):
         config = transformers.GptOssConfig(intermediate_size=inter, num_local_experts=4,
                                            num_experts_per_tok=2, head_dim=8, sliding_window=8,
                                            **common)
-    elif family in ("glm4_moe", "llama4_text"):
+    elif family in ("glm4_moe", "llama4_text", "olmoe"):
         # a dense layer, then a sparse one whose shared expert Hugging Face's plan splits
         # (GLM-4-MoE's mlp.shared_experts, Llama 4's feed_forward.shared_expert); Llama 4's
         # MoE block hands back its tokens flattened
         import hf_tiny
 
+        # (OLMoE's plan gathers its attention's projections: the heads whole on every rank)
         size = "moe_intermediate_size" if family == "glm4_moe" else "intermediate_size"
         config = hf_tiny.tiny_config(family, vocab_size=V, **{size: inter})
     else:
@@ -204,7 +205,7 @@ def _cases(rank, world, names):
                                                                 auto=True, sp=True)
     table.update({f"{f}-auto-sp": (lambda f=f: _train_like_one_device(rank, world, f,
                                                                      auto=True, sp=True))
-                  for f in ("glm4_moe", "llama4_text", "deepseek_v3")})
+                  for f in ("glm4_moe", "llama4_text", "deepseek_v3", "olmoe")})
     table["mixtral-auto-ep-sp"] = lambda: _train_like_one_device(rank, world, "mixtral", ep=True,
                                                                  auto=True, sp=True)
     table["mixtral-eager-ep-idle"] = lambda: _train_like_one_device(rank, world, "mixtral",
@@ -234,8 +235,8 @@ def test_moe_tp2():
     run_ranks(_cases, 2, FAMILIES + [f"{f}-auto" for f in FAMILIES] + [
         "gpt_oss", "mixtral-eager-45", "mixtral-ep", "deepseek_v3-ep", "gpt_oss-ep",
         "qwen3_moe-auto-ep", "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
-        "glm4_moe-auto-sp", "llama4_text-auto-sp", "deepseek_v3-auto-sp", "mixtral-eager-ep-idle",
-        "generate",
+        "glm4_moe-auto-sp", "llama4_text-auto-sp", "deepseek_v3-auto-sp", "olmoe-auto-sp",
+        "mixtral-eager-ep-idle", "generate",
         "module-list", "errors", "bytes"])
 
 
@@ -253,7 +254,8 @@ def test_moe_tp4():
               [f"{f}-auto" for f in FAMILIES] + [f"{f}-auto-ep" for f in FAMILIES] +
               ["gpt_oss", "gpt_oss-ep", "qwen3_moe-eager-46", "mixtral-eager-ep", "module-list",
                "qwen3_moe-auto-sp", "qwen2_moe-auto-sp", "mixtral-auto-ep-sp",
-               "glm4_moe-auto-sp", "llama4_text-auto-sp", "deepseek_v3-auto-sp", "bytes"])
+               "glm4_moe-auto-sp", "llama4_text-auto-sp", "deepseek_v3-auto-sp", "olmoe-auto-sp",
+               "bytes"])
 
 
 def _generate(rank, world):

@@ -85,12 +85,18 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan, entries: Dict[str, str]
                 what = type(getattr(layer, whole)).__name__
                 raise fail(f"the decoder layers differ: {whole} ({what}) is not in every one "
                            "of them alike")
-    if (len(attn) != 1 and whole is None) or len(blocks) != (1 if whole else 2) or not all(
-            one_end(e) for e in blocks.values()):
+    # dense blocks whose plan gathers their projections' outputs (an attention with its heads
+    # whole on every rank: Phi-3's, OLMo 2's, OLMoE's; Phi-3's MLP): each runs on the real
+    # positions, its row-parallel end reduce-scatters
+    gathered = sorted(b for b, e in blocks.items() if "experts" not in e) if (
+        not attn and whole is None and len(blocks) == 2
+        and all(one_end(e) for e in blocks.values())) else []
+    if (len(attn) != 1 and whole is None and not gathered) or len(blocks) != (
+            1 if whole else 2) or not all(one_end(e) for e in blocks.values()):
         raise fail("the decoder layer is not one attention and one MLP, each ending in one "
                    "row-parallel projection (or, for a mixture of experts, in its experts, "
                    "beside shared experts the plan splits)")
-    attn_child = whole or attn[0][len(pre):]
+    attn_child = whole or (gathered[0] if gathered else attn[0][len(pre):])
     if not whole and ("." in attn_child or attn_child not in blocks):
         raise fail("the attention is not a direct child of the decoder layer")
     mlp_child = next(b for b in blocks if b != attn_child)
@@ -111,17 +117,25 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan, entries: Dict[str, str]
         # with the routed experts' (ExpertsBlockSequence)
         new = RowwiseParallel(input_layouts=st.input_layouts,
                               output_layouts=Partial() if key in shared else Shard(1))
-        plan[key] = (Chain(new, PadSequence(n)) if attn and key.startswith(attn[0] + ".")
-                     else new)
+        padded = (any(key.startswith(pre + b + ".") for b in gathered)
+                  or attn and key.startswith(attn[0] + "."))
+        plan[key] = Chain(new, PadSequence(n)) if padded else new
     if whole:
         plan[pre + whole] = WholeOnSequence(n)
+    elif gathered:
+        for child in gathered:
+            key = pre + child
+            plan[key] = (Chain(plan[key], GatherSequence(n, "input")) if key in plan
+                         else GatherSequence(n, "input"))
     else:
         plan[attn[0]] = Chain(plan[attn[0]], GatherSequence(n, "input"))
     # tpx's own plan hands local tensors between the blocks (no DTensor on the hot path)
     gather_padded = PrepareModuleInput(input_layouts=(Shard(1),),
                                        desired_input_layouts=(Replicate(),),
                                        use_local_output=True)
-    if not experts:
+    if mlp_child in gathered:
+        pass  # it gathers the real positions (above)
+    elif not experts:
         plan[pre + mlp_child] = gather_padded
     else:
         # A mixture-of-experts block gathers the real positions only (ExpertsBlockSequence).
