@@ -281,12 +281,18 @@ def test_no_plan_is_a_clear_error():
         tpx.plans.auto(model)
 
 
-def test_sequence_parallel_where_the_plan_gathers_attention_is_a_clear_error():
-    # OLMo-2's plan gathers q/k/v (its q/k norms span all heads): no head-split attention for
-    # the sequence to be gathered before.
+def test_sequence_parallel_where_the_plan_gathers_attention():
+    """OLMo-2's plan gathers q/k/v (its q/k norms span all heads): under sequence parallelism
+    the attention and the MLP run on the real positions and their row-parallel ends
+    reduce-scatter; trained like one device (3 AdamW steps)."""
+    run_ranks(_train_like_unsharded, 2, "olmo2", True, False)
+
+
+def test_sequence_parallel_of_hybrid_layers_is_a_clear_error():
+    # Jamba's decoder layers alternate Mamba and attention: no one plan for every layer
     with pytest.raises(ValueError, match="sequence_parallel=True is not supported for "
-                                         "model_type='olmo2'"):
-        tpx.plans.auto(tiny("olmo2"), sequence_parallel=True)
+                                         "model_type='jamba': the decoder layers differ"):
+        tpx.plans.auto(tiny("jamba"), sequence_parallel=True)
 
 
 def test_embedding_with_its_own_forward_is_a_clear_error():

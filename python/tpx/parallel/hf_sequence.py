@@ -30,7 +30,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan, entries: Dict[str, str]
     it (padded) and its down projection reduce-scatters; the final norm gathers it back. A
     mixture-of-experts block gathers the real positions and reduce-scatters its experts' (and
     split shared experts') partial output (:class:`ExpertsBlockSequence`); an attention the
-    plan keeps whole runs on the gathered sequence (:class:`WholeOnSequence`)."""
+    plan keeps whole runs on the gathered sequence (:class:`WholeOnSequence`); a block whose
+    plan gathers its projections' outputs runs on the real positions as attention does."""
 
     def fail(why):
         return ValueError(f"tpx.plans.auto: sequence_parallel=True is not supported for "
