@@ -513,3 +513,48 @@ def test_moe_experts_as_dtensors(tmp_path, world):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_expert_tp_as_dtensors(tmp_path, world):
     run_ranks(_moe_expert_tp_as_dtensors, world, str(tmp_path / "ckpt"))
+
+
+def _expert_tp_model(seed):
+    import hf_tiny
+
+    torch.manual_seed(seed)
+    model = hf_tiny.tiny("qwen3_moe", num_key_value_heads=4).double()
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, experts="tp"))
+    return model
+
+
+def _save_expert_tp(rank, world, ckpt):
+    """Qwen3-MoE under expert TP (the strided [gate | up]) after an AdamW step, saved with
+    tpx.checkpoint; its full state dict kept beside."""
+    model = _expert_tp_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=_batch(0), labels=_batch(0)).loss.backward()
+    opt.step()
+    tpx.checkpoint.save(model, ckpt, optimizer=opt)
+    full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        torch.save(full, ckpt + ".full.pt")
+    dist.barrier()
+
+
+def _load_expert_tp(rank, world, ckpt):
+    """The checkpoint of :func:`_save_expert_tp` read at another TP degree (with its AdamW
+    state): the model's full state dict is the saved one."""
+    model = _expert_tp_model(7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tpx.checkpoint.load(model, ckpt, optimizer=opt)
+    full = tpx.checkpoint.full_state_dict(model)
+    want = torch.load(ckpt + ".full.pt")
+    assert set(full) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=0,
+                                   msg=lambda m: f"{key} at TP {world}: {m}")
+    assert all(opt.state[p] for p in model.parameters()), "the AdamW state was not loaded"
+
+
+def test_expert_tp_checkpoint_reshards(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_save_expert_tp, 2, ckpt)
+    for world in (4, 1):
+        run_ranks(_load_expert_tp, world, ckpt)

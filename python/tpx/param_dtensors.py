@@ -11,6 +11,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
+from .group import shard_bounds
 from .nn.dtensor_io import DTensor, Replicate
 from .ops.core import dtensor_of
 
@@ -241,10 +242,8 @@ def _block_ranges(placements, mesh, coord, shape) -> List[List[Tuple[int, int]]]
             piece = shape[d] // (p.split_factor * n)
             ranges[d] = [((i * n + k) * piece, (i * n + k + 1) * piece)
                          for i in range(p.split_factor)]
-        else:
-            per = -(-shape[d] // n)
-            start = min(k * per, shape[d])
-            ranges[d] = [(start, min(start + per, shape[d]))]
+        else:  # torch's Shard: shard_range's blocks
+            ranges[d] = [shard_bounds(shape[d], k, n)]
     return ranges
 
 

@@ -17,6 +17,7 @@ from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_d
 from .optim import get_optimizer_state_dict, load_optimizer_part
 from ..nn.dtensor_io import DTensor
 from ..sharding import GroupSharding, collect_unstated, raw_state_dict
+from ..group import shard_bounds
 from ..nn.dtensor_io import Shard
 from ..param_dtensors import (local_of, read_back, read_back_blocks, savable, sharded_blocks,
                               strided)
@@ -275,9 +276,7 @@ def _unstated_blocks(dt: DTensor, lay: GroupSharding) -> list:
             "Shard(0) over a 1-D data-parallel mesh is supported")
     local, tp_rows = dt._local_tensor, lay.local_shape[0]
     world, k = dt.device_mesh.size(), dt.device_mesh.get_local_rank()
-    per = -(-tp_rows // world)
-    a0 = min(k * per, tp_rows)  # FSDP2's rows [a0, a0 + len) of dim 0 of this rank's TP part
-    a1 = a0 + local.shape[0]
+    a0, a1 = shard_bounds(tp_rows, k, world)  # FSDP2's rows of dim 0 of this rank's TP part
     counted = lay.owned() or [(0, lay.local_shape[lay.dim])]
     out, offset = [], 0
     for s, e in lay.rows[lay.rank]:  # the TP part along lay.dim: these global rows in order
