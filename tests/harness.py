@@ -7,6 +7,12 @@
   otherwise be most of the suite's time. ``run_ranks(..., fresh=True)`` (tests that break a
   group or kill a rank on purpose) and ``TPX_TEST_FRESH_RANKS=1`` (every test) start new
   processes instead.
+- Ranks, pooled or fresh, are forked from a server process that has imported torch, tpx and
+  transformers once (``multiprocessing``'s forkserver: a new interpreter that does nothing but
+  import them, so it holds no thread, group or compute pool of a test): a new rank costs a fork, not the seconds
+  of imports a new interpreter spends. A new rank takes the environment of the pytest process
+  at the time of its start. Only a rank that needs variables set before its interpreter starts
+  (``rank_env``: ``PYTHONHASHSEED``) is a new interpreter (``spawn``).
 - A rank that raises sends its traceback to the parent, which then kills every rank (the pool
   too: the next test starts new ones) and fails the test with a message that names the rank
   and the function.
@@ -36,10 +42,28 @@ def _init_group(backend, init_file, rank, world_size):
                             timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
 
 
-def _worker(fn, rank, world_size, init_file, results, args, backend):
+# What the forkserver imports once, before it forks any rank (a module that is not installed is
+# skipped).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "tpx", "transformers",
+            "transformers.models.llama.modeling_llama"]
+
+
+def _context(spawn: bool = False):
+    """The multiprocessing context ranks start in (module docstring)."""
+    if spawn:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(fn, rank, world_size, init_file, results, args, backend, env=None):
     import torch
     import torch.distributed as dist
 
+    if env is not None:  # forked from the server: the pytest process's environment now
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     try:
         _init_group(backend, init_file, rank, world_size)
@@ -118,7 +142,7 @@ class _Pool:
     """``world_size`` ranks waiting for tests (module docstring)."""
 
     def __init__(self, world_size: int, backend: str):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
@@ -289,10 +313,12 @@ def _kill(procs):
 
 
 def _run_fresh(fn, world_size, args, init_file, timeout, backend, crashes, rank_env):
-    ctx = mp.get_context("spawn")
+    spawn = rank_env is not None
+    ctx = _context(spawn)
+    env = None if spawn else dict(os.environ)
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, init_file, results, args, backend))
+                         args=(fn, r, world_size, init_file, results, args, backend, env))
              for r in range(world_size)]
     for r, p in enumerate(procs):
         extra = rank_env(r) if rank_env is not None else {}
