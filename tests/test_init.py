@@ -178,11 +178,17 @@ def _check_parallelize(rank, world):
     small = _Small()
     small.fc1.weight.requires_grad_(False)
     opt = torch.optim.SGD(small.parameters(), lr=0.1)
+
+    class UsersAdam(torch.optim.Adam):  # a user's own optimizer class
+        pass
+
+    users = UsersAdam(small.parameters(), lr=0.1)
     tpx.parallelize_module(small, None, {"fc1": tpx.ColwiseParallel(),
                                          "fc2": tpx.RowwiseParallel()})
     assert isinstance(small.fc1, tpx.ColumnParallelLinear)
-    held = [p for g in opt.param_groups for p in g["params"]]
-    assert [id(p) for p in held] == [id(p) for p in small.parameters()]
+    for o in (opt, users):
+        held = [p for g in o.param_groups for p in g["params"]]
+        assert [id(p) for p in held] == [id(p) for p in small.parameters()]
     assert not small.fc1.weight.requires_grad and small.fc1.bias.requires_grad
     assert local_part(small.fc1.weight).shape == (small.fc1.out_end - small.fc1.out_start, 6)
     assert small.fc1.weight.shape == (small.fc1.out_features, 6)  # the global shape
