@@ -9,10 +9,10 @@
   processes instead.
 - Ranks, pooled or fresh, are forked from a server process that has imported torch, tpx and
   transformers once (``multiprocessing``'s forkserver: a new interpreter that does nothing but
-  import them, so it holds no thread, group or compute pool of a test): a new rank costs a fork, not the seconds
-  of imports a new interpreter spends. A new rank takes the environment of the pytest process
-  at the time of its start. Only a rank that needs variables set before its interpreter starts
-  (``rank_env``: ``PYTHONHASHSEED``) is a new interpreter (``spawn``).
+  import them, so it holds no thread, group or compute pool of a test): a new rank costs a
+  fork, not the seconds of imports a new interpreter spends. A new rank takes the environment
+  of the pytest process at the time of its start. Only a rank that needs variables set before
+  its interpreter starts (``rank_env``: ``PYTHONHASHSEED``) is a new interpreter (``spawn``).
 - A rank that raises sends its traceback to the parent, which then kills every rank (the pool
   too: the next test starts new ones) and fails the test with a message that names the rank
   and the function.

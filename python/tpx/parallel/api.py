@@ -239,11 +239,13 @@ def _held_elsewhere(moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]],
 
 def _extra_references(moved: dict, before: dict) -> int:
     """The most references any old object of ``moved`` has beyond those of ``before``."""
+    import collections
     import sys
 
+    in_before = collections.Counter(id(v) for v in before.values())  # ids: no references
     most = None
     for pair in moved.values():
-        n = sys.getrefcount(pair[0]) - sum(1 for v in before.values() if v is pair[0])
+        n = sys.getrefcount(pair[0]) - in_before[id(pair[0])]
         most = n if most is None else max(most, n)
     return most
 
