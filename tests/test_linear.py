@@ -158,6 +158,79 @@ def test_seeded_init_equals_nn_linear(world):
     run_ranks(_check_seeded_init, world)
 
 
+def _check_lean_calls(rank, world):
+    """A layer's common call takes a short path (no gradient wanted: the operator alone, no
+    autograd node; training: one node on the DTensor parameters). Its outputs and gradients
+    are those of the general path bit for bit (TPX_DEBUG_CHECKS=1 turns the short path off)
+    and those of nn.Linear, under no_grad, inference_mode and with frozen parameters; bad
+    inputs still get the layer's errors."""
+    import os
+
+    gen = torch.Generator().manual_seed(40 + world)
+    torch.manual_seed(11)
+    d, h = 6, 3 * world + 1  # uneven split of the hidden features
+    ref1, ref2 = nn.Linear(d, h), nn.Linear(h, d)
+    col, row = tpx.ColumnParallelLinear.from_linear(ref1), tpx.RowParallelLinear.from_linear(ref2)
+    params = list(col.parameters()) + list(row.parameters())
+    x = torch.randn(2, 5, d, generator=gen)
+    gy = torch.randn(2, 5, d, generator=gen)
+    xr = x.clone().requires_grad_(True)
+    (ref2(torch.relu(ref1(xr))) * gy).sum().backward()
+
+    def step():
+        for p in params:
+            p.grad = None
+        y = row(torch.relu(col(x)))
+        (y * gy).sum().backward()
+        return y.detach(), [local_vs(p.grad, p.grad).clone() for p in params]
+
+    os.environ["TPX_DEBUG_CHECKS"] = "1"  # the general path everywhere
+    try:
+        with torch.no_grad():
+            general = row(torch.relu(col(x)))
+        general_step = step()
+    finally:
+        os.environ.pop("TPX_DEBUG_CHECKS")
+    with torch.no_grad():
+        lean = row(torch.relu(col(x)))
+    assert not lean.requires_grad and lean.grad_fn is None
+    with torch.inference_mode():
+        inference = row(torch.relu(col(x)))
+    for p in params:
+        p.requires_grad_(False)
+    frozen = row(torch.relu(col(x)))  # grad mode on, nothing needs a gradient
+    assert frozen.grad_fn is None
+    for p in params:
+        p.requires_grad_(True)
+    lean_step = step()
+
+    close(lean, ref2(torch.relu(ref1(x))).detach(), "lean forward")
+    for got, what in [(general, "no_grad, general path"), (inference, "inference_mode"),
+                      (frozen, "frozen parameters"), (lean_step[0], "training call"),
+                      (general_step[0], "training call, general path")]:
+        assert torch.equal(got, lean), what
+    for got, want in zip(lean_step[1], general_step[1]):
+        assert torch.equal(got, want), "training gradients, short against general path"
+    c0, c1 = col.out_start, col.out_end
+    for p, want in zip(params, [ref1.weight.grad[c0:c1], ref1.bias.grad[c0:c1],
+                                ref2.weight.grad[:, c0:c1], ref2.bias.grad]):
+        close(p.grad, want, "gradient after a training call")
+
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="input.shape\\[-1\\] must be 6"):
+            col(torch.randn(3, d + 1))
+        with pytest.raises(ValueError, match="dtype"):
+            col(torch.randn(3, d, dtype=torch.float64))
+        with pytest.raises(ValueError, match="this rank's columns"):
+            row(torch.randn(3, h + 1))
+        close(row(torch.relu(col(x))), lean, "after the errors")  # every rank still in step
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lean_calls_equal_the_general_path(world):
+    run_ranks(_check_lean_calls, world)
+
+
 def test_shard_range_matches_torch_chunk():
     for size, world in itertools.product([1, 2, 5, 7, 10, 50257], [1, 2, 3, 4, 8]):
         pieces = torch.arange(size).chunk(world)

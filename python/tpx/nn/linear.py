@@ -129,6 +129,12 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
             raise ValueError(f"tpx.{name}: input is on {x.device} but the weight is on "
                              f"{self.weight.device}; move one of them")
 
+    def _fits(self, x: Tensor, weight: Tensor, features: int) -> bool:
+        """The lean path's input check: ``x`` has ``features`` features and the weight's dtype
+        and device; anything else goes through :meth:`_check_input` (its error)."""
+        return (x.dim() >= 1 and x.shape[-1] == features and x.dtype == weight.dtype
+                and x.device == weight.device)
+
     def reset_parameters(self) -> None:
         """Draws the full ``nn.Linear`` initialisation (same RNG calls as ``nn.Linear``) and
         gives every rank its shard: with ``src_rank`` set, rank ``src_rank`` draws and the
@@ -253,6 +259,26 @@ class ColumnParallelLinear(_ParallelLinear):
         self.src_rank = src_rank
         self._init_weights(_full_weights)
 
+    @property
+    def _plain(self) -> bool:
+        """Whether the layer's forward is one operator on this rank's input as it comes (no
+        redistribution, no gathered output): :meth:`_lean_forward` applies."""
+        return not (self.sequence_parallel or self.gather_output)
+
+    def _lean_forward(self, x: Tensor) -> Optional[Tensor]:
+        """The common call of a plain input, or ``None`` for :meth:`forward`'s general path:
+        without gradients the GEMM alone; in training one autograd node on the parameters."""
+        weight, bias = self.weight, self.bias
+        mode = ops.lean_mode(x, weight, bias)
+        if not mode or not self._fits(x, local_of(weight), self.in_features):
+            return None
+        if mode == ops.PLAIN:
+            return ops.plain_linear(x, local_of(weight), local_of(bias))
+        if self.replicated_rows or mappings.partial_grad_input(x, self.group) is not None:
+            return None
+        return ops.linear_on_params("replicated_matmul", x, weight, bias,
+                                    ops.plain_group_name(self.group), self.chunks)
+
     def _layer_config(self) -> dict:
         return self._config(gather_output=self.gather_output,
                             out_rows=[list(map(list, rows)) for rows in self.out_rows])
@@ -282,6 +308,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @guarded
     def forward(self, x: Tensor) -> Tensor:
+        if self._plain and type(x) is Tensor:
+            y = self._lean_forward(x)
+            if y is not None:
+                return y
         # A DTensor input is redistributed to R (S(sequence_dim) with sequence parallelism).
         x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
                         self.group, "ColumnParallelLinear")
@@ -391,6 +421,28 @@ class RowParallelLinear(_ParallelLinear):
         self.src_rank = src_rank
         self._init_weights(_full_weights)
 
+    @property
+    def _plain(self) -> bool:
+        """Whether the layer's forward is one operator on this rank's columns as they come (no
+        split of a replicated input, a reduced output): :meth:`_lean_forward` applies."""
+        return self.input_is_parallel and self.reduce_output and not self.sequence_parallel
+
+    def _lean_forward(self, x: Tensor) -> Optional[Tensor]:
+        """The common call of a plain input, or ``None`` for :meth:`forward`'s general path:
+        without gradients the operator alone (at world size 1 the GEMM alone); in training
+        one autograd node on the parameters."""
+        weight, bias = self.weight, self.bias
+        mode = ops.lean_mode(x, weight, bias)
+        if not mode or not self._fits(x, local_of(weight), self.in_end - self.in_start):
+            return None
+        if mode == ops.PLAIN:
+            if self.world_size == 1:
+                return ops.plain_linear(x, local_of(weight), local_of(bias))
+            return ops.plain_linear_all_reduce(x, local_of(weight), local_of(bias),
+                                               ops.plain_group_name(self.group), self.chunks)
+        return ops.linear_on_params("matmul_all_reduce", x, weight, bias,
+                                    ops.plain_group_name(self.group), self.chunks)
+
     def _layer_config(self) -> dict:
         return self._config(input_is_parallel=self.input_is_parallel,
                             reduce_output=self.reduce_output)
@@ -418,6 +470,10 @@ class RowParallelLinear(_ParallelLinear):
 
     @guarded
     def forward(self, x: Tensor) -> Tensor:
+        if self._plain and type(x) is Tensor:
+            y = self._lean_forward(x)
+            if y is not None:
+                return y
         x = self._local_columns(x, "RowParallelLinear")
         if (not self.sequence_parallel and self.reduce_output
                 and ops.params_path(self.weight, self.bias)):

@@ -65,11 +65,46 @@ def call_on_params(op: str, args: tuple, transposed: tuple = ()):
         for i in transposed:
             local[i] = local[i].t()
         return call(op, *local)
+    return on_params_function(op, transposed).apply(*args)
+
+
+PLAIN, ON_PARAMS = 1, 2
+
+
+def lean_mode(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> int:
+    """How a layer's forward may call its operator directly, skipping the general checks
+    of the op wrappers (the layer checked its group and arguments when it was built):
+
+    * :data:`PLAIN`: no gradient is wanted (grad mode off, or nothing requires one): the
+      operator below autograd, nothing recorded (:func:`tpx.ops.matmul.plain_linear`);
+    * :data:`ON_PARAMS`: autograd records and ``weight`` is a ``DTensor``: one autograd node
+      that takes the parameters themselves (:func:`tpx.ops.matmul.linear_on_params`);
+    * ``0``: the op wrappers' general path (autocast, ``torch.compile``, ``TPX_DEBUG_CHECKS``,
+      plain-tensor parameters that need a gradient).
+    """
+    if (torch._C._is_any_autocast_enabled() or torch.compiler.is_compiling()
+            or config.debug_checks()):
+        return 0
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or (
+            bias is not None and bias.requires_grad)):
+        return PLAIN
+    return ON_PARAMS if isinstance(weight, _dtensor_class()) else 0
+
+
+def on_params_function(op: str, transposed: tuple = ()) -> type:
+    """The autograd Function of :func:`call_on_params` for ``op``, made once."""
     key = (op, transposed)
     merged = _ON_PARAMS.get(key)
     if merged is None:
-        merged = _ON_PARAMS[key] = _on_params_function(op, function, transposed)
-    return merged.apply(*args)
+        merged = _ON_PARAMS[key] = _on_params_function(op, _EAGER_FUNCTIONS[op], transposed)
+    return merged
+
+
+def plain_group_name(pg) -> str:
+    """The name a lean call hands the operator for ``pg`` (a group a layer resolved when it was
+    built): tpx's own copy is made on first use, as :func:`group_name` does."""
+    own(pg)
+    return pg.group_name
 
 
 def params_path(*params) -> bool:

@@ -26,7 +26,8 @@ from torch import Tensor
 from .. import _ext
 from ..comm_groups import guarded
 from ..group import GroupLike
-from .core import call, call_on_params, dim_first_shape, group_name, register, world
+from .core import (call, call_on_params, dim_first_shape, group_name, on_params_function,
+                   register, world)
 
 
 @guarded
@@ -204,6 +205,40 @@ def local_matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     Placement: local (no group); ``a [..., k]``, ``b [k, n]`` -> ``out [..., n]``.
     """
     return torch.ops.tpx.local_matmul(a, b, bias)
+
+
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+
+
+def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``x @ weight.T + bias`` on local tensors with the engine's GEMM, nothing recorded: the
+    forward of a column-parallel layer (and of any layer at world size 1) in
+    :func:`tpx.ops.core.lean_mode` ``PLAIN``. The same product ``replicated_matmul`` computes.
+
+    Placement: ``x R``, ``weight S(0)``, ``bias S(0)`` -> ``out S(-1)``."""
+    with _BELOW_AUTOGRAD():
+        return torch.ops.tpx.local_matmul.default(x, weight.t(), bias)
+
+
+def plain_linear_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str,
+                            chunks: Optional[int]) -> Tensor:
+    """``all_reduce(x @ weight.T) + bias`` on local tensors, nothing recorded: the forward of a
+    row-parallel layer in :func:`tpx.ops.core.lean_mode` ``PLAIN`` (``matmul_all_reduce``'s
+    operator, called below autograd). ``group_name`` from :func:`tpx.ops.core.plain_group_name`.
+
+    Placement: ``x S(-1)``, ``weight S(1)``, ``bias R`` -> ``out R``."""
+    with _BELOW_AUTOGRAD():
+        return torch.ops.tpx.matmul_all_reduce.default(x, weight.t(), group_name, chunks, bias)
+
+
+def linear_on_params(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                     group_name: str, chunks: Optional[int]) -> Tensor:
+    """A layer's training call in :func:`tpx.ops.core.lean_mode` ``ON_PARAMS``: ``op``
+    (``"replicated_matmul"`` or ``"matmul_all_reduce"``) on the ``DTensor`` parameters
+    ``weight`` (a Linear weight, used transposed) and ``bias``, as one autograd node whose
+    backward hands their gradients back as ``DTensor`` s (see
+    :func:`tpx.ops.core.call_on_params`). Placements as in the op."""
+    return on_params_function(op, (1,)).apply(x, weight, group_name, chunks, bias)
 
 
 def default_chunks() -> int:
