@@ -69,6 +69,60 @@ def test_embedding_init_and_errors(world):
     run_ranks(_check_init_and_errors, world)
 
 
+def _check_lean_lookups(rank, world):
+    """Without gradients (no_grad, inference_mode, a frozen table) the embedding calls its
+    operator alone, and a column layer's gathered output (an LM head of an uneven vocabulary)
+    skips its autograd node: the results are the general path's bit for bit (TPX_DEBUG_CHECKS=1
+    turns the short path off) and nn.Embedding's / nn.Linear's; bad ids raise as before."""
+    import os
+
+    gen = torch.Generator().manual_seed(70 + world)
+    torch.manual_seed(12)
+    ref, head_ref = nn.Embedding(V, D, padding_idx=7), nn.Linear(D, V, bias=False)
+    emb = tpx.VocabParallelEmbedding.from_embedding(ref)
+    head = tpx.ColumnParallelLinear.from_linear(head_ref, gather_output=True)
+    ids = torch.randint(0, V, (3, 5), generator=gen)
+    ids[0, :3] = torch.tensor([0, 7, V - 1])
+
+    def run():
+        return emb(ids), head(emb(ids))
+
+    os.environ["TPX_DEBUG_CHECKS"] = "1"
+    try:
+        with torch.no_grad():
+            general = run()
+    finally:
+        os.environ.pop("TPX_DEBUG_CHECKS")
+    with torch.no_grad():
+        lean = run()
+    with torch.inference_mode():
+        inference = run()
+    for p in (emb.weight, head.weight):
+        p.requires_grad_(False)
+    frozen = run()
+    assert frozen[0].grad_fn is None and frozen[1].grad_fn is None
+    for p in (emb.weight, head.weight):
+        p.requires_grad_(True)
+    trained = run()
+    assert trained[1].grad_fn is not None
+    torch.testing.assert_close(lean[0], ref(ids).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(lean[1], head_ref(ref(ids)).detach(), rtol=1e-5, atol=1e-5)
+    for got, what in [(general, "general path"), (inference, "inference_mode"),
+                      (frozen, "frozen parameters"), (trained, "training call")]:
+        assert torch.equal(got[0], lean[0]) and torch.equal(got[1].detach(), lean[1]), what
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"id {V} is outside the table"):
+            emb(torch.tensor([[0, V]]))
+        with pytest.raises(ValueError, match="ids must be an integer Tensor"):
+            emb(torch.zeros(2, 3))
+        assert torch.equal(emb(ids), lean[0])  # every rank still in step
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lean_lookups_equal_the_general_path(world):
+    run_ranks(_check_lean_lookups, world)
+
+
 def _opcheck_embedding(rank, world):
     name = torch.distributed.group.WORLD.group_name
     v0, v1 = tpx.shard_range(V)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import collectives
 from .comm_groups import guarded
-from .ops import mesh_all_reduce, sum_by_name
+from .ops import mesh_all_gather, mesh_all_reduce, sum_by_name
 from .run import run_cache
 
 __all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
@@ -26,14 +26,13 @@ __all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
            "sum_grad_over_holders", "sum_over_group"]
 
 
+@guarded
 def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Tensor:
     width = max(sizes)
     local = x.movedim(dim, -1)
     if local.shape[-1] != width:
         local = F.pad(local, (0, width - local.shape[-1]))
-    local = local.contiguous()
-    pieces = [torch.empty_like(local) for _ in sizes]
-    collectives.all_gather(pieces, local, pg)
+    pieces = mesh_all_gather(local, pg.group_name)  # [world, ..., width], one flat all-gather
     # Concatenated along `dim` itself, so the result is contiguous (consumers that reshape it,
     # as a linear layer does with 3-D inputs, need no copy of it).
     return torch.cat([p[..., :s].movedim(-1, dim) for p, s in zip(pieces, sizes)], dim=dim)
@@ -74,6 +73,8 @@ def gather_dim(x: Tensor, dim: int, sizes: List[int], start: int, pg: dist.Proce
     ``sizes[r]`` entries, this rank's starting at ``start``."""
     if pg.size() == 1:
         return x
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _gather(x, dim % x.dim(), sizes, pg)  # no gradient wanted: no autograd node
     return _GatherDim.apply(x, dim % x.dim(), sizes, start, pg)
 
 

@@ -142,25 +142,15 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
 
     @guarded
     def forward(self, ids: Tensor) -> Tensor:
+        if (not self.sequence_parallel and type(ids) is Tensor
+                and ops.lean_mode(ids, self.weight, None) == ops.PLAIN):
+            # no gradient wanted (inference, decoding): the operator alone, nothing recorded
+            weight = local_of(self.weight)
+            self._check_ids(ids, weight)
+            return ops.plain_embedding(weight, ids.long(), self.vocab_start,
+                                       ops.plain_group_name(self.group), self._local_padding_idx)
         ids = local_input(ids, Replicate(), self.group, "VocabParallelEmbedding")
-        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError("tpx.VocabParallelEmbedding: ids must be an integer Tensor")
-        if ids.device != self.weight.device:
-            raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
-                             f"is on {self.weight.device}")
-        if ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
-            n = self.num_embeddings
-
-            def in_range():
-                lo, hi = torch.aminmax(ids)
-                return (lo >= 0) & (hi < n)
-
-            def message():
-                lo, hi = (int(v) for v in torch.aminmax(ids))
-                return (f"tpx.VocabParallelEmbedding: id {lo if lo < 0 else hi} is outside the "
-                        f"table [0, {n})")
-
-            check_values(in_range, message)
+        self._check_ids(ids, self.weight)
         scatter_dim = None
         if self.sequence_parallel:
             d = self.sequence_dim
@@ -176,6 +166,28 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         weight, = local_params(self.weight)
         return ops.vocab_parallel_embedding(weight, ids.long(), self.vocab_start, self.group,
                                             scatter_dim, self._local_padding_idx)
+
+    def _check_ids(self, ids, weight: Tensor) -> None:
+        """Raises unless ``ids`` is an integer tensor on the table's device with every id in
+        ``[0, num_embeddings)`` (the value check without a host synchronisation: tpx.checks)."""
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError("tpx.VocabParallelEmbedding: ids must be an integer Tensor")
+        if ids.device != weight.device:
+            raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
+                             f"is on {weight.device}")
+        if ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
+            n = self.num_embeddings
+
+            def in_range():
+                lo, hi = torch.aminmax(ids)
+                return (lo >= 0) & (hi < n)
+
+            def message():
+                lo, hi = (int(v) for v in torch.aminmax(ids))
+                return (f"tpx.VocabParallelEmbedding: id {lo if lo < 0 else hi} is outside the "
+                        f"table [0, {n})")
+
+            check_values(in_range, message)
 
     def _shards(self):
         """(parameter name, sharded dim, rows of the full table held by each rank)."""

@@ -62,6 +62,19 @@ def vocab_parallel_embedding(
                  padding_idx)
 
 
+def plain_embedding(weight: Tensor, ids: Tensor, vocab_start: int, group_name: str,
+                    padding_idx: int = -1) -> Tensor:
+    """:func:`vocab_parallel_embedding` (without ``scatter_dim``) on this rank's local table,
+    nothing recorded: the lookup of a vocabulary-parallel embedding in
+    :func:`tpx.ops.core.lean_mode` ``PLAIN``. ``group_name`` from
+    :func:`tpx.ops.core.plain_group_name`; ``ids`` int64.
+
+    Placement: ``weight S(0)``, ``ids R`` -> ``out R``."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.tpx.vocab_parallel_embedding.default(weight, ids, vocab_start,
+                                                               group_name, None, padding_idx)
+
+
 @guarded
 def linear_cross_entropy_rows(
     hidden: Tensor,
