@@ -262,22 +262,27 @@ class ColumnParallelLinear(_ParallelLinear):
     @property
     def _plain(self) -> bool:
         """Whether the layer's forward is one operator on this rank's input as it comes (no
-        redistribution, no gathered output): :meth:`_lean_forward` applies."""
-        return not (self.sequence_parallel or self.gather_output)
+        sequence shards to gather first): :meth:`_lean_forward` applies."""
+        return not self.sequence_parallel
 
     def _lean_forward(self, x: Tensor) -> Optional[Tensor]:
         """The common call of a plain input, or ``None`` for :meth:`forward`'s general path:
-        without gradients the GEMM alone; in training one autograd node on the parameters."""
+        without gradients the GEMM alone; in training one autograd node on the parameters
+        (then the gather of ``gather_output``)."""
         weight, bias = self.weight, self.bias
         mode = ops.lean_mode(x, weight, bias)
         if not mode or not self._fits(x, local_of(weight), self.in_features):
             return None
         if mode == ops.PLAIN:
-            return ops.plain_linear(x, local_of(weight), local_of(bias))
-        if self.replicated_rows or mappings.partial_grad_input(x, self.group) is not None:
+            y = ops.plain_linear(x, local_of(weight), local_of(bias))
+        elif self.replicated_rows or mappings.partial_grad_input(x, self.group) is not None:
             return None
-        return ops.linear_on_params("replicated_matmul", x, weight, bias,
-                                    ops.plain_group_name(self.group), self.chunks)
+        else:
+            y = ops.linear_on_params("replicated_matmul", x, weight, bias,
+                                     ops.plain_group_name(self.group), self.chunks)
+        if self.gather_output:
+            y = mappings.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
+        return y
 
     def _layer_config(self) -> dict:
         return self._config(gather_output=self.gather_output,
