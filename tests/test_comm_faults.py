@@ -425,6 +425,36 @@ def test_killed_during_save(tmp_path):
               crashes=(1,))
 
 
+def _check_peer_killed_in_gather(rank, world):
+    """A peer that dies while this rank waits in a gather over the group (an LM head's
+    gather_output, without gradients): this rank raises a collective's failure
+    (DistBackendError) promptly, not another error after the failure grace."""
+    import signal
+
+    os.environ["TPX_FAULT_GRACE"] = "20"
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 2 * world + 1)
+    head = tpx.ColumnParallelLinear.from_linear(ref, gather_output=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        close(head(x), ref(x), "the gathered output")
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            head(x)
+        except RuntimeError as e:
+            assert isinstance(e, dist.DistBackendError), (type(e), e)
+        else:
+            raise AssertionError("the gather finished without rank 1")
+    waited = time.monotonic() - start
+    assert waited < 15, f"the failure was raised after {waited:.1f} s"
+
+
+def test_peer_killed_in_gather():
+    run_ranks(_check_peer_killed_in_gather, 2, timeout=TIMEOUT, crashes=(1,))
+
+
 def _check_one_rank_fails(rank, world, where, failing):
     """A tpx layer or op that raises on one rank while its peers wait in its collective: the
     peers raise promptly (well within the group's 60 s timeout), naming the failed rank and its
@@ -442,9 +472,14 @@ def _check_one_rank_fails(rank, world, where, failing):
     model = torch.nn.Sequential(tpx.ColumnParallelLinear.from_linear(ref[0], group=pg),
                                 torch.nn.GELU(),
                                 tpx.RowParallelLinear.from_linear(ref[2], group=pg))
+    if where == "gather":  # the peers wait in a gather over the group (gather_output)
+        ref = torch.nn.Linear(8, 2 * world + 1)
+        model = tpx.ColumnParallelLinear.from_linear(ref, group=pg, gather_output=True)
     gen = torch.Generator().manual_seed(1)
 
     def step(x, bad=False):
+        if bad and where == "gather":  # a bad input: the layer's check raises
+            return model(x[..., :-1]).sum()
         if bad and where == "layer":  # a bad input: RowParallelLinear's check raises
             h = model[1](model[0](x))[..., :-1]
             return model[2](h).sum()
@@ -497,7 +532,7 @@ def _check_one_rank_fails(rank, world, where, failing):
                 assert isinstance(e, dist.DistBackendError), type(e)  # a collective's failure
                 assert waited < 30, f"the peer learnt of the failure after {waited:.1f} s"
                 break
-            if where == "layer" or attempt == 1:
+            if where != "mid_op" or attempt == 1:
                 raise AssertionError("the step finished without the failed rank")
             close(got, ref(x).sum(), "the peers' step whose collective the failed rank completed")
             start = time.monotonic()
@@ -508,6 +543,13 @@ def _check_one_rank_fails(rank, world, where, failing):
             assert type(e) is dist.DistError, type(e)
         else:
             raise AssertionError("a later step ran on the broken group")
+    with torch.no_grad():  # a call without gradients (the layers' short path) refuses it too
+        try:
+            model(x)
+        except RuntimeError as e:
+            assert type(e) is dist.DistError and "can no longer be used by tpx" in str(e), e
+        else:
+            raise AssertionError("a call without gradients ran on the broken group")
     assert tpx.comm_groups.group_broken_reason(pg) is not None
     for group in (pg, None):  # the user's groups are untouched
         t = torch.full((3,), float(rank + 1))
@@ -520,7 +562,7 @@ def _check_one_rank_fails(rank, world, where, failing):
 
 
 @pytest.mark.parametrize("where,world,failing", [
-    ("layer", 2, 1), ("mid_op", 2, 1),
+    ("layer", 2, 1), ("mid_op", 2, 1), ("gather", 2, 0),
     pytest.param("layer", 3, 2, marks=pytest.mark.slow),
     pytest.param("mid_op", 4, 0, marks=pytest.mark.slow)])
 def test_one_rank_fails(where, world, failing):

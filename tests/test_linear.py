@@ -225,6 +225,19 @@ def _check_lean_calls(rank, world):
             row(torch.randn(3, h + 1))
         close(row(torch.relu(col(x))), lean, "after the errors")  # every rank still in step
 
+    # A gather over the group (gather_output's): uneven widths, real and complex values.
+    sizes = tpx.group.shard_sizes(7, world)
+    lo, hi = tpx.group.shard_bounds(7, rank, world)
+    for dtype in (torch.float32, torch.complex64):
+        full = torch.randn(3, 7, dtype=dtype, generator=gen)
+        part = full[:, lo:hi].clone()
+        assert torch.equal(tpx.mappings.gather_dim(part, 1, sizes, lo, col.group), full), dtype
+        part.requires_grad_(True)
+        got = tpx.mappings.gather_dim(part, 1, sizes, lo, col.group)
+        assert torch.equal(got.detach(), full), dtype
+        (got.abs() ** 2).sum().backward()
+        assert torch.allclose(part.grad, 2 * full[:, lo:hi]), dtype
+
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_lean_calls_equal_the_general_path(world):

@@ -416,7 +416,10 @@ std::tuple<OptTensor, OptTensor, OptTensor> linear_3d_backward(
 at::Tensor mesh_all_reduce(const at::Tensor& x, const std::string& group) {
   auto pg = resolve_group(group);
   at::Tensor out = x.contiguous().clone();
-  if (pg->getSize() > 1) all_reduce(*pg, out)->wait();
+  if (pg->getSize() > 1) {
+    std::vector<WorkPtr> works{all_reduce(*pg, out)};
+    wait_all(works);  // a failure is raised as a collective's (DistBackendError)
+  }
   return out;
 }
 
@@ -429,7 +432,8 @@ at::Tensor mesh_all_gather(const at::Tensor& x, const std::string& group) {
   if (pg->getSize() == 1) {
     out[0].copy_(in);
   } else {
-    all_gather_base(*pg, out.view({-1}), in.view({-1}))->wait();
+    std::vector<WorkPtr> works{all_gather_base(*pg, out.view({-1}), in.view({-1}))};
+    wait_all(works);
   }
   return out;
 }

@@ -28,6 +28,8 @@ __all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
 
 @guarded
 def _gather(x: Tensor, dim: int, sizes: List[int], pg: dist.ProcessGroup) -> Tensor:
+    if x.is_complex():  # sent as its real and imaginary parts (a trailing dimension of 2)
+        return torch.view_as_complex(_gather(torch.view_as_real(x), dim % x.dim(), sizes, pg))
     width = max(sizes)
     local = x.movedim(dim, -1)
     if local.shape[-1] != width:

@@ -274,7 +274,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if not mode or not self._fits(x, local_of(weight), self.in_features):
             return None
         if mode == ops.PLAIN:
-            y = ops.plain_linear(x, local_of(weight), local_of(bias))
+            y = ops.plain_linear(x, local_of(weight), local_of(bias),
+                                 ops.plain_group_name(self.group), self.chunks)
         elif self.replicated_rows or mappings.partial_grad_input(x, self.group) is not None:
             return None
         else:
@@ -440,13 +441,11 @@ class RowParallelLinear(_ParallelLinear):
         mode = ops.lean_mode(x, weight, bias)
         if not mode or not self._fits(x, local_of(weight), self.in_end - self.in_start):
             return None
+        name = ops.plain_group_name(self.group)
         if mode == ops.PLAIN:
-            if self.world_size == 1:
-                return ops.plain_linear(x, local_of(weight), local_of(bias))
-            return ops.plain_linear_all_reduce(x, local_of(weight), local_of(bias),
-                                               ops.plain_group_name(self.group), self.chunks)
-        return ops.linear_on_params("matmul_all_reduce", x, weight, bias,
-                                    ops.plain_group_name(self.group), self.chunks)
+            plain = ops.plain_linear if self.world_size == 1 else ops.plain_linear_all_reduce
+            return plain(x, local_of(weight), local_of(bias), name, self.chunks)
+        return ops.linear_on_params("matmul_all_reduce", x, weight, bias, name, self.chunks)
 
     def _layer_config(self) -> dict:
         return self._config(input_is_parallel=self.input_is_parallel,

@@ -210,14 +210,17 @@ def local_matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 
 
-def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``x @ weight.T + bias`` on local tensors with the engine's GEMM, nothing recorded: the
-    forward of a column-parallel layer (and of any layer at world size 1) in
-    :func:`tpx.ops.core.lean_mode` ``PLAIN``. The same product ``replicated_matmul`` computes.
+def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str,
+                 chunks: Optional[int]) -> Tensor:
+    """``x @ weight.T + bias`` on local tensors, nothing recorded: the forward of a
+    column-parallel layer (and of any layer at world size 1) in
+    :func:`tpx.ops.core.lean_mode` ``PLAIN`` (``replicated_matmul``'s operator, called below
+    autograd: the engine's GEMM, no communication, a group tpx found broken refused).
+    ``group_name`` from :func:`tpx.ops.core.plain_group_name`.
 
     Placement: ``x R``, ``weight S(0)``, ``bias S(0)`` -> ``out S(-1)``."""
     with _BELOW_AUTOGRAD():
-        return torch.ops.tpx.local_matmul.default(x, weight.t(), bias)
+        return torch.ops.tpx.replicated_matmul.default(x, weight.t(), group_name, chunks, bias)
 
 
 def plain_linear_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str,
