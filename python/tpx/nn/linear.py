@@ -271,11 +271,12 @@ class ColumnParallelLinear(_ParallelLinear):
         (then the gather of ``gather_output``)."""
         weight, bias = self.weight, self.bias
         mode = ops.lean_mode(x, weight, bias)
-        if not mode or not self._fits(x, local_of(weight), self.in_features):
+        w = local_of(weight)
+        if not mode or not self._fits(x, w, self.in_features):
             return None
         if mode == ops.PLAIN:
-            y = ops.plain_linear(x, local_of(weight), local_of(bias),
-                                 ops.plain_group_name(self.group), self.chunks)
+            y = ops.plain_linear(x, w, local_of(bias), ops.plain_group_name(self.group),
+                                 self.chunks)
         elif self.replicated_rows or mappings.partial_grad_input(x, self.group) is not None:
             return None
         else:
@@ -439,12 +440,13 @@ class RowParallelLinear(_ParallelLinear):
         one autograd node on the parameters."""
         weight, bias = self.weight, self.bias
         mode = ops.lean_mode(x, weight, bias)
-        if not mode or not self._fits(x, local_of(weight), self.in_end - self.in_start):
+        w = local_of(weight)
+        if not mode or not self._fits(x, w, self.in_end - self.in_start):
             return None
         name = ops.plain_group_name(self.group)
         if mode == ops.PLAIN:
             plain = ops.plain_linear if self.world_size == 1 else ops.plain_linear_all_reduce
-            return plain(x, local_of(weight), local_of(bias), name, self.chunks)
+            return plain(x, w, local_of(bias), name, self.chunks)
         return ops.linear_on_params("matmul_all_reduce", x, weight, bias, name, self.chunks)
 
     def _layer_config(self) -> dict:

@@ -187,10 +187,10 @@ def group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: ob
     shape its collectives, so that a mismatch raises the same error on every rank instead of
     hanging one of them."""
     pg = resolve_group(group)
-    own(pg)
+    name = plain_group_name(pg)
     if config.debug_checks() and pg.size() > 1 and not torch.compiler.is_compiling():
         check_same(pg, op, tensors, same)
-    return pg.group_name
+    return name
 
 
 def check_same(pg, op: str, tensors, same: dict) -> None:

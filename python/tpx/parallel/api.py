@@ -243,11 +243,7 @@ def _extra_references(moved: dict, before: dict) -> int:
     import sys
 
     in_before = collections.Counter(id(v) for v in before.values())  # ids: no references
-    most = None
-    for pair in moved.values():
-        n = sys.getrefcount(pair[0]) - in_before[id(pair[0])]
-        most = n if most is None else max(most, n)
-    return most
+    return max(sys.getrefcount(old) - in_before[id(old)] for old, _ in moved.values())
 
 
 def _guard_save_pretrained(module: nn.Module) -> None:
