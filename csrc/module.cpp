@@ -1,14 +1,24 @@
-// The Python extension module tpx._C. Importing it loads the operator library (ops.cpp);
-// the only Python-level function it adds describes how the extension was built.
+// The Python extension module tpx._C. Importing it loads the operator library (ops.cpp); the
+// module adds plain functions (how the extension was built, communication statistics, tpx's
+// own groups) and `direct`: the kernels of the layers' common calls, callable without the
+// dispatcher.
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/comm_stats.h"
 #include "common/memory_stats.h"
 #include "common/process_group.h"
 #include "overlap/collective_matmul.h"
+#include "vocab/embedding.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/Exceptions.h>
 
 namespace {
 
@@ -58,6 +68,60 @@ void count_collective(const std::string& group_name, const std::string& kind, in
   tpx::count_collective(group_name, c, bytes);
 }
 
+
+// tpx._C.direct.<op>: the kernel of torch.ops.tpx.<op> called from Python without the
+// dispatcher, whose boxed call from Python (argument parsing against the schema, the Python
+// and autograd keys) costs a few microseconds a call, about what a small GEMM costs. For the
+// layers' common call only (python/tpx/ops/core.py, lean_mode): plain CPU or CUDA tensors, no
+// gradient recorded, no dispatch mode or functorch transform active; anything else takes
+// torch.ops.tpx. What the dispatcher would do for such a call is done here: the kernel runs
+// below autograd and without the GIL, the profiler records it under the operator's name (with
+// its inputs when asked), and errors reach Python with the types torch.ops raises.
+template <typename Fn, typename... Args>
+auto direct(const char* name, Fn fn, const Args&... args) {
+  HANDLE_TH_ERRORS
+  pybind11::gil_scoped_release no_gil;
+  at::AutoDispatchBelowAutograd below_autograd;
+  RECORD_FUNCTION(name, std::vector<c10::IValue>({c10::IValue(args)...}));
+  return fn(args...);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+using Tensor = at::Tensor;
+using OptTensor = std::optional<at::Tensor>;
+using OptInt = std::optional<int64_t>;
+using Str = std::string;
+
+void add_direct(pybind11::module_& m) {
+  auto d = m.def_submodule("direct", "tpx's kernels called without the dispatcher (the "
+                           "layers' common call; see tpx.ops.core.lean_mode).");
+  d.def("replicated_matmul", [](const Tensor& a, const Tensor& b, const Str& group, OptInt chunks,
+                                const OptTensor& bias) {
+    return direct("tpx::replicated_matmul", tpx::replicated_matmul, a, b, group, chunks, bias);
+  });
+  d.def("replicated_matmul_backward",
+        [](const Tensor& grad, const Tensor& a, const Tensor& b, const Str& group, OptInt chunks,
+           bool need_a, bool need_b, bool bias_grad) {
+          return direct("tpx::replicated_matmul_backward", tpx::replicated_matmul_backward, grad,
+                        a, b, group, chunks, need_a, need_b, bias_grad);
+        });
+  d.def("matmul_all_reduce", [](const Tensor& a, const Tensor& b, const Str& group, OptInt chunks,
+                                const OptTensor& bias) {
+    return direct("tpx::matmul_all_reduce", tpx::matmul_all_reduce, a, b, group, chunks, bias);
+  });
+  d.def("matmul_all_reduce_backward", [](const Tensor& grad, const Tensor& a, const Tensor& b,
+                                         bool need_a, bool need_b, bool bias_grad) {
+    return direct("tpx::matmul_all_reduce_backward", tpx::matmul_all_reduce_backward, grad, a, b,
+                  need_a, need_b, bias_grad);
+  });
+  d.def("vocab_parallel_embedding", [](const Tensor& weight, const Tensor& ids,
+                                       int64_t vocab_start, const Str& group, OptInt scatter_dim,
+                                       int64_t padding_idx) {
+    return direct("tpx::vocab_parallel_embedding", tpx::vocab_parallel_embedding, weight, ids,
+                  vocab_start, group, scatter_dim, padding_idx);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -85,4 +149,5 @@ PYBIND11_MODULE(_C, m) {
         "Why tpx marked the group `name` unusable, or None.");
   m.def("mark_group_broken", &tpx::mark_group_broken, pybind11::arg("name"), pybind11::arg("why"),
         "Makes every later tpx op on the group `name` raise `why` (the first cause is kept).");
+  add_direct(m);
 }

@@ -216,6 +216,26 @@ def _check_lean_calls(rank, world):
                                 ref2.weight.grad[:, c0:c1], ref2.bias.grad]):
         close(p.grad, want, "gradient after a training call")
 
+    # Under a dispatch mode the call goes through torch.ops.tpx, which the mode sees; the
+    # profiler sees the short path's kernels under the operators' names.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    with torch.no_grad(), Seen():
+        moded = row(torch.relu(col(x)))
+    assert {"tpx.replicated_matmul.default", "tpx.matmul_all_reduce.default"} <= set(seen), seen
+    assert torch.equal(moded, lean), "under a dispatch mode"
+    with torch.profiler.profile() as prof:
+        step()
+    names = {e.name for e in prof.events()}
+    assert {"tpx::replicated_matmul", "tpx::matmul_all_reduce", "tpx::replicated_matmul_backward",
+            "tpx::matmul_all_reduce_backward"} <= names, names
+
     with torch.no_grad():
         with pytest.raises(ValueError, match="input.shape\\[-1\\] must be 6"):
             col(torch.randn(3, d + 1))

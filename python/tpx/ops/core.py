@@ -72,23 +72,33 @@ PLAIN, ON_PARAMS = 1, 2
 
 
 def lean_mode(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> int:
-    """How a layer's forward may call its operator directly, skipping the general checks
-    of the op wrappers (the layer checked its group and arguments when it was built):
+    """How a layer's forward may call its operator's kernel directly (``tpx._C.direct``, no
+    dispatcher), skipping the general checks of the op wrappers (the layer checked its group
+    and arguments when it was built):
 
     * :data:`PLAIN`: no gradient is wanted (grad mode off, or nothing requires one): the
-      operator below autograd, nothing recorded (:func:`tpx.ops.matmul.plain_linear`);
+      kernel alone, nothing recorded (:func:`tpx.ops.matmul.plain_linear`);
     * :data:`ON_PARAMS`: autograd records and ``weight`` is a ``DTensor``: one autograd node
       that takes the parameters themselves (:func:`tpx.ops.matmul.linear_on_params`);
-    * ``0``: the op wrappers' general path (autocast, ``torch.compile``, ``TPX_DEBUG_CHECKS``,
-      plain-tensor parameters that need a gradient).
+    * ``0``: the op wrappers' general path, through ``torch.ops.tpx`` (autocast,
+      ``torch.compile``, ``TPX_DEBUG_CHECKS``, a dispatch or ``__torch_function__`` mode, a
+      functorch transform, a device other than CPU or CUDA, tensor subclasses as local
+      tensors, plain-tensor parameters that need a gradient).
     """
     if (torch._C._is_any_autocast_enabled() or torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or not (x.is_cpu or x.is_cuda)
             or config.debug_checks()):
+        return 0
+    DTensor = _dtensor_class()
+    on_params = isinstance(weight, DTensor)
+    if type(weight._local_tensor if on_params else weight) is not Tensor or (bias is not None and type(
+            bias._local_tensor if isinstance(bias, DTensor) else bias) is not Tensor):
         return 0
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or (
             bias is not None and bias.requires_grad)):
         return PLAIN
-    return ON_PARAMS if isinstance(weight, _dtensor_class()) else 0
+    return ON_PARAMS if on_params else 0
 
 
 def on_params_function(op: str, transposed: tuple = ()) -> type:

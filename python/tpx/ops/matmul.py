@@ -26,8 +26,7 @@ from torch import Tensor
 from .. import _ext
 from ..comm_groups import guarded
 from ..group import GroupLike
-from .core import (call, call_on_params, dim_first_shape, group_name, on_params_function,
-                   register, world)
+from .core import call, call_on_params, dim_first_shape, group_name, register, world
 
 
 @guarded
@@ -207,31 +206,31 @@ def local_matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return torch.ops.tpx.local_matmul(a, b, bias)
 
 
-_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+# The layers' common call (tpx.ops.core.lean_mode): the kernels of the operators without the
+# dispatcher (tpx._C.direct), the same computation as torch.ops.tpx.<op>.
+_DIRECT = _ext.direct
 
 
 def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str,
                  chunks: Optional[int]) -> Tensor:
     """``x @ weight.T + bias`` on local tensors, nothing recorded: the forward of a
     column-parallel layer (and of any layer at world size 1) in
-    :func:`tpx.ops.core.lean_mode` ``PLAIN`` (``replicated_matmul``'s operator, called below
-    autograd: the engine's GEMM, no communication, a group tpx found broken refused).
-    ``group_name`` from :func:`tpx.ops.core.plain_group_name`.
+    :func:`tpx.ops.core.lean_mode` ``PLAIN`` (``replicated_matmul``'s kernel: the engine's
+    GEMM, no communication, a group tpx found broken refused). ``group_name`` from
+    :func:`tpx.ops.core.plain_group_name`.
 
     Placement: ``x R``, ``weight S(0)``, ``bias S(0)`` -> ``out S(-1)``."""
-    with _BELOW_AUTOGRAD():
-        return torch.ops.tpx.replicated_matmul.default(x, weight.t(), group_name, chunks, bias)
+    return _DIRECT.replicated_matmul(x, weight.t(), group_name, chunks, bias)
 
 
 def plain_linear_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str,
                             chunks: Optional[int]) -> Tensor:
     """``all_reduce(x @ weight.T) + bias`` on local tensors, nothing recorded: the forward of a
     row-parallel layer in :func:`tpx.ops.core.lean_mode` ``PLAIN`` (``matmul_all_reduce``'s
-    operator, called below autograd). ``group_name`` from :func:`tpx.ops.core.plain_group_name`.
+    kernel). ``group_name`` from :func:`tpx.ops.core.plain_group_name`.
 
     Placement: ``x S(-1)``, ``weight S(1)``, ``bias R`` -> ``out R``."""
-    with _BELOW_AUTOGRAD():
-        return torch.ops.tpx.matmul_all_reduce.default(x, weight.t(), group_name, chunks, bias)
+    return _DIRECT.matmul_all_reduce(x, weight.t(), group_name, chunks, bias)
 
 
 def linear_on_params(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -239,9 +238,58 @@ def linear_on_params(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor],
     """A layer's training call in :func:`tpx.ops.core.lean_mode` ``ON_PARAMS``: ``op``
     (``"replicated_matmul"`` or ``"matmul_all_reduce"``) on the ``DTensor`` parameters
     ``weight`` (a Linear weight, used transposed) and ``bias``, as one autograd node whose
-    backward hands their gradients back as ``DTensor`` s (see
-    :func:`tpx.ops.core.call_on_params`). Placements as in the op."""
-    return on_params_function(op, (1,)).apply(x, weight, group_name, chunks, bias)
+    backward hands their gradients back as ``DTensor`` s of their placements (as
+    :func:`tpx.ops.core.call_on_params` does). Placements as in the op."""
+    # Function.apply's own work before its C++ core is for functorch transforms (none are
+    # active here, lean_mode checked) and costs about a tenth of the whole call.
+    return _LINEAR_APPLY(torch._C._functorch.unwrap_if_dead(x), weight, bias, group_name,
+                         chunks, op == "replicated_matmul")
+
+
+class _LinearOnParams(torch.autograd.Function):
+    """The autograd node of :func:`linear_on_params`: the operator's kernels on the local
+    tensors of the ``DTensor`` parameters (``tpx._C.direct``; under ``create_graph`` the
+    backward goes through ``torch.ops.tpx``, whose gradients refuse a second backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group_name, chunks, column):
+        w = weight._local_tensor.t()
+        b = None if bias is None else bias._local_tensor
+        kernel = _DIRECT.replicated_matmul if column else _DIRECT.matmul_all_reduce
+        out = kernel(x, w, group_name, chunks, b)
+        ctx.save_for_backward(x, w)
+        ctx.args = (group_name, chunks, column, weight._spec,
+                    None if bias is None else bias._spec)
+        return out
+
+    @staticmethod
+    @guarded
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+        group_name, chunks, column, weight_spec, bias_spec = ctx.args
+        need_x, need_w, need_bias = ctx.needs_input_grad[:3]
+        need_bias = need_bias and bias_spec is not None
+        kernels = torch.ops.tpx if torch.is_grad_enabled() else _DIRECT
+        if column:
+            grad_x, grad_w, grad_bias = kernels.replicated_matmul_backward(
+                grad_out, x, w, group_name, chunks, need_x, need_w, need_bias)
+        else:
+            grad_x, grad_w, grad_bias = kernels.matmul_all_reduce_backward(
+                grad_out, x, w, need_x, need_w, need_bias)
+        if grad_w is not None:
+            grad_w = _new_dtensor(grad_w.t().contiguous(), weight_spec)
+        if grad_bias is not None:
+            grad_bias = _new_dtensor(grad_bias, bias_spec)
+        return grad_x, grad_w, grad_bias, None, None, None
+
+
+_LINEAR_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LinearOnParams)
+
+
+def _new_dtensor(local: Tensor, spec) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def default_chunks() -> int:

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import _ext
 from ..comm_groups import guarded
 from ..group import GroupLike
 from .core import call, dim_first_shape, group_name, register, world
@@ -70,9 +71,8 @@ def plain_embedding(weight: Tensor, ids: Tensor, vocab_start: int, group_name: s
     :func:`tpx.ops.core.plain_group_name`; ``ids`` int64.
 
     Placement: ``weight S(0)``, ``ids R`` -> ``out R``."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.tpx.vocab_parallel_embedding.default(weight, ids, vocab_start,
-                                                               group_name, None, padding_idx)
+    return _ext.direct.vocab_parallel_embedding(weight, ids, vocab_start, group_name, None,
+                                                padding_idx)
 
 
 @guarded
