@@ -133,6 +133,18 @@ def test_only_tpx_ops_calls_torch_ops_tpx():
     assert outside == []
 
 
+def test_only_tpx_ops_calls_the_kernels_directly():
+    # `_ext.direct` (the kernels without the dispatcher) is the operators' other entry point.
+    def uses_direct(tree):
+        return any((isinstance(n, ast.Attribute) and n.attr == "direct"
+                    and isinstance(n.value, ast.Name) and n.value.id == "_ext")
+                   or (isinstance(n, ast.ImportFrom) and any(a.name == "direct" for a in n.names))
+                   for n in ast.walk(tree))
+
+    users = sorted({name for name, _, tree in _trees() if uses_direct(tree)})
+    assert users and all(u == "tpx._ext" or u.startswith("tpx.ops.") for u in users), users
+
+
 def test_only_tpx_ext_imports_the_extension():
     importers = set()
     for name, _, tree in _trees():
