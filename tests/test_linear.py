@@ -236,6 +236,40 @@ def _check_lean_calls(rank, world):
     assert {"tpx::replicated_matmul", "tpx::matmul_all_reduce", "tpx::replicated_matmul_backward",
             "tpx::matmul_all_reduce_backward"} <= names, names
 
+    # Plain nn.Parameter weights (fused segments split separately) take the short path too.
+    fused = tpx.ColumnParallelLinear(d, 4 * world, out_rows=[
+        [(2 * r, 2 * r + 2), (2 * world + 2 * r, 2 * world + 2 * r + 2)] for r in range(world)])
+    assert type(fused.weight) is nn.Parameter
+    with torch.no_grad():
+        assert tpx.ops.lean_mode(x, fused.weight, fused.bias) == tpx.ops.PLAIN
+        short = fused(x)
+        os.environ["TPX_DEBUG_CHECKS"] = "1"
+        try:
+            assert torch.equal(fused(x), short), "fused segments, short against general path"
+        finally:
+            os.environ.pop("TPX_DEBUG_CHECKS")
+
+    # torch.jit.trace records the operator (shape-generic), not the kernel's insides.
+    with torch.no_grad():
+        traced = torch.jit.trace(col, x, check_trace=False)
+        x2 = torch.randn(3, d, generator=gen)
+        assert torch.equal(traced(x2), col(x2)), "a traced column layer on another shape"
+    # A parameter changed in place between forward and backward is refused, as nn.Linear's
+    # saved weight is (DTensor's in-place ops leave its local tensor's version as it was).
+    for debug in ("0", "1"):
+        os.environ["TPX_DEBUG_CHECKS"] = debug
+        try:
+            y = row(torch.relu(col(x)))
+            with torch.no_grad():
+                col.weight.mul_(1)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
+        finally:
+            os.environ.pop("TPX_DEBUG_CHECKS")
+    for p in params:
+        p.grad = None
+    close(step()[0], lean, "after a refused backward")  # every rank still in step
+
     with torch.no_grad():
         with pytest.raises(ValueError, match="input.shape\\[-1\\] must be 6"):
             col(torch.randn(3, d + 1))

@@ -81,24 +81,33 @@ def lean_mode(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> int:
     * :data:`ON_PARAMS`: autograd records and ``weight`` is a ``DTensor``: one autograd node
       that takes the parameters themselves (:func:`tpx.ops.matmul.linear_on_params`);
     * ``0``: the op wrappers' general path, through ``torch.ops.tpx`` (autocast,
-      ``torch.compile``, ``TPX_DEBUG_CHECKS``, a dispatch or ``__torch_function__`` mode, a
-      functorch transform, a device other than CPU or CUDA, tensor subclasses as local
-      tensors, plain-tensor parameters that need a gradient).
+      ``torch.compile``, ``torch.jit.trace``, ``TPX_DEBUG_CHECKS``, a dispatch or
+      ``__torch_function__`` mode, a functorch transform, a device other than CPU or CUDA, a
+      layout other than strided, tensor subclasses as local tensors, plain-tensor parameters
+      that need a gradient).
     """
     if (torch._C._is_any_autocast_enabled() or torch.compiler.is_compiling()
             or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active() or not (x.is_cpu or x.is_cuda)
+            or torch._C._are_functorch_transforms_active()
+            or torch._C._get_tracing_state() is not None
+            or not (x.is_cpu or x.is_cuda) or x.layout is not torch.strided
             or config.debug_checks()):
         return 0
     DTensor = _dtensor_class()
     on_params = isinstance(weight, DTensor)
-    if type(weight._local_tensor if on_params else weight) is not Tensor or (bias is not None and type(
-            bias._local_tensor if isinstance(bias, DTensor) else bias) is not Tensor):
+    bias_dtensor = isinstance(bias, DTensor)
+    if (type(weight._local_tensor if on_params else weight) not in _PLAIN_TYPES
+            or (bias is not None and type(bias._local_tensor if bias_dtensor else bias)
+                not in _PLAIN_TYPES)):
         return 0
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or (
             bias is not None and bias.requires_grad)):
         return PLAIN
-    return ON_PARAMS if on_params else 0
+    return ON_PARAMS if on_params and (bias is None or bias_dtensor) else 0
+
+
+# Tensors the kernels take as they are (a tensor subclass goes through the dispatcher).
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def on_params_function(op: str, transposed: tuple = ()) -> type:
@@ -145,9 +154,14 @@ def _on_params_function(op: str, function: type, transposed: tuple) -> type:
         for i in transposed:
             local[i] = local[i].t()
         ctx.param_specs = params
-        return function.forward(ctx, *local)
+        out = function.forward(ctx, *local)
+        saved = getattr(ctx, "to_save", ())
+        ctx.watched = tuple((args[i], args[i]._version) for i in params
+                            if any(local[i] is t for t in saved))
+        return out
 
     def backward(ctx, *grads):
+        check_watched(ctx.watched)
         out = list(function.backward(ctx, *grads))
         for i in transposed:
             if out[i] is not None:
@@ -160,6 +174,22 @@ def _on_params_function(op: str, function: type, transposed: tuple) -> type:
     return type(f"{op}_on_params_function", (torch.autograd.Function,), dict(
         forward=staticmethod(forward), backward=staticmethod(backward), __module__="tpx.ops",
         __doc__=f"``torch.ops.tpx.{op}`` on DTensor parameters (see :func:`call_on_params`)."))
+
+
+def check_watched(watched) -> None:
+    """Raises, as autograd does for a saved tensor, when a ``DTensor`` parameter whose local
+    tensor the backward reads was modified in place after the forward (``watched``:
+    (parameter, its ``_version`` then) pairs). ``DTensor``'s in-place ops do not bump the
+    version of its local tensor, so autograd's own check of the saved local tensor misses them
+    and the backward would read the new values."""
+    for param, version in watched:
+        if param._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a DTensor parameter of shape {list(param.shape)} is at "
+                f"version {param._version}; expected version {version} instead. Run the "
+                "backward before changing the parameters in place (e.g. before "
+                "optimizer.step()), as with nn.Linear.")
 
 
 _DTENSOR: list = []

@@ -26,7 +26,8 @@ from torch import Tensor
 from .. import _ext
 from ..comm_groups import guarded
 from ..group import GroupLike
-from .core import call, call_on_params, dim_first_shape, group_name, register, world
+from .core import (call, call_on_params, check_watched, dim_first_shape, group_name, register,
+                   world)
 
 
 @guarded
@@ -237,40 +238,43 @@ def linear_on_params(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                      group_name: str, chunks: Optional[int]) -> Tensor:
     """A layer's training call in :func:`tpx.ops.core.lean_mode` ``ON_PARAMS``: ``op``
     (``"replicated_matmul"`` or ``"matmul_all_reduce"``) on the ``DTensor`` parameters
-    ``weight`` (a Linear weight, used transposed) and ``bias``, as one autograd node whose
-    backward hands their gradients back as ``DTensor`` s of their placements (as
-    :func:`tpx.ops.core.call_on_params` does). Placements as in the op."""
+    ``weight`` (a Linear weight, used transposed) and ``bias`` (``None`` or a ``DTensor``),
+    as one autograd node whose backward hands their gradients back as ``DTensor`` s of their
+    placements (as :func:`tpx.ops.core.call_on_params` does). Placements as in the op."""
     # Function.apply's own work before its C++ core is for functorch transforms (none are
     # active here, lean_mode checked) and costs about a tenth of the whole call.
-    return _LINEAR_APPLY(torch._C._functorch.unwrap_if_dead(x), weight, bias, group_name,
-                         chunks, op == "replicated_matmul")
+    return _LINEAR_APPLY[op](torch._C._functorch.unwrap_if_dead(x), weight, bias, group_name,
+                             chunks)
 
 
 class _LinearOnParams(torch.autograd.Function):
     """The autograd node of :func:`linear_on_params`: the operator's kernels on the local
-    tensors of the ``DTensor`` parameters (``tpx._C.direct``; under ``create_graph`` the
-    backward goes through ``torch.ops.tpx``, whose gradients refuse a second backward)."""
+    tensors of the ``DTensor`` parameters (``tpx._C.direct``). Under ``create_graph`` the
+    backward goes through ``torch.ops.tpx``, as the general path's does (these operators have
+    no double backward: it raises)."""
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, group_name, chunks, column):
+    column = True  # replicated_matmul; False: matmul_all_reduce
+
+    @classmethod
+    def forward(cls, ctx, x, weight, bias, group_name, chunks):
         w = weight._local_tensor.t()
         b = None if bias is None else bias._local_tensor
-        kernel = _DIRECT.replicated_matmul if column else _DIRECT.matmul_all_reduce
+        kernel = _DIRECT.replicated_matmul if cls.column else _DIRECT.matmul_all_reduce
         out = kernel(x, w, group_name, chunks, b)
         ctx.save_for_backward(x, w)
-        ctx.args = (group_name, chunks, column, weight._spec,
-                    None if bias is None else bias._spec)
+        ctx.watched = ((weight, weight._version),)
+        ctx.args = (group_name, chunks, weight._spec, None if bias is None else bias._spec)
         return out
 
-    @staticmethod
-    @guarded
-    def backward(ctx, grad_out):
+    @classmethod
+    def backward(cls, ctx, grad_out):
+        check_watched(ctx.watched)
         x, w = ctx.saved_tensors
-        group_name, chunks, column, weight_spec, bias_spec = ctx.args
+        group_name, chunks, weight_spec, bias_spec = ctx.args
         need_x, need_w, need_bias = ctx.needs_input_grad[:3]
         need_bias = need_bias and bias_spec is not None
         kernels = torch.ops.tpx if torch.is_grad_enabled() else _DIRECT
-        if column:
+        if cls.column:
             grad_x, grad_w, grad_bias = kernels.replicated_matmul_backward(
                 grad_out, x, w, group_name, chunks, need_x, need_w, need_bias)
         else:
@@ -280,10 +284,19 @@ class _LinearOnParams(torch.autograd.Function):
             grad_w = _new_dtensor(grad_w.t().contiguous(), weight_spec)
         if grad_bias is not None:
             grad_bias = _new_dtensor(grad_bias, bias_spec)
-        return grad_x, grad_w, grad_bias, None, None, None
+        return grad_x, grad_w, grad_bias, None, None
 
 
-_LINEAR_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LinearOnParams)
+def _linear_node(op: str, column: bool):
+    node = type(f"{op}_on_params_node", (_LinearOnParams,), dict(
+        column=column, __module__=__name__,
+        __doc__=f"``{op}``'s node of :func:`linear_on_params`."))
+    node.backward = classmethod(guarded(_LinearOnParams.backward.__func__))
+    return torch._C._FunctionBase.__dict__["apply"].__get__(None, node)
+
+
+_LINEAR_APPLY = {"replicated_matmul": _linear_node("replicated_matmul", True),
+                 "matmul_all_reduce": _linear_node("matmul_all_reduce", False)}
 
 
 def _new_dtensor(local: Tensor, spec) -> Tensor:
