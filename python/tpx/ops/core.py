@@ -155,9 +155,11 @@ def _on_params_function(op: str, function: type, transposed: tuple) -> type:
             local[i] = local[i].t()
         ctx.param_specs = params
         out = function.forward(ctx, *local)
+        # The operators are products of the input (first) and a parameter: a saved parameter
+        # is read for the input's gradient only, as autograd saves nn.Linear's weight then.
         saved = getattr(ctx, "to_save", ())
         ctx.watched = tuple((args[i], args[i]._version) for i in params
-                            if any(local[i] is t for t in saved))
+                            if ctx.needs_input_grad[0] and any(local[i] is t for t in saved))
         return out
 
     def backward(ctx, *grads):

@@ -262,7 +262,8 @@ class _LinearOnParams(torch.autograd.Function):
         kernel = _DIRECT.replicated_matmul if cls.column else _DIRECT.matmul_all_reduce
         out = kernel(x, w, group_name, chunks, b)
         ctx.save_for_backward(x, w)
-        ctx.watched = ((weight, weight._version),)
+        # the weight is read for the input's gradient only, as nn.Linear saves it only then
+        ctx.watched = ((weight, weight._version),) if x.requires_grad else ()
         ctx.args = (group_name, chunks, weight._spec, None if bias is None else bias._spec)
         return out
 
