@@ -307,6 +307,32 @@ def test_lean_calls_equal_the_general_path(world):
     run_ranks(_check_lean_calls, world)
 
 
+def _check_inference_mode_gathers(rank, world):
+    """Under torch.inference_mode the ops that all-gather (sequence parallelism's gather of the
+    input, a gathered output) give what they give under no_grad (torch 2.5's gloo refuses to
+    copy into an inference tensor on its own thread: the buffers it writes are normal)."""
+    torch.manual_seed(5)
+    d, h = 6, 2 * world + 1
+    ref1, ref2 = nn.Linear(d, h), nn.Linear(h, d)
+    col = tpx.ColumnParallelLinear.from_linear(ref1, sequence_parallel=True)
+    row = tpx.RowParallelLinear.from_linear(ref2, sequence_parallel=True)
+    head = tpx.ColumnParallelLinear.from_linear(ref1, gather_output=True)
+    x = torch.randn(2, 2 * world, d, generator=torch.Generator().manual_seed(7))
+    mine = x[:, 2 * rank:2 * rank + 2]
+    with torch.no_grad():
+        want = row(torch.relu(col(mine))), head(x)
+    with torch.inference_mode():
+        got = row(torch.relu(col(mine))), head(x)
+    for g, w, what in zip(got, want, ("sequence parallel", "gathered output")):
+        assert torch.equal(g, w), what
+    close(got[1], ref1(x).detach(), "gathered output against nn.Linear")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inference_mode_gathers(world):
+    run_ranks(_check_inference_mode_gathers, world)
+
+
 def test_shard_range_matches_torch_chunk():
     for size, world in itertools.product([1, 2, 5, 7, 10, 50257], [1, 2, 3, 4, 8]):
         pieces = torch.arange(size).chunk(world)

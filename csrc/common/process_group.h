@@ -67,6 +67,11 @@ struct Pending {
   std::exception_ptr drain() noexcept;
 };
 
+// An uninitialised buffer that an all-gather writes into: a normal tensor even under
+// inference mode (gloo's all-gather in torch 2.5 copies into its output on gloo's own thread,
+// where inference mode is off, and refuses an inference tensor there).
+at::Tensor gather_buffer(at::IntArrayRef sizes, const at::TensorOptions& options);
+
 // The bytes of `t`'s elements: numel * element size.
 int64_t nbytes(const at::Tensor& t);
 

@@ -258,7 +258,8 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
   gshape[0] *= world;
   // At world size 1 the dim-first copy of `a`, when one was made, already is the result.
   const bool reuse = world == 1 && !am.is_alias_of(a);
-  at::Tensor gathered = reuse ? am : at::empty(gshape, a.options());
+  at::Tensor gathered = reuse ? am : world == 1 ? at::empty(gshape, a.options())
+                                             : gather_buffer(gshape, a.options());
   at::Tensor out = at::empty(with_last(gshape, n), a.options());
   const int64_t rows = world * extent * inner;
   at::Tensor g2 = gathered.view({rows, k}), out2 = out.view({rows, n});

@@ -299,9 +299,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_3d(
   at::Tensor w = weight.contiguous();
   auto xg_shape = x.sizes().vec();
   xg_shape[0] *= q;
-  at::Tensor xg = at::empty(xg_shape, x.options());
+  at::Tensor xg = gather_buffer(xg_shape, x.options());
   at::Tensor xg2 = xg.view({q * m, k});
-  at::Tensor wg = at::empty({nq, k}, x.options());
+  at::Tensor wg = gather_buffer({nq, k}, x.options());
   at::Tensor out = at::empty(with_last(x.sizes(), nq), x.options());
   at::Tensor out2 = out.view({m, nq});
   if (q == 1) {
@@ -428,7 +428,7 @@ at::Tensor mesh_all_gather(const at::Tensor& x, const std::string& group) {
   at::Tensor in = x.contiguous();
   auto shape = x.sizes().vec();
   shape.insert(shape.begin(), pg->getSize());
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out = gather_buffer(shape, x.options());
   if (pg->getSize() == 1) {
     out[0].copy_(in);
   } else {
