@@ -325,6 +325,8 @@ def _check_inference_mode_gathers(rank, world):
         got = row(torch.relu(col(mine))), head(x)
     for g, w, what in zip(got, want, ("sequence parallel", "gathered output")):
         assert torch.equal(g, w), what
+    close(got[0], ref2(torch.relu(ref1(x)))[:, 2 * rank:2 * rank + 2].detach(),
+          "sequence parallel against nn.Linear")
     close(got[1], ref1(x).detach(), "gathered output against nn.Linear")
 
 

@@ -142,7 +142,6 @@ def _on_params_function(op: str, function: type, transposed: tuple) -> type:
     """The Function of :func:`call_on_params` for ``op`` (its eager Function ``function``),
     its arguments in the operator's order, so that ``ctx.needs_input_grad`` lines up."""
     DTensor = _dtensor_class()
-    new = DTensor.__new__
 
     def forward(ctx, *args):
         params = {}
@@ -170,7 +169,7 @@ def _on_params_function(op: str, function: type, transposed: tuple) -> type:
                 out[i] = out[i].t()
         for i, spec in ctx.param_specs.items():
             if out[i] is not None:
-                out[i] = new(DTensor, out[i].contiguous(), spec, requires_grad=False)
+                out[i] = dtensor_of(out[i].contiguous(), spec)
         return tuple(out)
 
     return type(f"{op}_on_params_function", (torch.autograd.Function,), dict(

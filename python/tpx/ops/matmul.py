@@ -26,8 +26,8 @@ from torch import Tensor
 from .. import _ext
 from ..comm_groups import guarded
 from ..group import GroupLike
-from .core import (call, call_on_params, check_watched, dim_first_shape, group_name, register,
-                   world)
+from .core import (call, call_on_params, check_watched, dim_first_shape, dtensor_of, group_name,
+                   register, world)
 
 
 @guarded
@@ -282,9 +282,9 @@ class _LinearOnParams(torch.autograd.Function):
             grad_x, grad_w, grad_bias = kernels.matmul_all_reduce_backward(
                 grad_out, x, w, need_x, need_w, need_bias)
         if grad_w is not None:
-            grad_w = _new_dtensor(grad_w.t().contiguous(), weight_spec)
+            grad_w = dtensor_of(grad_w.t().contiguous(), weight_spec)
         if grad_bias is not None:
-            grad_bias = _new_dtensor(grad_bias, bias_spec)
+            grad_bias = dtensor_of(grad_bias, bias_spec)
         return grad_x, grad_w, grad_bias, None, None
 
 
@@ -298,12 +298,6 @@ def _linear_node(op: str, column: bool):
 
 _LINEAR_APPLY = {"replicated_matmul": _linear_node("replicated_matmul", True),
                  "matmul_all_reduce": _linear_node("matmul_all_reduce", False)}
-
-
-def _new_dtensor(local: Tensor, spec) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def default_chunks() -> int:
