@@ -9,6 +9,7 @@ import torch
 
 import tpx
 from harness import run_ranks
+from test_autocast import _check_llama
 from test_linear import _check_mlp
 from test_ops import _check_all_ops
 
@@ -48,6 +49,20 @@ def test_mlp_cuda_gloo(world):
     run_ranks(_mlp_cuda, world, backend="gloo")
 
 
+def _llama_cuda(rank, world):
+    _on_cuda(_check_llama)(rank, world)
+
+
+def test_llama_cuda_gloo_world2():
+    """The decoder sharded by tpx.plans.auto against the unsharded one on the GPU, float32 and
+    bf16 autocast (tests/test_autocast.py), two ranks on the one GPU."""
+    run_ranks(_llama_cuda, 2, backend="gloo")
+
+
+def test_llama_cuda_nccl_world1():
+    run_ranks(_llama_cuda, 1, backend="nccl")
+
+
 def test_build_has_cuda():
     assert tpx.build_info()["cuda"], "torch sees a GPU but tpx was built without CUDA"
 
@@ -66,7 +81,8 @@ def _vocab_ops_cuda(rank, world):
         full = torch.randn(12, V, generator=gen).to(dev, dtype)
         target = torch.randint(0, V, (12,), generator=gen).to(dev)
         target[::5] = -100
-        ref_in = full.float().requires_grad_(True)
+        # detach(): for float32, .float() is `full` itself, which must stay a plain input.
+        ref_in = full.detach().float().requires_grad_(True)
         ref = F.cross_entropy(ref_in, target, label_smoothing=0.1)
         ref.backward()
         x = full[:, v0:v1].clone().requires_grad_(True)
@@ -169,7 +185,7 @@ def _check_ce_kernels(rank, world, dev):
 
         # The whole vocabulary: against F.cross_entropy on the same (rounded) logits.
         loss, lse = tpx.ops.vocab_parallel_cross_entropy_rows(x, target, 0, V, **kw)
-        ref_in = x.float().requires_grad_(True)
+        ref_in = x.detach().float().requires_grad_(True)  # not `x` itself when float32
         ref = F.cross_entropy(ref_in, target, reduction="none", **kw)
         ref.backward(g)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5,

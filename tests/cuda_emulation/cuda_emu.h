@@ -41,7 +41,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
+// No __noinline__: libstdc++ (GCC 13 and later) writes __attribute__((__noinline__)) itself,
+// which such a macro would break; the kernels do not use it.
 #define __launch_bounds__(...)
 // Per block: blocks run one after another, so one static instance serves each block in turn.
 #define __shared__ static
