@@ -15,9 +15,10 @@ layers are the ones a TP rank runs, without a peer.
 2. ``lce``: LM head + loss forward + backward (gradients of hidden and weight), bf16, N x d ->
    V: ``unfused`` = ``hidden @ weight.T`` then F.cross_entropy, vs ``tpx.linear_cross_entropy``
    at its default chunk size and at larger ones.
-3. ``emb``: embedding lookup (forward) and its weight gradient (forward + backward), bf16,
-   N ids into a V x D table: ``nn.Embedding`` vs ``tpx.VocabParallelEmbedding`` (its kernels:
-   fp32 atomics by default, the sorted kernel under ``torch.use_deterministic_algorithms``).
+3. ``emb``: embedding lookup (forward) and its weight gradient (forward + backward), bf16 and
+   fp32, N ids into a V x D table: ``nn.Embedding`` vs ``tpx.VocabParallelEmbedding`` (its
+   kernels; the variant under ``torch.use_deterministic_algorithms`` takes the sorted kernel
+   whatever the dtype).
 4. ``gemm``: the price of the overlap's pipeline. An all-gather + GEMM at TP W with pipeline
    depth c runs W * c GEMMs of M / (W * c) rows each, writing into one output; a GEMM +
    reduce-scatter likewise. Shapes are one TP-8 rank's GEMMs of Llama-2-7B and Llama-3-70B
@@ -271,56 +272,55 @@ def bench_lce(cfg, args, device, gen) -> list:
 
 def bench_emb(cfg, args, device, gen) -> list:
     import tpx
-    import tpx.nn.functional
 
     rows = []
     v, d, n = cfg["vocabs"][-1], cfg["emb_dim"], cfg["emb_tokens"]
-    torch.manual_seed(SEED)
-    ref = nn.Embedding(v, d, device=device, dtype=BF16)
-    emb = tpx.VocabParallelEmbedding.from_embedding(ref)
-    ids = torch.randint(0, v, (n,), generator=gen, device=device)
-    gy = torch.randn(n, d, generator=gen, device=device).to(BF16)
-    if not torch.equal(emb(ids).detach(), ref(ids).detach()):
-        raise SystemExit("bench_gpu: tpx embedding forward differs from nn.Embedding")
-    w64 = ref.weight.detach().double().requires_grad_(True)
-    F.embedding(ids, w64).backward(gy.double())
+    for dtype in (BF16, torch.float32):
+        torch.manual_seed(SEED)
+        ref = nn.Embedding(v, d, device=device, dtype=dtype)
+        emb = tpx.VocabParallelEmbedding.from_embedding(ref)
+        ids = torch.randint(0, v, (n,), generator=gen, device=device)
+        gy = torch.randn(n, d, generator=gen, device=device).to(dtype)
+        if not torch.equal(emb(ids).detach(), ref(ids).detach()):
+            raise SystemExit("bench_gpu: tpx embedding forward differs from nn.Embedding")
+        w64 = ref.weight.detach().double().requires_grad_(True)
+        F.embedding(ids, w64).backward(gy.double())
+        tol = 1e-2 if dtype == BF16 else 1e-5
 
-    def fwd_bwd(m):
-        m.weight.grad = None
-        m(ids).backward(gy)
-        return m.weight.grad
+        def fwd_bwd(m):
+            m.weight.grad = None
+            m(ids).backward(gy)
+            return m.weight.grad
 
-    err = {}
-    for name, m in (("nn.Embedding", ref), ("tpx VocabParallelEmbedding", emb)):
-        g = fwd_bwd(m)
-        local = g.to_local() if hasattr(g, "to_local") else g
-        err[name] = check(f"embedding {name} grad", local, w64.grad, 1e-2)
+        def fwd(m):
+            with torch.no_grad():
+                return m(ids)
 
-    def fwd(m):
-        with torch.no_grad():
-            return m(ids)
+        def fwd_bwd_deterministic(m):
+            was = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                return fwd_bwd(m)
+            finally:
+                torch.use_deterministic_algorithms(was)
 
-    def fwd_bwd_deterministic(m):
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
-            return fwd_bwd(m)
-        finally:
-            torch.use_deterministic_algorithms(was)
-
-    err["tpx VocabParallelEmbedding (deterministic)"] = check(
-        "embedding tpx deterministic grad", fwd_bwd_deterministic(emb).to_local(), w64.grad, 1e-2)
-    for what, fn in (("lookup (no_grad)", fwd), ("lookup + weight grad", fwd_bwd)):
-        variants = {"nn.Embedding": (lambda: ref, fn),
-                    "tpx VocabParallelEmbedding": (lambda: emb, fn)}
-        if fn is fwd_bwd:  # the sorted kernel (fixed summation order) beside the atomic one
-            variants["tpx VocabParallelEmbedding (deterministic)"] = (lambda: emb,
-                                                                      fwd_bwd_deterministic)
-        recs = measure(variants, cfg["rounds"], device)
-        for r in ratios(recs, "nn.Embedding"):
-            r.update(case=f"{what} N={n} V={v} D={d} bf16",
-                     rel_err=err[r["variant"]] if "grad" in what else 0.0)
-            rows.append(r)
+        names = ("nn.Embedding", "tpx VocabParallelEmbedding",
+                 "tpx VocabParallelEmbedding (deterministic)")
+        err = {}
+        for name, m, step in zip(names, (ref, emb, emb), (fwd_bwd, fwd_bwd, fwd_bwd_deterministic)):
+            g = step(m)
+            err[name] = check(f"embedding {name} {dtype} grad",
+                              g.to_local() if hasattr(g, "to_local") else g, w64.grad, tol)
+        for what, fn in (("lookup (no_grad)", fwd), ("lookup + weight grad", fwd_bwd)):
+            variants = {names[0]: (lambda: ref, fn), names[1]: (lambda: emb, fn)}
+            if fn is fwd_bwd:  # tpx's other kernel: the sorted one under deterministic mode
+                variants[names[2]] = (lambda: emb, fwd_bwd_deterministic)
+            recs = measure(variants, cfg["rounds"], device)
+            for r in ratios(recs, names[0]):
+                r.update(case=f"{what} N={n} V={v} D={d} {str(dtype)[6:]}",
+                         rel_err=err[r["variant"]] if "grad" in what else 0.0)
+                rows.append(r)
+        del ref, emb, w64
     return rows
 
 

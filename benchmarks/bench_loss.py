@@ -284,6 +284,7 @@ def bench_ce(cfg: dict, args, world: int) -> list:
 
 def bench_lce(cfg: dict, args, world: int) -> list:
     import tpx
+    from tpx.nn.functional import default_chunk_size
 
     n, d, vocab = cfg["tokens"], cfg["d"], cfg["vocab"]
     torch.manual_seed(SEED + 1)
@@ -313,7 +314,7 @@ def bench_lce(cfg: dict, args, world: int) -> list:
                                         vocab_size=vocab)
         return (loss, *torch.autograd.grad(loss, (h, w)))
 
-    default_chunk = max(1, (1 << 24) // (end - start))  # tpx's default: ~64 MiB of fp32 logits
+    default_chunk = default_chunk_size(vocab, world)
     variants = {"unfused": (lambda: (hidden, weight), unfused),
                 "unfused inplace_backward":
                     (lambda: (hidden, weight), lambda s: unfused(s, inplace=True)),

@@ -10,7 +10,8 @@
 # what they prove (build, GPU tests, selfcheck, benchmark, sanitizer, emulated kernels).
 # Environment:
 # PYTHON (default python3, a CUDA build of torch), TORCH_CUDA_ARCH_LIST (default 9.0a),
-# MAX_JOBS (default: the number of cores). The exit status is that of the first step that
+# MAX_JOBS (default: the number of cores), BENCH_GPU_ARGS (more arguments of bench_gpu.py, such
+# as --sections emb,lce). The exit status is that of the first step that
 # failed (0 when all passed).
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [SECONDS]}
@@ -101,7 +102,7 @@ step "pytest tests/test_cuda.py" 180 pytest_cuda
 
 step selfcheck 75 $py -m tpx.selfcheck --json "$out/selfcheck.json"
 
-step "bench_gpu" 200 $py benchmarks/bench_gpu.py --out "$out/bench_gpu.json"
+step "bench_gpu" 200 $py benchmarks/bench_gpu.py ${BENCH_GPU_ARGS:-} --out "$out/bench_gpu.json"
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step "compute-sanitizer memcheck" 120 sanitize

@@ -4,9 +4,9 @@
 // rank's block of the output is a contiguous range of rows.
 //
 // In CUDA builds, fp32 / fp16 / bf16 tables on a GPU use dedicated kernels (csrc/cuda) for
-// the masked gather and for the scatter-add: fp32 atomics by default, a sorted, bitwise
-// reproducible segmented sum under torch.use_deterministic_algorithms(True). The
-// collectives are the same for both paths.
+// the masked gather and for the scatter-add: a sorted, bitwise reproducible segmented sum for
+// fp16 / bf16 gradients and under torch.use_deterministic_algorithms(True), fp32 atomics for
+// an fp32 gradient otherwise. The collectives are the same for both paths.
 #include "vocab/embedding.h"
 
 #include "common/process_group.h"

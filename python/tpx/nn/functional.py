@@ -186,14 +186,24 @@ def _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing,
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 
+# Fewest tokens per chunk by default. A chunk's token count is the inner dimension of its
+# weight-gradient GEMM, and short chunks run far below a GPU's rate: on an H200 (8192 tokens,
+# d = 4096, V = 128256, bf16, world size 1) 130-token chunks took 116 ms forward + backward,
+# 1024-token chunks 56 ms, 4096-token chunks 54 ms, the unfused head + loss 43 ms
+# (benchmarks/bench_gpu.py).
+MIN_CHUNK_TOKENS = 1024
+
+
 def default_chunk_size(vocab_size: int, world_size: int) -> int:
     """Tokens per chunk of :func:`linear_cross_entropy` when ``chunk_size`` is not given: a
-    chunk's fp32 logits take about 64 MiB on the widest shard. Every chunk shapes two
-    collectives (the statistics' all-gather, the hidden gradient's all-reduce), so the size
-    comes from the full vocabulary and the group size, which all ranks share, never from this
-    rank's (possibly narrower) shard."""
+    chunk's fp32 logits take about 64 MiB on the widest shard, but a chunk holds at least
+    1024 tokens (``MIN_CHUNK_TOKENS``: shorter chunks make slow GEMMs; 512 MiB of fp32 logits
+    at a 128k vocabulary on one rank). Every chunk shapes two collectives (the statistics'
+    all-gather, the hidden gradient's all-reduce), so the size comes from the full vocabulary
+    and the group size, which all ranks share, never from this rank's (possibly narrower)
+    shard."""
     widest = -(-vocab_size // max(world_size, 1))
-    return max(1, (1 << 24) // max(widest, 1))
+    return max(MIN_CHUNK_TOKENS, (1 << 24) // max(widest, 1))
 
 
 @guarded
@@ -227,7 +237,8 @@ def linear_cross_entropy(
     Args:
         chunk_size: tokens per chunk, the same on every rank; default
             (:func:`default_chunk_size`): a chunk's fp32 logits take about 64 MiB on the widest
-            shard, derived from the full vocabulary so every rank picks the same size.
+            shard, and a chunk holds at least 1024 tokens; derived from the full vocabulary so
+            every rank picks the same size.
         The others: as in :func:`vocab_parallel_cross_entropy`.
     """
     fn = "linear_cross_entropy"
