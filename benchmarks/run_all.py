@@ -192,6 +192,7 @@ def main():
         if torch.cuda.is_available():
             run([py, str(HERE / "bench_linear.py"), "--device", "cuda"])
             run([py, str(HERE / "bench_loss.py"), "--device", "cuda"])
+            run([py, str(HERE / "bench_gpu.py")])
     report()
 
 
