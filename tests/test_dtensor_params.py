@@ -4,6 +4,7 @@ or into the unsharded model), ``get_state_dict`` / ``set_state_dict`` with AdamW
 ``torch.nn.utils.clip_grad_norm_``, foreach and fused AdamW; a layout no DTensor states raises
 in ``state_dict()`` instead of writing a shard under a full name."""
 
+import copy
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import tpx
 import tpx.checkpoint
@@ -558,3 +560,95 @@ def test_expert_tp_checkpoint_reshards(tmp_path):
     run_ranks(_save_expert_tp, 2, ckpt)
     for world in (4, 1):
         run_ranks(_load_expert_tp, world, ckpt)
+
+
+def _raises_inplace(step):
+    """Whether ``step()`` raises autograd's "modified by an inplace operation" error (any other
+    exception propagates)."""
+    try:
+        step()
+    except RuntimeError as e:
+        if "modified by an inplace operation" not in str(e):
+            raise
+        return True
+    return False
+
+
+def _check_inplace_between_forward_and_backward(rank, world):
+    """A DTensor parameter changed in place between a layer's forward and its backward (an
+    optimizer step taken too early) makes the backward raise exactly where the same change to
+    the unsharded torch module does: where the backward reads the parameter. Elsewhere the
+    backward runs, with torch's gradients."""
+    from tiny_llama import Decoder
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    seq = 2 * world
+
+    def compare(case, build_pair, make_input, change, loss_of=lambda y: y.float().sum()):
+        ref, tp = build_pair()
+        full = make_input()
+        outcomes = []
+        for model, is_tp in ((ref, False), (tp, True)):
+            x = full.clone().requires_grad_(full.requires_grad) if full.is_floating_point() \
+                else full
+
+            def step():
+                y = model(x)
+                y = y.full_tensor() if isinstance(y, DTensor) else y
+                with torch.no_grad():
+                    change(model)
+                loss_of(y).backward()
+            outcomes.append(_raises_inplace(step))
+        assert outcomes[0] == outcomes[1], (
+            f"{case}: torch {'raises' if outcomes[0] else 'runs'}, tpx "
+            f"{'raises' if outcomes[1] else 'runs'}")
+        return outcomes[0]
+
+    seen = set()
+    for sp in (False, True):
+        for xgrad in (False, True):
+            for kind in ("column", "row"):
+                n_in, n_out = (8, 3 * world + 1) if kind == "column" else (3 * world + 1, 8)
+
+                def pair(kind=kind, n_in=n_in, n_out=n_out, sp=sp):
+                    lin = nn.Linear(n_in, n_out)
+                    style = (tpx.ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
+                             if kind == "column" else
+                             tpx.RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1) if sp else Replicate()))
+                    return lin, tpx.parallelize_module(copy.deepcopy(lin), None, style)
+
+                def inp(n_in=n_in, xgrad=xgrad):
+                    return torch.randn(2, seq, n_in, generator=gen).requires_grad_(xgrad)
+
+                seen.add(compare(f"{kind} sp={sp} input grad={xgrad}", pair, inp,
+                                 lambda m: m.weight.mul_(1.5)))
+
+    # A vocabulary-parallel embedding: its backward never reads the table.
+    def emb_pair():
+        emb = nn.Embedding(3 * world + 2, 6)
+        return emb, tpx.parallelize_module(copy.deepcopy(emb), None,
+                                           tpx.RowwiseParallel(input_layouts=Replicate()))
+    seen.add(compare("embedding", emb_pair,
+                     lambda: torch.randint(0, 3 * world + 2, (2, seq), generator=gen),
+                     lambda m: m.weight.mul_(1.5)))
+
+    # A decoder from tpx.plans.auto with sequence and loss parallelism: a norm (a Replicate()
+    # DTensor under sequence parallelism), a projection, the LM head.
+    for what, change in (("final norm", lambda m: m.norm.weight.add_(0.5)),
+                         ("attention wq", lambda m: m.layers[1].attention.wq.weight.mul_(1.5)),
+                         ("LM head", lambda m: m.output.weight.mul_(1.5))):
+        def dec_pair():
+            torch.manual_seed(1)
+            ref = Decoder(vocab=101, dim=24, n_heads=6, n_kv_heads=6)  # heads divide by 2 and 3
+            return ref, tpx.parallelize_module(copy.deepcopy(ref), None,
+                                               tpx.plans.auto(ref, sequence_parallel=True))
+        seen.add(compare(f"decoder {what}", dec_pair,
+                         lambda: torch.randint(0, 101, (2, seq), generator=gen), change))
+    assert seen == {False, True}, "the cases must include both outcomes"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inplace_change_between_forward_and_backward(world):
+    run_ranks(_check_inplace_between_forward_and_backward, world)

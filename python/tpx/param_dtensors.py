@@ -13,10 +13,10 @@ from torch import nn
 
 from .group import shard_bounds
 from .nn.dtensor_io import DTensor, Replicate
-from .ops.core import dtensor_of
+from .ops.core import check_watched, dtensor_of
 
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
-           "replace_param", "replicate_params", "sum_partial_grads", "with_local"]
+           "replace_param", "replicate_params", "sum_partial_grads", "watch_params", "with_local"]
 
 
 #: Marks a parameter :func:`replicate_params` made a ``Replicate()`` ``DTensor``: its value
@@ -69,8 +69,12 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
 
     def restore(mod, args, out):
         if stack:
-            for (owner, name), p in zip(owned, stack.pop()):
+            params = stack.pop()
+            for (owner, name), p in zip(owned, params):
                 owner._parameters[name] = p
+            # The module's parameters are read for its inputs' gradients.
+            watch_params(out, *params, read=any(isinstance(a, torch.Tensor) and a.requires_grad
+                                                for a in args))
 
     module.register_forward_pre_hook(swap_in, prepend=True)
     module.register_forward_hook(restore, prepend=True, always_call=True)
@@ -159,6 +163,34 @@ def local_params(*params):
     for i, o in zip(idx, outs):
         res[i] = o
     return tuple(res)
+
+
+def watch_params(out, *params, read: bool = True):
+    """``out`` (a layer's output, a tensor or a tuple of them), after making the ``DTensor``
+    parameters among ``params`` watched as autograd watches the tensors it saves: when one of
+    them is modified in place between this forward and its backward (``optimizer.step()``
+    before ``backward()``), the backward raises autograd's "modified by an inplace operation"
+    error, as for ``nn.Linear``'s weight, before any of the layer's backward nodes has run.
+
+    ``read``: whether the backward reads the parameters, which the caller states as autograd
+    would decide it: a Linear's or a norm's weight is read for its input's gradient, so
+    ``read=x.requires_grad`` (nothing is raised otherwise, as autograd saves ``nn.Linear``'s
+    weight only then); an embedding's table is never read and is not watched.
+
+    ``DTensor``'s in-place ops do not move the version of its local tensor, which is what the
+    layer computed with and saved, so autograd's own check misses them. The check here is a
+    pre-hook on the output's backward node, which runs before the layer's other nodes. Nothing
+    is done where no gradient is recorded."""
+    if not read or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return out
+    watched = tuple((p, p._version) for p in params if isinstance(p, DTensor))
+    if not watched:
+        return out
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    nodes = {t.grad_fn for t in outs if isinstance(t, torch.Tensor)} - {None}
+    for node in nodes:
+        node.register_prehook(lambda grad_outputs: check_watched(watched))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from ..comm_groups import guarded
 from ..ops.amp import loss_dtype
 from ..group import GroupLike, resolve_group, shard_bounds
 from .dtensor_io import DTensor, Replicate, Shard
-from ..param_dtensors import local_params
+from ..param_dtensors import local_params, watch_params
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 
@@ -250,7 +250,10 @@ def linear_cross_entropy(
             vocab_size = weight.shape[0]
         if group is None:
             group = weight.device_mesh.get_group()
+        watched = weight
         weight, bias = local_params(weight, bias)
+    else:
+        watched = None
     if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
         raise ValueError(f"tpx.{fn}: hidden must be a floating-point Tensor [..., d]")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -268,5 +271,7 @@ def linear_cross_entropy(
     loss_rows, _ = ops.linear_cross_entropy_rows(
         hidden.reshape(-1, hidden.shape[-1]), weight, target1, start, full, pg, bias,
         chunk_size, ignore_index, float(label_smoothing))
+    # The weight is read for the hidden states' gradient.
+    loss_rows = watch_params(loss_rows, watched, read=hidden.requires_grad)
     return _reduce(loss_rows, target1, ignore_index, reduction, target.shape,
                    loss_dtype(hidden))

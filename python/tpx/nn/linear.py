@@ -37,7 +37,7 @@ from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesG
 from ..initial import load_initial, ShardSpec
 from .dtensor_io import Replicate, Shard, local_input
 from ..sharding import KeepsParamSharding, describe_params
-from ..param_dtensors import local_of, local_params
+from ..param_dtensors import local_of, local_params, watch_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -344,6 +344,7 @@ class ColumnParallelLinear(_ParallelLinear):
             y = F.linear(twin, weight, bias)
         else:
             y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
+        y = watch_params(y, self.weight, self.bias, read=x.requires_grad)
         if self.gather_output:
             y = mappings.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
         return y
@@ -490,10 +491,12 @@ class RowParallelLinear(_ParallelLinear):
         w_t = weight.t()
         if self.sequence_parallel:
             d = self._scatter_dim(x)
-            return ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=bias)
-        if not self.reduce_output:
-            return self._partial_output(torch.matmul(x, w_t), bias)
-        return ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
+            y = ops.matmul_reduce_scatter(x, w_t, d, self.group, self.chunks, bias=bias)
+        elif not self.reduce_output:
+            y = self._partial_output(torch.matmul(x, w_t), bias)
+        else:
+            y = ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
+        return watch_params(y, self.weight, self.bias, read=x.requires_grad)
 
     def _partial_output(self, y: Tensor, bias: Optional[Tensor]) -> Tensor:
         """``y`` (this rank's partial sum) with the replicated bias counted once over the group:

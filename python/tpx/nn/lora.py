@@ -61,7 +61,7 @@ from ..comm_groups import guarded
 from ..group import shard_bounds, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
 from ..sharding import KeepsParamSharding, describe_params
-from ..param_dtensors import local_of, local_params
+from ..param_dtensors import local_of, local_params, watch_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -268,7 +268,14 @@ class _ParallelLora:
         active = self._tpx_active()
         if not active:
             return self.base_layer(x)
-        return self._tpx_forward(x, active)
+        base, y = self.base_layer, self._tpx_forward(x, active)
+        # The base weight and the A factors are read for the input's gradient; a B factor also
+        # for its A's gradient (B's input, x A^T, needs one when x or A does).
+        factors_a = [self.lora_A[a].weight for a in active]
+        watch_params(y, base.weight, *factors_a, read=x.requires_grad)
+        watch_params(y, *(self.lora_B[a].weight for a in active),
+                     read=x.requires_grad or any(w.requires_grad for w in factors_a))
+        return y
 
     def _dropout(self, adapter: str, x: Tensor) -> Tensor:
         dtype = self.lora_A[adapter].weight.dtype

@@ -12,7 +12,7 @@ from ... import ops
 from ...comm_groups import guarded
 from ...ops.amp import norm_input
 from ...mesh import MeshInfo, check_mesh
-from ...param_dtensors import local_params
+from ...param_dtensors import local_params, watch_params
 from .blocks import (BlockSpec, MeshParams, block_of, check_divides, check_hidden_dim,
                      mesh_splits)
 from .layout import check_layout, layout_of, mark_layout
@@ -246,6 +246,7 @@ class LayerNorm2D(_MultiDimNorm):
         weight, bias = local_params(self.weight, self.bias)
         y = _LayerNormFn.apply(x, weight, bias, self.eps, self.normalized_shape[0],
                                hidden, batch)
+        y = watch_params(y, self.weight, read=x.requires_grad)  # read for x's gradient
         return mark_layout(y, self._in_layout)
 
 
@@ -352,6 +353,7 @@ class RMSNorm2D(_MultiDimNorm):
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         weight, = local_params(self.weight)
         y = _RMSNormFn.apply(x, weight, eps, self.normalized_shape[0], hidden, batch)
+        y = watch_params(y, self.weight, read=x.requires_grad)  # read for x's gradient
         return mark_layout(y, self._in_layout)
 
 class RMSNorm2p5D(RMSNorm2D):
