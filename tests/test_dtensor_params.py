@@ -649,6 +649,61 @@ def _check_inplace_between_forward_and_backward(rank, world):
     assert seen == {False, True}, "the cases must include both outcomes"
 
 
+def _check_inplace_lora_and_2d(rank, world):
+    """The same on LoRA adapters of sequence-parallel layers (peft) and, at 4 ranks, on a
+    decoder sharded in the 2-D layout."""
+    from test_lora import _MLP, lora_config, one_device
+    from tiny_llama import Decoder
+
+    gen = torch.Generator().manual_seed(4)
+    outcomes = set()
+
+    def parity(case, ref, tp, x_ref, x_tp, change):
+        got = []
+        for model, x in ((ref, x_ref), (tp, x_tp)):
+            def step():
+                y = model(x)
+                with torch.no_grad():
+                    change(model)
+                y.float().square().sum().backward()
+            got.append(_raises_inplace(step))
+        assert got[0] == got[1], f"{case}: torch {got[0]}, tpx {got[1]}"
+        outcomes.add(got[0])
+
+    lora_b = lambda m: m.base_model.model.down.lora_B["default"].weight.mul_(1.5)  # noqa: E731
+    lora_a = lambda m: m.base_model.model.up.lora_A["default"].weight.mul_(1.5)  # noqa: E731
+    for what, change in (("B of the row layer", lora_b), ("A of the column layer", lora_a)):
+        for xgrad in (False, True):
+            torch.manual_seed(0)
+            mlp = _MLP()
+            ref = one_device(copy.deepcopy(mlp), lora_config(["up", "down"]))
+            pm = one_device(mlp, lora_config(["up", "down"]))
+            tpx.parallelize_module(pm, None, {
+                "base_model.model.up": tpx.ColwiseParallel(input_layouts=Shard(1)),
+                "base_model.model.down": tpx.RowwiseParallel(output_layouts=Shard(1))})
+            x_ref = torch.randn(2, 4 * world, 16, generator=gen)
+            x = x_ref[:, 4 * rank:4 * (rank + 1)].clone().requires_grad_(xgrad)
+            parity(f"LoRA {what}, input grad={xgrad}", ref, pm, x_ref.requires_grad_(xgrad), x,
+                   change)
+    if world == 4:
+        for what, change in (("norm", lambda m: m.norm.weight.add_(0.5)),
+                             ("wq", lambda m: m.layers[0].attention.wq.weight.mul_(1.5))):
+            torch.manual_seed(8)
+            ref = Decoder(vocab=32, dim=8, n_layers=1, n_heads=2, n_kv_heads=2, hidden=16)
+            model = copy.deepcopy(ref)
+            tpx.parallelize_module(model, tpx.init_mesh("2d"),
+                                   tpx.plans.auto(model, layout="2d"))
+            ids = torch.randint(0, 32, (2, 5), generator=gen)
+            parity(f"2-D decoder {what}", ref, model, ids, ids, change)
+    assert True in outcomes
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_inplace_change_between_forward_and_backward(world):
     run_ranks(_check_inplace_between_forward_and_backward, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_inplace_change_lora_and_2d(world):
+    pytest.importorskip("peft")
+    run_ranks(_check_inplace_lora_and_2d, world)
