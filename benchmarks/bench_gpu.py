@@ -383,8 +383,21 @@ def bench_host(cfg, args, device, gen) -> list:
     x1 = torch.randn(1, 1, d, generator=gen, device=device).to(dtype)
     x8 = torch.randn(1, 8, d, generator=gen, device=device).to(dtype)
     want = lin(x8).detach()
-    for name, layer in layers.items():
-        got = layer(x8)
+    unavailable = []
+    for name, layer in list(layers.items()):
+        try:
+            got = layer(x8)
+            if name.startswith("DTensor"):  # PyTorch's TP: its backward must run too
+                (got.to_local() if hasattr(got, "to_local") else got).sum().backward()
+        except Exception as e:  # noqa: BLE001 - PyTorch's TP on an older torch: reported
+            if not name.startswith("DTensor"):
+                raise
+            del layers[name]
+            unavailable.append(dict(case="host", variant=name,
+                                    skipped=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(f"{name}: not measured, PyTorch's TP failed on torch {torch.__version__}: "
+                  f"{type(e).__name__}: {str(e)[:200]}")
+            continue
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
         check(f"host {name} forward", got, want, 1e-2 if dtype == BF16 else 1e-5)
 
@@ -419,7 +432,7 @@ def bench_host(cfg, args, device, gen) -> list:
             rows.append(dict(case=f"{what}, d={d} {str(dtype)[6:]}", variant=k, median_us=med,
                              min_us=min(t), samples=len(t), time_vs_base=med / base,
                              base="nn.Linear"))
-    return rows
+    return rows + unavailable
 
 
 SECTIONS = {"ce": bench_ce, "lce": bench_lce, "emb": bench_emb, "gemm": bench_gemm,
@@ -431,7 +444,8 @@ def report(name: str, rows: list) -> None:
     if name == "host":
         print(format_table(["case", "variant", "median us/call", "min us/call", "vs nn.Linear"],
                            [[r["case"], r["variant"], fmt(r["median_us"], 1), fmt(r["min_us"], 1),
-                             fmt(r["time_vs_base"], 2)] for r in rows], text_columns=2))
+                             fmt(r["time_vs_base"], 2)] for r in rows if "skipped" not in r],
+                           text_columns=2))
         return
     extra = "TFLOP/s" if name == "gemm" else "extra peak MiB"
     print(format_table(

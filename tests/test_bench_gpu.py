@@ -22,7 +22,9 @@ def test_bench_gpu_quick_on_cpu(tmp_path):
     for name, rows in data["results"].items():
         assert rows, name
         for row in rows:  # every timed variant was first checked against torch
-            assert row["time_vs_base"] > 0, (name, row)
-    variants = {r["variant"] for r in data["results"]["host"]}
-    assert {"nn.Linear", "tpx ColumnParallelLinear", "tpx RowParallelLinear",
-            "DTensor ColwiseParallel", "DTensor RowwiseParallel"} <= variants
+            assert "skipped" in row or row["time_vs_base"] > 0, (name, row)
+    host = data["results"]["host"]
+    measured = {r["variant"] for r in host if "skipped" not in r}
+    assert {"nn.Linear", "tpx ColumnParallelLinear", "tpx RowParallelLinear"} <= measured
+    # PyTorch's TP beside them, measured or (on an older torch where it fails) said so
+    assert {"DTensor ColwiseParallel", "DTensor RowwiseParallel"} <= {r["variant"] for r in host}
