@@ -13,10 +13,12 @@ from torch import nn
 
 from .group import shard_bounds
 from .nn.dtensor_io import DTensor, Replicate
+from .ops import amp
 from .ops.core import check_watched, dtensor_of
 
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
-           "replace_param", "replicate_params", "sum_partial_grads", "watch_params", "with_local"]
+           "read_for_input_grad", "replace_param", "replicate_params", "sum_partial_grads",
+           "watch_params", "with_local"]
 
 
 #: Marks a parameter :func:`replicate_params` made a ``Replicate()`` ``DTensor``: its value
@@ -68,13 +70,20 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
         stack.append(params)
 
     def restore(mod, args, out):
-        if stack:
-            params = stack.pop()
-            for (owner, name), p in zip(owned, params):
-                owner._parameters[name] = p
-            # The module's parameters are read for its inputs' gradients.
-            watch_params(out, *params, read=any(isinstance(a, torch.Tensor) and a.requires_grad
-                                                for a in args))
+        if not stack:
+            return None
+        params = stack.pop()
+        for (owner, name), p in zip(owned, params):
+            owner._parameters[name] = p
+        # The module's parameters are read for its inputs' gradients; outputs that are its
+        # inputs passed through are not its computation.
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return None
+        if isinstance(out, (tuple, list)):
+            watch_params([t for t in out if not any(t is a for a in args)], *params)
+        else:
+            watch_params(out, *params)
+        return None
 
     module.register_forward_pre_hook(swap_in, prepend=True)
     module.register_forward_hook(restore, prepend=True, always_call=True)
@@ -165,22 +174,35 @@ def local_params(*params):
     return tuple(res)
 
 
+def read_for_input_grad(x, weight) -> bool:
+    """Whether autograd keeps ``weight`` of ``y = x @ weight.T`` for the backward, as for
+    ``nn.Linear``: when ``x`` needs a gradient, unless autocast computes with a cast copy of
+    the weight (then the copy is what is kept, and changing the weight breaks nothing)."""
+    if weight is None or not isinstance(x, torch.Tensor) or not x.requires_grad:
+        return False
+    return not (amp.autocast_casts(x, weight)
+                and weight.dtype != torch.get_autocast_dtype(x.device.type))
+
+
 def watch_params(out, *params, read: bool = True):
-    """``out`` (a layer's output, a tensor or a tuple of them), after making the ``DTensor``
-    parameters among ``params`` watched as autograd watches the tensors it saves: when one of
-    them is modified in place between this forward and its backward (``optimizer.step()``
-    before ``backward()``), the backward raises autograd's "modified by an inplace operation"
-    error, as for ``nn.Linear``'s weight, before any of the layer's backward nodes has run.
+    """``out`` (a layer's output: a tensor, or a tuple of them whose tensors the layer computed)
+    after making the ``DTensor`` parameters among ``params`` watched as autograd watches the
+    tensors it saves: when one of them is modified in place between this forward and its
+    backward (``optimizer.step()`` before ``backward()``), the backward raises autograd's
+    "modified by an inplace operation" error, as for ``nn.Linear``'s weight, before any of the
+    layer's other backward nodes has run.
 
     ``read``: whether the backward reads the parameters, which the caller states as autograd
-    would decide it: a Linear's or a norm's weight is read for its input's gradient, so
-    ``read=x.requires_grad`` (nothing is raised otherwise, as autograd saves ``nn.Linear``'s
-    weight only then); an embedding's table is never read and is not watched.
+    would decide it: a Linear's weight is read for its input's gradient unless autocast
+    computes with a cast copy (:func:`read_for_input_grad`), its bias never; an embedding's
+    table is never read and is not watched.
 
     ``DTensor``'s in-place ops do not move the version of its local tensor, which is what the
     layer computed with and saved, so autograd's own check misses them. The check here is a
-    pre-hook on the output's backward node, which runs before the layer's other nodes. Nothing
-    is done where no gradient is recorded."""
+    pre-hook on the output's backward node, which runs before the layer's other nodes. (Under
+    activation checkpointing without reentrance it still compares with the first forward,
+    where torch's recomputation would use the new values.) Nothing is done where no gradient
+    is recorded, or under ``torch.compile``."""
     if not read or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return out
     watched = tuple((p, p._version) for p in params if isinstance(p, DTensor))

@@ -14,7 +14,7 @@ from ..comm_groups import guarded
 from ..ops.amp import loss_dtype
 from ..group import GroupLike, resolve_group, shard_bounds
 from .dtensor_io import DTensor, Replicate, Shard
-from ..param_dtensors import local_params, watch_params
+from ..param_dtensors import local_params, read_for_input_grad, watch_params
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 
@@ -272,6 +272,6 @@ def linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), weight, target1, start, full, pg, bias,
         chunk_size, ignore_index, float(label_smoothing))
     # The weight is read for the hidden states' gradient.
-    loss_rows = watch_params(loss_rows, watched, read=hidden.requires_grad)
+    loss_rows = watch_params(loss_rows, watched, read=read_for_input_grad(hidden, watched))
     return _reduce(loss_rows, target1, ignore_index, reduction, target.shape,
                    loss_dtype(hidden))

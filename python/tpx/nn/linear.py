@@ -37,7 +37,7 @@ from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesG
 from ..initial import load_initial, ShardSpec
 from .dtensor_io import Replicate, Shard, local_input
 from ..sharding import KeepsParamSharding, describe_params
-from ..param_dtensors import local_of, local_params, watch_params
+from ..param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -344,7 +344,7 @@ class ColumnParallelLinear(_ParallelLinear):
             y = F.linear(twin, weight, bias)
         else:
             y = ops.replicated_matmul(x, w_t, self.group, self.chunks, bias=bias)
-        y = watch_params(y, self.weight, self.bias, read=x.requires_grad)
+        y = watch_params(y, self.weight, read=read_for_input_grad(x, self.weight))
         if self.gather_output:
             y = mappings.gather_last_dim(y, self.out_sizes, self.out_start, self.group)
         return y
@@ -496,7 +496,7 @@ class RowParallelLinear(_ParallelLinear):
             y = self._partial_output(torch.matmul(x, w_t), bias)
         else:
             y = ops.matmul_all_reduce(x, w_t, self.group, self.chunks, bias=bias)
-        return watch_params(y, self.weight, self.bias, read=x.requires_grad)
+        return watch_params(y, self.weight, read=read_for_input_grad(x, self.weight))
 
     def _partial_output(self, y: Tensor, bias: Optional[Tensor]) -> Tensor:
         """``y`` (this rank's partial sum) with the replicated bias counted once over the group:

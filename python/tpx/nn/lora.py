@@ -61,7 +61,7 @@ from ..comm_groups import guarded
 from ..group import shard_bounds, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
 from ..sharding import KeepsParamSharding, describe_params
-from ..param_dtensors import local_of, local_params, watch_params
+from ..param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -268,14 +268,17 @@ class _ParallelLora:
         active = self._tpx_active()
         if not active:
             return self.base_layer(x)
-        base, y = self.base_layer, self._tpx_forward(x, active)
-        # The base weight and the A factors are read for the input's gradient; a B factor also
-        # for its A's gradient (B's input, x A^T, needs one when x or A does).
-        factors_a = [self.lora_A[a].weight for a in active]
-        watch_params(y, base.weight, *factors_a, read=x.requires_grad)
-        watch_params(y, *(self.lora_B[a].weight for a in active),
-                     read=x.requires_grad or any(w.requires_grad for w in factors_a))
-        return y
+        y = self._tpx_forward(x, active)
+        # The base weight and the A factors are read for the input's gradient; a B factor for
+        # its input's, x A^T, which needs one when x or that A does.
+        base = self.base_layer.weight
+        watched = [w for w in [base] + [self.lora_A[a].weight for a in active]
+                   if read_for_input_grad(x, w)]
+        for a in active:
+            wa, wb = self.lora_A[a].weight, self.lora_B[a].weight
+            if read_for_input_grad(x, wb) or (wa.requires_grad and read_for_input_grad(wa, wb)):
+                watched.append(wb)
+        return watch_params(y, *watched)
 
     def _dropout(self, adapter: str, x: Tensor) -> Tensor:
         dtype = self.lora_A[adapter].weight.dtype

@@ -10,7 +10,7 @@ from ... import ops
 from ...comm_groups import guarded
 from ...ops.amp import autocast_casts
 from ...mesh import check_mesh
-from ...param_dtensors import local_of, local_params, watch_params
+from ...param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from ..linear import full_linear_init
 from .blocks import (BlockSpec, MeshParams, check_divides, check_hidden_dim, other_3d)
 from .layout import check_layout, layout_of, mark_layout
@@ -147,7 +147,7 @@ class Linear2D(_MultiDimLinear):
         check_layout(type(self).__name__, x, self._in_layout)
         weight, bias = local_params(self.weight, self.bias)
         y = watch_params(ops.linear_2d(x, weight, bias, *self._groups), self.weight,
-                         read=x.requires_grad)
+                         read=read_for_input_grad(x, self.weight))
         return mark_layout(y, self._out_layout)
 
 
@@ -231,7 +231,7 @@ class Linear3D(_MultiDimLinear):
         check_layout(type(self).__name__, x, self._in_layout, linear=True)
         weight, bias = local_params(self.weight, self.bias)
         y = ops.linear_3d(x, weight, bias, *self._groups, self.chunks)[0]
-        y = watch_params(y, self.weight, read=x.requires_grad)
+        y = watch_params(y, self.weight, read=read_for_input_grad(x, self.weight))
         return mark_layout(y, self._out_layout)
 
     def extra_repr(self) -> str:
