@@ -585,7 +585,8 @@ def _check_inplace_between_forward_and_backward(rank, world):
     gen = torch.Generator().manual_seed(3)
     seq = 2 * world
 
-    def compare(case, build_pair, make_input, change, loss_of=lambda y: y.float().sum()):
+    def compare(case, build_pair, make_input, change, loss_of=lambda y: y.float().sum(),
+                call=lambda model, x: model(x)):
         ref, tp = build_pair()
         full = make_input()
         outcomes = []
@@ -594,7 +595,7 @@ def _check_inplace_between_forward_and_backward(rank, world):
                 else full
 
             def step():
-                y = model(x)
+                y = call(model, x)
                 y = y.full_tensor() if isinstance(y, DTensor) else y
                 with torch.no_grad():
                     change(model)
@@ -624,6 +625,16 @@ def _check_inplace_between_forward_and_backward(rank, world):
 
                 seen.add(compare(f"{kind} sp={sp} input grad={xgrad}", pair, inp,
                                  lambda m: m.weight.mul_(1.5)))
+                # the bias alone: never saved by nn.Linear
+                seen.add(compare(f"{kind} sp={sp} input grad={xgrad}, bias", pair, inp,
+                                 lambda m: m.bias.add_(1.0)))
+
+                def under_autocast(model, x, pair=pair):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return model(x)
+                # under autocast the weight's cast copy is what is kept
+                seen.add(compare(f"{kind} sp={sp} input grad={xgrad}, autocast", pair, inp,
+                                 lambda m: m.weight.mul_(1.5), call=under_autocast))
 
     # A vocabulary-parallel embedding: its backward never reads the table.
     def emb_pair():
