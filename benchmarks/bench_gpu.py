@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bench_loss import extra_peak_mib
 from common import environment, format_table, print_env, write_json
 
 SEED, IGNORE = 1234, -100
@@ -95,21 +96,6 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3, out
 
 
-def extra_peak_mib(fn, arg, device):
-    """Peak device memory (MiB) one ``fn(arg)`` allocates beyond what was allocated before it,
-    its result included; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn(arg)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return peak / 2**20
-
-
 def measure(variants: dict, rounds: int, device, reps: int = 3) -> dict:
     """``variants``: {name: (prepare() -> arg, fn(arg))}. Warms each up once, then ``rounds``
     round-robin rounds of ``reps`` samples per variant. Returns {name: record}."""
@@ -129,7 +115,10 @@ def measure(variants: dict, rounds: int, device, reps: int = 3) -> dict:
     out = {}
     for k, (prepare, fn) in variants.items():
         out[k] = dict(variant=k, median_ms=statistics.median(times[k]), min_ms=min(times[k]),
-                      samples=len(times[k]), extra_peak_mib=extra_peak_mib(fn, prepare(), device))
+                      samples=len(times[k]),
+                      # device memory only (None on the CPU, where RSS would be noise here)
+                      extra_peak_mib=extra_peak_mib(fn, prepare(), device)
+                      if device.type == "cuda" else None)
     return out
 
 

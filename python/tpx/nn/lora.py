@@ -276,7 +276,7 @@ class _ParallelLora:
                    if read_for_input_grad(x, w)]
         for a in active:
             wa, wb = self.lora_A[a].weight, self.lora_B[a].weight
-            if read_for_input_grad(x, wb) or (wa.requires_grad and read_for_input_grad(wa, wb)):
+            if read_for_input_grad(x if x.requires_grad else wa, wb):
                 watched.append(wb)
         return watch_params(y, *watched)
 

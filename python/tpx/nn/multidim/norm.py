@@ -246,7 +246,8 @@ class LayerNorm2D(_MultiDimNorm):
         weight, bias = local_params(self.weight, self.bias)
         y = _LayerNormFn.apply(x, weight, bias, self.eps, self.normalized_shape[0],
                                hidden, batch)
-        y = watch_params(y, self.weight, read=x.requires_grad)  # read for x's gradient
+        # torch's layer norm keeps its weight and bias for any of its gradients
+        y = watch_params(y, self.weight, self.bias)
         return mark_layout(y, self._in_layout)
 
 
