@@ -149,6 +149,20 @@ def zoo_types() -> list[str]:
     return out
 
 
+def no_tp_plan(mt: str):
+    """Why the installed transformers gives tpx no plan to read for model type ``mt`` (it lacks
+    the type, or its config carries no ``base_model_tp_plan``), or ``None``. Older releases
+    (5.18, the newest whose models import on torch 2.5) lack some types and plans of later
+    ones; ``tpx.plans.auto`` refuses such a model with an error that says so."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if mt not in CONFIG_MAPPING:
+        return f"transformers {transformers.__version__} has no model type {mt!r}"
+    if not getattr(transformers.AutoConfig.for_model(mt), "base_model_tp_plan", None):
+        return f"transformers {transformers.__version__} ships no TP plan for {mt!r}"
+    return None
+
+
 def _fields(cfg) -> dict:
     """The config's serialised fields with their live values (``to_dict`` may re-encode)."""
     out = {}

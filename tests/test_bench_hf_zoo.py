@@ -25,15 +25,23 @@ def _zoo(tmp_path, *args, timeout):
 
 
 def test_zoo_subset(tmp_path):
-    archs = ["llama", "codegen", "apertus", "granite_swa"]
-    rows = _zoo(tmp_path, "--tp", "2", "--archs", ",".join(archs), "--timeout", "240",
-                timeout=900)
+    import hf_tiny
+
+    # an older transformers (as on torch 2.5) lacks CodeGen's plan: the others still run
+    archs = [a for a in ["llama", "codegen", "apertus", "granite_swa"]
+             if a == "llama" or hf_tiny.no_tp_plan(a) is None]
+    # transformers' own TP as the benchmark applies it (5.19 and later; not 5.18)
+    impls = ["tpx"] + (["hf"] if hasattr(hf_tiny.transformers.PreTrainedModel,
+                                         "_resolve_parallel_plans") else [])
+    rows = _zoo(tmp_path, "--tp", "2", "--archs", ",".join(archs), "--impls", ",".join(impls),
+                "--timeout", "240", timeout=900)
     got = {(r["arch"], r["impl"]): r for r in rows}
-    assert set(got) == {(a, i) for a in archs for i in ("tpx", "hf")}
+    assert set(got) == {(a, i) for a in archs for i in impls}
     for a in archs:
         assert got[(a, "tpx")]["status"] == "pass", got[(a, "tpx")]
     # transformers' own TP trains Apertus' activation parameters on each rank's half only.
-    assert got[("apertus", "hf")]["status"] == "wrong", got[("apertus", "hf")]
+    if "apertus" in archs and "hf" in impls:
+        assert got[("apertus", "hf")]["status"] == "wrong", got[("apertus", "hf")]
 
 
 @pytest.mark.slow

@@ -77,8 +77,27 @@ def test_every_python_block_is_marked():
                           f"<!-- fragment --> on the line before: {unmarked}")
 
 
+def _cannot_run_here(code: str) -> Optional[str]:
+    """Why this installation cannot run an example, or ``None``: peft not installed (optional
+    for tpx's users) for one that imports it; a torch before 2.13 for one that runs FSDP2 on
+    CPU tensors (``torch_compat.needs_fsdp2_on_cpu``)."""
+    from torch_compat import needs_fsdp2_on_cpu
+
+    if re.search(r"^\s*(import|from) peft\b", code, re.M):
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            return "peft is not installed"
+    if "fully_shard" in code and needs_fsdp2_on_cpu.mark.args[0]:
+        return needs_fsdp2_on_cpu.mark.kwargs["reason"]
+    return None
+
+
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "run"], ids=lambda b: b.id)
 def test_runnable_block(block, tmp_path):
+    reason = _cannot_run_here(block.code)
+    if reason:
+        pytest.skip(reason)
     script = tmp_path / "example.py"
     script.write_text(block.code)
     run_script(str(script), block.nproc, cwd=str(tmp_path),

@@ -14,6 +14,7 @@ import tpx
 import tpx.checkpoint
 from harness import assert_like_unsharded, run_ranks
 from tiny_llama import Decoder, tp_plan
+from torch_compat import needs_prepare_module_input_output, torch_replicated_io_style
 
 V = 1003
 
@@ -255,9 +256,7 @@ class _Block(torch.nn.Module):
 def _check_torch_styles(rank, world):
     """Styles tpx did not write (PyTorch's own classes) are applied by PyTorch, mixed with
     tpx's in one plan: the output and every gradient equal the unsharded block."""
-    from torch.distributed.tensor import Replicate as R
     from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
     from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
     torch.manual_seed(0)
@@ -266,9 +265,7 @@ def _check_torch_styles(rank, world):
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
     tpx.parallelize_module(model, mesh, {
         # A PyTorch style tpx has no class of its own for, on the block.
-        "": PrepareModuleInputOutput(input_layouts=R(), desired_input_layouts=R(),
-                                     use_local_input=True, output_layouts=R(),
-                                     desired_output_layouts=R(), use_local_output=True),
+        "": torch_replicated_io_style(),
         "up": TorchColwise(), "down": tpx.RowwiseParallel(),        # PyTorch's, then tpx's
         "up2": tpx.ColwiseParallel(), "down2": TorchRowwise(),      # tpx's, then PyTorch's
     })
@@ -294,9 +291,7 @@ def _check_failed_plan_changes_nothing(rank, world):
     """A plan whose last entry fails after PyTorch's styles and tpx's hook styles changed
     their modules in place: the error comes, and the model is as it was (the same parameter
     objects and values, no hooks, the unsharded output); the right plan then applies."""
-    from torch.distributed.tensor import Replicate as R
     from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
     torch.manual_seed(0)
     ref = _Block().double()
@@ -305,9 +300,7 @@ def _check_failed_plan_changes_nothing(rank, world):
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
     with pytest.raises(ValueError, match="segments"):
         tpx.parallelize_module(model, mesh, {
-            "": PrepareModuleInputOutput(input_layouts=R(), desired_input_layouts=R(),
-                                         use_local_input=True, output_layouts=R(),
-                                         desired_output_layouts=R(), use_local_output=True),
+            "": torch_replicated_io_style(),
             "up": TorchColwise(),                                            # params replaced
             "down": tpx.RowwiseParallel(),                                   # a new module
             "up2": tpx.PrepareModuleInput(input_layouts=(tpx.Replicate(),),  # hooks
@@ -412,6 +405,7 @@ def _check_partial_outputs(rank, world):
             bad()
 
 
+@needs_prepare_module_input_output
 @pytest.mark.parametrize("world", [3, pytest.param(2, marks=pytest.mark.slow)])
 def test_rowwise_partial_outputs(world):
     run_ranks(_check_partial_outputs, world)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import pathlib
 import re
 from typing import Dict, Iterator, List, Set, Tuple
@@ -262,4 +263,7 @@ def test_every_name_the_docs_use_imports():
     names = _doc_names()
     assert len(names) > 50 and "tpx.parallelize_module" in names  # the scan reads the docs
     assert not _resolves("tpx.no_such_name") and _resolves("tpx.checkpoint.save")
-    assert [n for n in names if not _resolves(n)] == []
+    missing = [n for n in names if not _resolves(n)]
+    if importlib.util.find_spec("peft") is None:  # tpx.nn.lora needs peft (optional for users)
+        missing = [n for n in missing if not n.startswith("tpx.nn.lora")]
+    assert missing == []

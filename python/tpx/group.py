@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
+import torch
 import torch.distributed as dist
 
 from .run import run_cache
@@ -54,7 +55,9 @@ def resolve_group(group: GroupLike = None) -> dist.ProcessGroup:
         remember_mesh(pg, group)  # the DTensors of layers over pg live on this mesh
         return pg
     if isinstance(group, dist.ProcessGroup):
-        if group in _MEMBER_OF:
+        if torch.compiler.is_compiling() or group in _MEMBER_OF:
+            # traced code: the group was resolved when the layer was built (and torch 2.5's
+            # compiler cannot trace a WeakSet lookup)
             return group
         if dist.get_rank(group) < 0:
             raise ValueError(

@@ -68,6 +68,13 @@ def sequence_parallel_plan(model: nn.Module, plan: Plan, entries: Dict[str, str]
             raise fail(f"the row-parallel projection {k!r} is inside some of its "
                        "mixture-of-experts blocks and outside others")
 
+    for k in rows:
+        if k not in shared and k[len(pre):].count(".") != 1:
+            # the end of a block kept whole around it (a mixture of experts the plan does not
+            # name): its output is not the block's, which cannot be reduce-scattered there
+            raise fail(f"the row-parallel projection {k!r} is not a direct child of its block "
+                       f"{pre + k[len(pre):].split('.')[0]!r}, so its output is not the block's")
+
     def one_end(ends) -> bool:  # one dense end (and / or the experts), any shared experts
         dense = [k for k in ends.get("rows", []) if k not in shared]
         return len(dense) <= 1 and len(ends.get("experts", [])) <= 1 and bool(
