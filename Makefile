@@ -151,7 +151,7 @@ $(CUDA_BUILD)/.checked: $(CUDA_BUILD)/.installed $(CUDA_TESTS) tests/harness.py 
 TT_VERSION := $(patsubst torch==%,%,$(filter torch==%,$(TORCH_SPEC)))
 TT_VENV := .venv-torch-$(TT_VERSION)
 TT_PY := $(TT_VENV)/bin/python
-TT_DEPS := $(TT_VENV)/.deps-installed-1
+TT_DEPS := $(TT_VENV)/.deps-installed-2
 TT_BUILD := build/torch-$(TT_VERSION)
 TT_TRANSFORMERS ?= $(if $(filter 2.5.%,$(TT_VERSION)),transformers==5.18.0,transformers==5.24.0)
 TT_BUILD_JOBS ?= 2
@@ -172,7 +172,7 @@ $(TT_DEPS):
 	@test -n "$(TT_VERSION)" || { echo "make test-torch: TORCH_SPEC must be torch==X.Y.Z (got '$(TORCH_SPEC)')"; exit 2; }
 	python3 -m venv $(TT_VENV)
 	$(TT_PIP) install --quiet "torch==$(TT_VERSION)" setuptools wheel pybind11 ninja pytest \
-	    numpy tqdm matplotlib safetensors "$(TT_TRANSFORMERS)" expecttest
+	    numpy tqdm matplotlib safetensors "$(TT_TRANSFORMERS)" "peft==0.21.2" expecttest
 	touch $@
 
 $(TT_BUILD)/.installed: $(TT_DEPS) $(EXT_INPUTS) $(PY_SRCS)

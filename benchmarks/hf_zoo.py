@@ -24,8 +24,10 @@ embedding, which float64 shows to be rounding: 1e-10 there). A case is ``pass``
 (within the tests' tolerances: ``|sharded - unsharded| <= 2e-5 + 1e-4 * |unsharded|`` for
 logits and parameters, ``1e-5 + 1e-5 * |unsharded|`` for the loss), ``wrong`` (it runs, the
 numbers differ: the first tensor out of tolerance is named), ``refused`` (an error from
-the library that says it does not take the model, before training) or ``crash`` (any other
-exception, a hang or a dead rank; the exception's first line).
+the library that says it does not take the model, before training), ``crash`` (any other
+exception, a hang or a dead rank; the exception's first line) or ``broken`` (the unsharded
+model itself fails to build or to train one step, before any library shards it: a model of
+an older transformers on an older torch).
 
     python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf,tpx-sp]
 
@@ -111,19 +113,31 @@ def _runs_in(model, dtype: torch.dtype) -> bool:
         return False
 
 
+def _batch(step: int, impl: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(3, 1003, (2, 15 if impl == "tpx-sp" else 16), generator=g)
+
+
 def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    ref = tiny(arch)
-    if not _runs_in(ref, dtype):
-        dtype = torch.float32
-    ref = ref.to(dtype)
+    try:  # the unsharded model alone: one step on a copy
+        ref = tiny(arch)
+        if not _runs_in(ref, dtype):
+            dtype = torch.float32
+        ref = ref.to(dtype)
+        alone = copy.deepcopy(ref)
+        ids = _batch(0, impl)
+        alone(input_ids=ids, labels=ids).loss.backward()
+        del alone
+    except Exception as e:  # noqa: BLE001 - recorded
+        line = (str(e).strip().splitlines() or [""])[0]
+        return dict(status="broken", detail=f"unsharded: {type(e).__name__}: {line}"[:300])
     model = copy.deepcopy(ref)
     _shard(impl, model, world)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
     worst = (0.0, "")
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 + step)
-        ids = torch.randint(3, 1003, (2, 15 if impl == "tpx-sp" else 16), generator=g)
+        ids = _batch(step, impl)
         out_ref = ref(input_ids=ids, labels=ids)
         out = model(input_ids=ids, labels=ids)
         for what, a, b, rtol, atol in (("logits", _full(out.logits), out_ref.logits, 1e-4, 2e-5),
@@ -242,7 +256,7 @@ def main() -> None:
         for world in args.tp:
             mine = [r for r in rows if (r["impl"], r["tp"]) == (impl, world)]
             counts = {k: sum(r["status"] == k for r in mine)
-                      for k in ("pass", "refused", "crash", "wrong")}
+                      for k in ("pass", "refused", "crash", "wrong", "broken")}
             print(f"{impl} TP {world}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     if not accelerate:
         print("from_pretrained(..., tp_plan / distributed_config=...) itself: needs accelerate, "

@@ -183,13 +183,22 @@ def _pool(world_size: int, backend: str) -> _Pool:
 def private_compile_cache():
     """A ``torch.compile`` cache of the test's own (``TORCHINDUCTOR_CACHE_DIR``), removed at the
     end: a cache left by an older build of the ops would be stale. Usable as a decorator of a
-    rank's function."""
+    rank's function. Inductor's in-memory caches are cleared on entry and exit (torch 2.5's
+    remember files of the directory of an earlier test, removed since, in a pooled rank)."""
+    from torch._inductor import utils as inductor_utils
+
+    clear = (getattr(inductor_utils, "clear_caches", None)  # (clear_inductor_caches in 2.5)
+             or getattr(inductor_utils, "clear_inductor_caches", None))
     path = tempfile.mkdtemp(prefix="tpx_inductor_")
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    if clear is not None:
+        clear()
     try:
         yield path
     finally:
+        if clear is not None:
+            clear()
         if saved is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:

@@ -50,7 +50,12 @@ def test_whole_zoo_never_silently_wrong(tmp_path):
 
     rows = _zoo(tmp_path, "--tp", "2", "--impls", "tpx", "--timeout", "300", timeout=3600)
     assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.zoo_types())
-    bad = [r for r in rows if r["status"] not in ("pass", "refused")]
+    # "broken": the unsharded model fails on its own, as two of transformers 5.18's do on
+    # torch 2.5 (a rope table of the tiny config, an int32 scatter index)
+    from torch_compat import TORCH_VERSION
+
+    ok = ("pass", "refused") + (("broken",) if TORCH_VERSION < (2, 6) else ())
+    bad = [r for r in rows if r["status"] not in ok]
     assert not bad, json.dumps(bad, indent=1)
     assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
                if r["status"] == "refused")

@@ -80,14 +80,19 @@ def test_every_python_block_is_marked():
 def _cannot_run_here(code: str) -> Optional[str]:
     """Why this installation cannot run an example, or ``None``: peft not installed (optional
     for tpx's users) for one that imports it; a torch before 2.13 for one that runs FSDP2 on
-    CPU tensors (``torch_compat.needs_fsdp2_on_cpu``)."""
-    from torch_compat import needs_fsdp2_on_cpu
+    CPU tensors (``torch_compat.needs_fsdp2_on_cpu``); a torch before 2.6 for one that loads
+    an adapter into a TP model (``torch_compat.SHARD_HAS_LOCAL_SIZE``)."""
+    import torch
+    from torch_compat import SHARD_HAS_LOCAL_SIZE, needs_fsdp2_on_cpu
 
     if re.search(r"^\s*(import|from) peft\b", code, re.M):
         try:
             import peft  # noqa: F401
         except ImportError:
             return "peft is not installed"
+        if "load_adapter(" in code and not SHARD_HAS_LOCAL_SIZE:
+            return (f"transformers' adapter loading into DTensor parameters needs torch >= 2.6 "
+                    f"(Shard.local_shard_size_and_offset); this is {torch.__version__}")
     if "fully_shard" in code and needs_fsdp2_on_cpu.mark.args[0]:
         return needs_fsdp2_on_cpu.mark.kwargs["reason"]
     return None

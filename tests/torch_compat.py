@@ -14,6 +14,10 @@ releases have and older ones spell differently or lack.
   output as they are: ``PrepareModuleInputOutput`` (torch >= 2.6), ``PrepareModuleInput`` of
   the input alone before. ``needs_prepare_module_input_output``: a skip marker for tests that
   need the former.
+- ``SHARD_HAS_LOCAL_SIZE``: whether torch's ``Shard`` has ``local_shard_size_and_offset``
+  (torch >= 2.6). transformers 5.18 (the newest whose models import on torch 2.5) calls it
+  to load weights into ``DTensor`` parameters (peft's ``load_adapter`` on a TP model), so
+  that fails on torch 2.5 with PyTorch's TP and tpx alike.
 - ``norm_partial_adds_scalar_per_rank(mesh)``: whether this torch adds a Python scalar to each
   rank's partial of a sharded ``DTensor``'s norm instead of once to the norm (torch 2.5;
   pytorch/pytorch#149768, fixed later), a collective over ``mesh``. Its
@@ -29,7 +33,7 @@ import torch
 
 __all__ = ["TORCH_VERSION", "get_total_norm", "fully_shard", "needs_fsdp2_on_cpu",
            "torch_replicated_io_style", "needs_prepare_module_input_output",
-           "norm_partial_adds_scalar_per_rank"]
+           "norm_partial_adds_scalar_per_rank", "SHARD_HAS_LOCAL_SIZE"]
 
 
 def _total_norm(tensors, norm_type: float = 2.0) -> torch.Tensor:
@@ -81,6 +85,15 @@ def torch_replicated_io_style():
                                            desired_output_layouts=R(), use_local_output=True)
     return tp.PrepareModuleInput(input_layouts=R(), desired_input_layouts=R(),
                                  use_local_output=True)
+
+
+def _shard_has_local_size() -> bool:
+    from torch.distributed.tensor import Shard
+
+    return hasattr(Shard, "local_shard_size_and_offset")
+
+
+SHARD_HAS_LOCAL_SIZE = _shard_has_local_size()
 
 
 def norm_partial_adds_scalar_per_rank(mesh) -> bool:
