@@ -120,6 +120,13 @@ void add_direct(pybind11::module_& m) {
     return direct("tpx::vocab_parallel_embedding", tpx::vocab_parallel_embedding, weight, ids,
                   vocab_start, group, scatter_dim, padding_idx);
   });
+  // the lookup with the ids' range checked in the same call (CPU ids; see embedding.h)
+  d.def("vocab_parallel_lookup", [](const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                                    int64_t num_embeddings, const Str& group,
+                                    int64_t padding_idx) {
+    return direct("tpx::vocab_parallel_embedding", tpx::vocab_parallel_lookup, weight, ids,
+                  vocab_start, num_embeddings, group, padding_idx);
+  });
 }
 
 }  // namespace

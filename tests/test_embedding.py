@@ -1,6 +1,8 @@
 """VocabParallelEmbedding against nn.Embedding: forward, weight gradient, padding_idx,
 sequence parallelism, an uneven vocabulary (1003), seeded initialisation, bad ids."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -111,16 +113,62 @@ def _check_lean_lookups(rank, world):
                       (frozen, "frozen parameters"), (trained, "training call")]:
         assert torch.equal(got[0], lean[0]) and torch.equal(got[1].detach(), lean[1]), what
     with torch.no_grad():
-        with pytest.raises(ValueError, match=f"id {V} is outside the table"):
-            emb(torch.tensor([[0, V]]))
+        for bad in (V, -1, -V - 3):  # the common call checks them in its lookup
+            with pytest.raises(ValueError, match=f"id {bad} is outside the table"):
+                emb(torch.tensor([[0, bad], [V - 1, 2]]))
         with pytest.raises(ValueError, match="ids must be an integer Tensor"):
             emb(torch.zeros(2, 3))
+        os.environ["TPX_INPUT_CHECKS"] = "off"  # no check: an id outside gives a zero row
+        try:
+            got = emb(torch.tensor([0, V, 5]))
+        finally:
+            del os.environ["TPX_INPUT_CHECKS"]
+        assert torch.equal(got[1], torch.zeros(D)) and torch.equal(got[0::2], ref.weight[[0, 5]])
         assert torch.equal(emb(ids), lean[0])  # every rank still in step
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_lean_lookups_equal_the_general_path(world):
     run_ranks(_check_lean_lookups, world)
+
+
+def _check_lookup_layouts(rank, world):
+    """The lookup operator on tables of every floating dtype and row layout it meets (rows
+    contiguous, rows strided inside a wider buffer, a column-major table, a single column) and
+    on ids contiguous or not, some outside this rank's rows: equal, bit for bit, to the rows
+    of the full table (zero where no rank holds the id) summed over the ranks."""
+    name = torch.distributed.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for layout in ("contiguous", "strided rows", "column-major", "one column"):
+            d = 1 if layout == "one column" else D
+            full = torch.randn(V, d + 3, generator=gen).to(dtype)[:, 1:1 + d]
+            if layout == "contiguous":
+                full = full.contiguous()
+            elif layout == "column-major":
+                full = full.t().contiguous().t()
+            v0, v1 = tpx.shard_range(V)
+            weight = full[v0:v1]
+            for ids in (torch.randint(0, V, (3, 5), generator=gen),
+                        torch.randint(0, V, (5, 3), generator=gen).t(),  # not contiguous
+                        torch.zeros(0, 2, dtype=torch.long)):
+                case = f"{dtype}, {layout}, ids {tuple(ids.shape)} {ids.stride()}"
+                got = torch.ops.tpx.vocab_parallel_embedding(weight, ids, v0, name, None, -1)
+                torch.testing.assert_close(got, full[ids], rtol=0, atol=0, msg=case)
+                assert got.is_contiguous(), case
+    # ids outside the table (the layer checks those first) give zero rows
+    full = torch.randn(V, D, generator=gen)
+    v0, v1 = tpx.shard_range(V)
+    ids = torch.tensor([-7, V + 5, 0, V - 1, 500, -1])
+    got = torch.ops.tpx.vocab_parallel_embedding(full[v0:v1], ids, v0, name, None, -1)
+    expected = torch.zeros(6, D)
+    expected[2:5] = full[ids[2:5]]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_lookup_layouts_and_dtypes(world):
+    run_ranks(_check_lookup_layouts, world)
 
 
 def _opcheck_embedding(rank, world):

@@ -9,6 +9,11 @@
 // an fp32 gradient otherwise. The collectives are the same for both paths.
 #include "vocab/embedding.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
 #include "common/process_group.h"
 #ifdef TPX_WITH_CUDA
 #include "cuda/vocab_cuda.h"
@@ -34,6 +39,36 @@ std::pair<at::Tensor, at::Tensor> local_rows(const at::Tensor& ids, int64_t voca
   at::Tensor local = ids - vocab_start;
   at::Tensor held = (local >= 0) & (local < num_local);
   return {at::where(held, local, at::zeros_like(local)), held};
+}
+
+// The masked gather on the CPU in one pass: each id's row copied when this rank holds it,
+// zeros otherwise (bit for bit what index_select and masked_fill give, without their five
+// intermediate tensors). Needs rows of contiguous elements and contiguous int64 ids; an
+// undefined tensor otherwise.
+at::Tensor gather_rows_cpu(const at::Tensor& weight, const at::Tensor& ids, int64_t vocab_start) {
+  if (!weight.is_cpu() || weight.is_sparse() || weight.is_quantized() || weight.is_conj() ||
+      weight.is_neg() || (weight.size(1) > 1 && weight.stride(1) != 1) || !ids.is_contiguous())
+    return {};
+  const int64_t n = ids.numel(), rows = weight.size(0), dim = weight.size(1);
+  at::Tensor out = at::empty({n, dim}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  if (n == 0 || dim == 0) return out;
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const auto* src = static_cast<const char*>(weight.const_data_ptr());
+  auto* dst = static_cast<char*>(out.mutable_data_ptr());
+  const int64_t elem = weight.element_size(), row_bytes = dim * elem,
+                src_stride = weight.stride(0) * elem;
+  // rows of a few hundred bytes: split only when there are many
+  at::parallel_for(0, n, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(row_bytes, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i) {
+                       const int64_t local = id[i] - vocab_start;
+                       if (local >= 0 && local < rows)
+                         std::memcpy(dst + i * row_bytes, src + local * src_stride, row_bytes);
+                       else
+                         std::memset(dst + i * row_bytes, 0, row_bytes);
+                     }
+                   });
+  return out;
 }
 
 void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& like) {
@@ -73,6 +108,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
     // part of the sum is zero, and it still takes part in the collective below.
     partial = at::zeros({idm.numel(), dim}, weight.options());
   }
+  if (!partial.defined()) partial = gather_rows_cpu(weight, idm, vocab_start);
   if (!partial.defined()) {
     auto [idx, held] = local_rows(idm.reshape({-1}), vocab_start, weight.size(0));
     partial = weight.index_select(0, idx);
@@ -91,6 +127,24 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
   at::Tensor out = at::empty(shape, partial.options());
   reduce_scatter_base(*pg, out.view({-1, dim}), partial)->wait();
   return out.movedim(0, sd).contiguous();  // contiguous for user code that may .view() it
+}
+
+at::Tensor vocab_parallel_lookup(const at::Tensor& weight, const at::Tensor& ids,
+                                 int64_t vocab_start, int64_t num_embeddings,
+                                 const std::string& group_name, int64_t padding_idx) {
+  if (num_embeddings >= 0 && ids.is_cpu() && ids.scalar_type() == at::kLong && ids.numel()) {
+    const at::Tensor flat = ids.contiguous();
+    const int64_t* id = flat.const_data_ptr<int64_t>();
+    int64_t lo = id[0], hi = id[0];
+    for (int64_t i = 1, n = flat.numel(); i < n; ++i) {
+      lo = std::min(lo, id[i]);
+      hi = std::max(hi, id[i]);
+    }
+    TORCH_CHECK_VALUE(lo >= 0 && hi < num_embeddings, "tpx.VocabParallelEmbedding: id ",
+                      lo < 0 ? lo : hi, " is outside the table [0, ", num_embeddings, ")");
+  }
+  return vocab_parallel_embedding(weight, ids, vocab_start, group_name, std::nullopt,
+                                  padding_idx);
 }
 
 at::Tensor vocab_parallel_embedding_backward(const at::Tensor& grad_out, const at::Tensor& ids,

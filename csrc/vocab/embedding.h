@@ -16,6 +16,14 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
                                     int64_t vocab_start, const std::string& group_name,
                                     std::optional<int64_t> scatter_dim, int64_t padding_idx);
 
+// vocab_parallel_embedding without scatter_dim, with CPU ids first checked to lie in
+// [0, num_embeddings) (a ValueError naming the offending id, raised before any collective;
+// num_embeddings < 0 or ids on a GPU: no check here). For the layer's common call; the ids are
+// replicated, so every rank raises alike.
+at::Tensor vocab_parallel_lookup(const at::Tensor& weight, const at::Tensor& ids,
+                                 int64_t vocab_start, int64_t num_embeddings,
+                                 const std::string& group_name, int64_t padding_idx);
+
 // Gradient of the local rows: the output gradient (all-gathered first when the forward
 // scattered) scatter-added into the rows of the ids this rank holds; the row padding_idx
 // (a local index, -1 for none) gets none.

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .. import mappings
+from .. import config, mappings
 from .. import ops
 from ..comm_groups import guarded
 from ..checks import check_values
@@ -146,9 +146,13 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
                 and ops.lean_mode(ids, self.weight, None) == ops.PLAIN):
             # no gradient wanted (inference, decoding): the operator alone, nothing recorded
             weight = local_of(self.weight)
-            self._check_ids(ids, weight)
+            # CPU ids: their range is checked by the lookup itself, in the same C++ call
+            on_cpu = ids.is_cpu
+            self._check_ids(ids, weight, values=not on_cpu)
+            n = self.num_embeddings if on_cpu and config.input_checks() != "off" else -1
             return ops.plain_embedding(weight, ids.long(), self.vocab_start,
-                                       ops.plain_group_name(self.group), self._local_padding_idx)
+                                       ops.plain_group_name(self.group), self._local_padding_idx,
+                                       n)
         ids = local_input(ids, Replicate(), self.group, "VocabParallelEmbedding")
         self._check_ids(ids, self.weight)
         scatter_dim = None
@@ -167,15 +171,16 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         return ops.vocab_parallel_embedding(weight, ids.long(), self.vocab_start, self.group,
                                             scatter_dim, self._local_padding_idx)
 
-    def _check_ids(self, ids, weight: Tensor) -> None:
-        """Raises unless ``ids`` is an integer tensor on the table's device with every id in
-        ``[0, num_embeddings)`` (the value check without a host synchronisation: tpx.checks)."""
+    def _check_ids(self, ids, weight: Tensor, values: bool = True) -> None:
+        """Raises unless ``ids`` is an integer tensor on the table's device with (``values``)
+        every id in ``[0, num_embeddings)`` (the value check without a host synchronisation:
+        tpx.checks)."""
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError("tpx.VocabParallelEmbedding: ids must be an integer Tensor")
         if ids.device != weight.device:
             raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
                              f"is on {weight.device}")
-        if ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
+        if values and ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
             n = self.num_embeddings
 
             def in_range():

@@ -64,15 +64,17 @@ def vocab_parallel_embedding(
 
 
 def plain_embedding(weight: Tensor, ids: Tensor, vocab_start: int, group_name: str,
-                    padding_idx: int = -1) -> Tensor:
+                    padding_idx: int = -1, num_embeddings: int = -1) -> Tensor:
     """:func:`vocab_parallel_embedding` (without ``scatter_dim``) on this rank's local table,
     nothing recorded: the lookup of a vocabulary-parallel embedding in
     :func:`tpx.ops.core.lean_mode` ``PLAIN``. ``group_name`` from
-    :func:`tpx.ops.core.plain_group_name`; ``ids`` int64.
+    :func:`tpx.ops.core.plain_group_name`; ``ids`` int64. With ``num_embeddings >= 0``, ids on
+    the CPU are first checked to lie in ``[0, num_embeddings)`` in the same call (a
+    ``ValueError`` naming the id, before any collective; ids on a GPU are not checked here).
 
     Placement: ``weight S(0)``, ``ids R`` -> ``out R``."""
-    return _ext.direct.vocab_parallel_embedding(weight, ids, vocab_start, group_name, None,
-                                                padding_idx)
+    return _ext.direct.vocab_parallel_lookup(weight, ids, vocab_start, num_embeddings, group_name,
+                                             padding_idx)
 
 
 @guarded
