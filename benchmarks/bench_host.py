@@ -16,6 +16,8 @@ Cases (fp32, every variant built from the same seeded module, so every rank star
 * ``llama train``  a small Hugging Face Llama (vocabulary 1003, hidden 64, MLP 88, 2 layers,
                    8 query / 2 key-value heads): one training step on 2 x 16 tokens -- forward
                    with labels, ``loss.backward()``, an SGD step and ``zero_grad``;
+* ``embedding``    ``nn.Embedding(32000, 256)``: a lookup of 8 ids (a decode step of a batch
+                   of 8) under ``torch.no_grad()``;
 * ``llama decode`` the same model, one token of a greedy loop with a KV cache
                    (``model(input_ids=last_token, past_key_values=cache, use_cache=True)`` under
                    ``torch.no_grad()`` and the argmax), 16 tokens after an 8-token prompt; the
@@ -25,8 +27,9 @@ Variants of each case:
 
 * ``unsharded``    the whole module on every rank, no communication (``nn.Linear``);
 * ``tpx``          ``tpx.parallelize_module(module, None, plan)``: for the MLP
-                   ``{"0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel()}``, for Llama
-                   ``tpx.plans.auto(model)``;
+                   ``{"0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel()}``, for the
+                   embedding ``RowwiseParallel(input_layouts=Replicate())`` (its vocabulary
+                   split), for Llama ``tpx.plans.auto(model)``;
 * ``local + all-reduce`` (MLP only) the least any TP 2 over gloo can cost: this rank's
                    shards as plain parameters, ``F.linear`` -> ReLU -> ``F.linear`` and one
                    ``torch.distributed.all_reduce`` of the output (identity backward), no
@@ -79,10 +82,12 @@ TRAIN_BATCH, TRAIN_SEQ = 2, 16
 PROMPT, NEW_TOKENS = 8, 16
 MLP_TOL = dict(rtol=1e-5, atol=1e-5)
 LLAMA_TOL = dict(rtol=1e-4, atol=2e-5)
-CASES = ("mlp fwd", "mlp fwd+bwd", "llama train", "llama decode")
+CASES = ("mlp fwd", "mlp fwd+bwd", "embedding", "llama train", "llama decode")
 # Calls per variant per round (decode: generated sequences) and untimed warmup calls, per case.
-ITERS = {"mlp fwd": 40, "mlp fwd+bwd": 40, "llama train": 5, "llama decode": 1}
-WARMUP = {"mlp fwd": 20, "mlp fwd+bwd": 20, "llama train": 3, "llama decode": 1}
+ITERS = {"mlp fwd": 40, "mlp fwd+bwd": 40, "embedding": 40, "llama train": 5, "llama decode": 1}
+WARMUP = {"mlp fwd": 20, "mlp fwd+bwd": 20, "embedding": 20, "llama train": 3,
+          "llama decode": 1}
+EMBEDDING = dict(vocab=32000, d=256, ids=8)
 UNSHARDED, TPX, TORCH_TP, FLOOR = "unsharded", "tpx", "PyTorch TP", "local + all-reduce"
 
 
@@ -176,6 +181,29 @@ def mlp_variants(world: int) -> tuple:
         for label in (TPX, FLOOR, TORCH_TP):
             check_close(f"mlp, {label}", {"output": variants[label](x)}, want, MLP_TOL)
     return variants, x
+
+
+def embedding_variants(world: int) -> tuple:
+    import tpx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import parallel as torch_tp
+
+    torch.manual_seed(SEED)
+    ref = nn.Sequential(nn.Embedding(EMBEDDING["vocab"], EMBEDDING["d"]))
+    ids = torch.randint(0, EMBEDDING["vocab"], (EMBEDDING["ids"],))
+    variants = {UNSHARDED: ref}
+    variants[TPX] = tpx.parallelize_module(
+        copy.deepcopy(ref), None, {"0": tpx.RowwiseParallel(input_layouts=tpx.Replicate())})
+    variants[TORCH_TP] = torch_tp.parallelize_module(
+        copy.deepcopy(ref), init_device_mesh("cpu", (world,)),
+        {"0": torch_tp.RowwiseParallel(input_layouts=Replicate())})
+    with torch.no_grad():
+        want = {"output": ref(ids)}
+        for label in (TPX, TORCH_TP):
+            check_close(f"embedding, {label}", {"output": variants[label](ids)}, want,
+                        dict(rtol=0, atol=0))
+    return variants, ids
 
 
 def mlp_forward(model: nn.Module, x: torch.Tensor):
@@ -374,9 +402,10 @@ def rank_main(rank: int, world: int, args, init_method) -> None:
     for case in cases:
         iters = args.iters if args.iters is not None else ITERS[case]
         warmup = args.warmup if args.warmup is not None else WARMUP[case]
-        if case.startswith("mlp"):
-            variants, x = mlp_variants(world)
-            make = mlp_forward if case == "mlp fwd" else mlp_forward_backward
+        if case.startswith("mlp") or case == "embedding":
+            variants, x = mlp_variants(world) if case != "embedding" else \
+                embedding_variants(world)
+            make = mlp_forward_backward if case == "mlp fwd+bwd" else mlp_forward
             blocks = {label: make(model, x) for label, model in variants.items()}
         else:
             variants, ids, prompt, attn = llama_variants(world, args.attn)
@@ -403,7 +432,8 @@ def rank_main(rank: int, world: int, args, init_method) -> None:
         print("\nhost CPU time per call, median (us); thread = the calling thread only")
         print(format_table(["case", "variant", "calls", "thread r0", "thread max",
                             "process r0", "x unsharded"], table, text_columns=2))
-        config = dict(vars(args), world=world, mlp=MLP_SHAPE, llama=LLAMA_CONFIG,
+        config = dict(vars(args), world=world, mlp=MLP_SHAPE, embedding=EMBEDDING,
+                      llama=LLAMA_CONFIG,
                       attn_implementation=attn, train_batch=[TRAIN_BATCH, TRAIN_SEQ],
                       prompt_tokens=PROMPT, new_tokens=NEW_TOKENS, iters_per_case=ITERS
                       if args.iters is None else args.iters,
