@@ -102,36 +102,35 @@ def _full_state(impl: str, model):
     return {k: _full(v) for k, v in model.state_dict().items()}
 
 
-def _runs_in(model, dtype: torch.dtype) -> bool:
-    """Whether the unsharded ``model`` runs in ``dtype`` (a few compute a part in float32 on
-    purpose, e.g. a router whose weight is made float32: those run in float32)."""
-    try:
-        with torch.no_grad():
-            copy.deepcopy(model).to(dtype)(input_ids=torch.randint(3, 1003, (1, 4)))
-        return True
-    except RuntimeError:
-        return False
-
-
 def _batch(step: int, impl: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(3, 1003, (2, 15 if impl == "tpx-sp" else 16), generator=g)
 
 
+def _trains_in(model, dtype: torch.dtype, impl: str) -> torch.dtype:
+    """The dtype in which the unsharded ``model`` trains a step (on a copy): ``dtype``, else
+    float32 (a few compute a part in float32 on purpose, e.g. a router whose weight is made
+    float32); raises what the model raises when it trains in neither."""
+    error = None
+    for dt in dict.fromkeys((dtype, torch.float32)):
+        ids = _batch(0, impl)
+        try:
+            copy.deepcopy(model).to(dt)(input_ids=ids, labels=ids).loss.backward()
+            return dt
+        except RuntimeError as e:
+            error = e
+    raise error
+
+
 def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    try:  # the unsharded model alone: one step on a copy
+    try:  # the unsharded model alone
         ref = tiny(arch)
-        if not _runs_in(ref, dtype):
-            dtype = torch.float32
-        ref = ref.to(dtype)
-        alone = copy.deepcopy(ref)
-        ids = _batch(0, impl)
-        alone(input_ids=ids, labels=ids).loss.backward()
-        del alone
+        dtype = _trains_in(ref, dtype, impl)
     except Exception as e:  # noqa: BLE001 - recorded
         line = (str(e).strip().splitlines() or [""])[0]
         return dict(status="broken", detail=f"unsharded: {type(e).__name__}: {line}"[:300])
+    ref = ref.to(dtype)
     model = copy.deepcopy(ref)
     _shard(impl, model, world)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
