@@ -21,6 +21,7 @@ from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinea
                  VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
                  vocab_parallel_cross_entropy)
 from . import checkpoint, memory
+from .checkpoint import from_pretrained
 from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from . import autograd_multidim, mesh  # noqa: F401  (old import path)
 from .mesh import init_mesh
@@ -51,6 +52,7 @@ __all__ = [
     "end_run",
     "ReplicaMismatch",
     "checkpoint",
+    "from_pretrained",
     "comm_stats",
     "CommStats",
     "loss_parallel",

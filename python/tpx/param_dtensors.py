@@ -281,7 +281,7 @@ def strided(dt) -> bool:
                for p in dt.placements)
 
 
-def _block_ranges(placements, mesh, coord, shape) -> List[List[Tuple[int, int]]]:
+def block_ranges(placements, mesh, coord, shape) -> List[List[Tuple[int, int]]]:
     """Per dim of the global ``shape``, the ranges this rank (``coord`` on ``mesh``) holds, in
     its local order, under ``placements`` (``Shard`` / ``_StridedShard`` on distinct dims,
     ``Replicate``)."""
@@ -304,7 +304,7 @@ def _block_ranges(placements, mesh, coord, shape) -> List[List[Tuple[int, int]]]
 def cut_strided(full: torch.Tensor, like: "DTensor") -> "DTensor":
     """This rank's part of the full tensor ``full`` as a ``DTensor`` with the placements of
     ``like`` (a strided layout). No communication."""
-    ranges = _block_ranges(like.placements, like.device_mesh,
+    ranges = block_ranges(like.placements, like.device_mesh,
                            like.device_mesh.get_coordinate(), tuple(full.shape))
     local = full
     for d, rs in enumerate(ranges):
@@ -320,7 +320,7 @@ def _blocks(dt: "DTensor"):
     import itertools
 
     local = dt._local_tensor
-    ranges = _block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
+    ranges = block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
                            tuple(dt.shape))
     offsets = [[0] + list(itertools.accumulate(e - s for s, e in rs))[:-1] for rs in ranges]
     out = []

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import collectives
 from .agree import tensor_checksum
-from .checkpoint import mesh_params, sharded_params
+from .checkpoint.full import mesh_params, sharded_params
 from .group import GroupLike, resolve_group
 from .param_dtensors import local_of
 

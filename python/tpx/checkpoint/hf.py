@@ -1,26 +1,38 @@
-"""Hugging Face safetensors checkpoints loaded into a sharded model, read slice by slice
-(each rank reads only its part of each tensor)."""
+"""Hugging Face safetensors checkpoints read into a sharded model, slice by slice: each rank
+reads only its part of each tensor, through the layout conversions transformers applies on
+load (per-expert tensors stacked into fused experts, gate and up concatenated, renamed and
+legacy keys), and what the files do not hold is set as transformers sets it."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
+import itertools
 import json
 import os
 import warnings
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from .full import mesh_params, sharded_params
+from .lazy import Lazy, NotSliceable, Source
+from ..nn.dtensor_io import DTensor
+from ..param_dtensors import local_of, strided
 from ..sharding import raw_state_dict
-from ..param_dtensors import local_of
+
+Ranges = List[List[Tuple[int, int]]]
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face safetensors checkpoints, read slice by slice.
+# The files.
 
-def _safetensors_files(path: Union[str, os.PathLike]) -> List[str]:
+def safetensors_files(path: Union[str, os.PathLike], what: str = "load_hf_checkpoint"
+                      ) -> List[str]:
+    """The ``.safetensors`` files of a checkpoint: ``path`` itself (a file), the files its
+    ``model.safetensors.index.json`` names, or every ``.safetensors`` file in the directory."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return [path]
@@ -31,19 +43,22 @@ def _safetensors_files(path: Union[str, os.PathLike]) -> List[str]:
         return [os.path.join(path, n) for n in names]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"tpx.checkpoint.load_hf_checkpoint: no .safetensors file in "
-                                f"{path!r}")
+        raise FileNotFoundError(f"tpx.checkpoint.{what}: no .safetensors file in {path!r}")
     return files
 
 
 class HFLoadResult(list):
     """What :func:`load_hf_checkpoint` did not use: the list itself holds the keys of the files
     that the model has no use for (``unexpected_keys``); ``missing_keys`` are the model's
-    parameters and buffers that the files did not hold, left at their current values."""
+    parameters and buffers that the files did not hold, left at their current values;
+    ``recomputed`` the buffers the files do not hold (non-persistent ones: rotary tables) that
+    were set as transformers sets them when it loads the model."""
 
-    def __init__(self, unexpected_keys: List[str], missing_keys: List[str]) -> None:
+    def __init__(self, unexpected_keys: List[str], missing_keys: List[str],
+                 recomputed: Sequence[str] = ()) -> None:
         super().__init__(unexpected_keys)
         self.missing_keys = list(missing_keys)
+        self.recomputed = list(recomputed)
 
     @property
     def unexpected_keys(self) -> List[str]:
@@ -53,133 +68,349 @@ class HFLoadResult(list):
         return f"HFLoadResult(missing_keys={self.missing_keys}, unexpected_keys={list(self)})"
 
 
-def _hf_key_mapping(model: nn.Module):
-    """``rename(file_key, model_keys) -> (model_key, conversion)``: the name a checkpoint key has
-    in ``model`` by transformers' own loading rules, the ones ``from_pretrained`` applies: the
-    checkpoint conversion mapping of the model's classes (GPT-NeoX: ``embed_out.`` ->
-    ``lm_head.``), the legacy renamings, the base-model prefix added or dropped.
-    ``conversion`` names the transformers conversion when the tensor is transformed on load
-    (merged, split, permuted), not only renamed. Identity for a model that is not a
-    transformers ``PreTrainedModel``, or a transformers without these rules."""
-    def same(key, targets):
-        return key, None
+def _natural(key: str):
+    """Sort key of state-dict names: numbers numerically (``experts.10`` after ``experts.9``),
+    the order transformers collects per-expert tensors in."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
+
+# ---------------------------------------------------------------------------------------------
+# File keys -> the model's tensors, as lazy tensors.
+
+class _FullShapes:
+    """``model`` as transformers' converters see it, with each parameter at its FULL shape
+    (``Split`` sizes its pieces, ``Transpose(check_dims=True)`` compares shapes, by
+    ``model.get_parameter``); everything else is the model's."""
+
+    def __init__(self, model: nn.Module, shapes: Dict[str, torch.Size]) -> None:
+        self._model, self._shapes = model, shapes
+
+    def get_parameter(self, name: str):
+        shape = self._shapes.get(name)
+        if shape is None:
+            return self._model.get_parameter(name)
+        return torch.empty(shape, device="meta")
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _transformers_rules(model: nn.Module):
+    """``(renamings, converters, prefix)`` of the conversions transformers applies when it
+    loads ``model`` (``get_model_conversion_mapping``), or ``None`` for a model that is not a
+    transformers ``PreTrainedModel`` (or a transformers without these rules)."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                     rename_source_key)
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:
-        return same
+        return None
     if not isinstance(model, PreTrainedModel):
-        return same
+        return None
     transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    prefix = getattr(model, "base_model_prefix", None) or None
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)],
+            getattr(model, "base_model_prefix", None) or None)
 
-    def rename(key, targets):
-        if key in targets:
-            return key, None
-        return rename_source_key(key, renamings, converters, prefix, targets)
 
-    return rename
+def _conversion_name(conv) -> str:
+    ops = getattr(conv, "operations", None) or []
+    return (f"{type(conv).__name__}({conv.source_patterns} -> {conv.target_patterns}: "
+            f"{', '.join(type(o).__name__ for o in ops)})")
 
+
+def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, torch.Tensor],
+               shapes: Dict[str, torch.Size], what: str):
+    """The model's keys as lazy tensors of the files: ``(lazy, unused)``, ``lazy`` mapping a
+    model key to the :class:`Lazy` it loads from, ``unused`` the file keys the model has no
+    use for. Keys are renamed and tensors converted by transformers' own rules for the model
+    (the ones ``from_pretrained`` applies), the conversions run on lazy tensors: nothing is
+    read here. A conversion that cannot be read slice by slice raises ``ValueError`` naming
+    it."""
+    from safetensors import safe_open  # noqa: F401  (opened by the caller)
+
+    rules = _transformers_rules(model)
+    sources: List[Tuple[str, Source]] = []
+    for file, f in zip(files, opened):
+        for file_key in f.keys():
+            sources.append((file_key, Source(f.get_slice(file_key), file_key, file)))
+    sources.sort(key=lambda kv: _natural(kv[0]))
+    lazy: Dict[str, Lazy] = {}
+    unused: List[str] = []
+    if rules is None:
+        for file_key, src in sources:
+            if file_key in targets:
+                lazy[file_key] = src
+            else:
+                unused.append(file_key)
+        return lazy, unused
+
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters, prefix = rules
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: Dict[str, object] = {}  # first target key -> its converter (a copy per target)
+    for file_key, src in sources:
+        key, pattern = rename_source_key(file_key, renamings, converters, prefix, targets)
+        if key not in targets and file_key in targets:
+            key, pattern = file_key, None
+        if key not in targets:
+            unused.append(file_key)
+            continue
+        if pattern is None:
+            lazy[key] = src
+            continue
+        conv = pending.get(key)
+        if conv is None:
+            conv = pending[key] = copy.deepcopy(by_pattern[pattern])
+        conv.add_tensor(key, file_key, pattern, src)
+    view = _FullShapes(model, shapes)
+    for key, conv in pending.items():
+        try:
+            out = conv.convert(key, model=view, config=getattr(model, "config", None))
+        except NotSliceable as e:
+            raise ValueError(
+                f"tpx.checkpoint.{what}: {key} is made by transformers' conversion "
+                f"{_conversion_name(conv)}, which tpx does not read slice by slice ({e}); "
+                "nothing was loaded") from None
+        except Exception as e:  # noqa: BLE001 - a conversion that fails names itself
+            raise ValueError(
+                f"tpx.checkpoint.{what}: transformers' conversion {_conversion_name(conv)} "
+                f"failed on the files' tensors for {key}: {type(e).__name__}: {e}; nothing "
+                "was loaded") from None
+        for name, value in out.items():
+            value = value[0] if isinstance(value, list) else value
+            if not isinstance(value, Lazy):
+                raise ValueError(f"tpx.checkpoint.{what}: transformers' conversion "
+                                 f"{_conversion_name(conv)} gave {type(value).__name__} for "
+                                 f"{name}; nothing was loaded")
+            if name in targets:
+                lazy[name] = value
+            else:
+                unused.append(name)
+    return lazy, unused
+
+
+# ---------------------------------------------------------------------------------------------
+# What each rank reads.
+
+def _generic_dtensor_ranges(dt) -> Ranges:
+    """Per dim of the full tensor, the ranges this rank's local tensor of ``dt`` holds, in its
+    local order (any placements torch's ``DTensor`` takes for a parameter)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if strided(dt):
+        from ..param_dtensors import block_ranges
+
+        return block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
+                             tuple(dt.shape))
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh,
+                                                          dt.placements)
+    return [[(int(o), int(o) + int(n))] for o, n in zip(offset, shape)]
+
+
+def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor]):
+    """For each model key: ``(full shape in the original orientation, per-dim ranges of the
+    full tensor this rank holds, the local tensor seen in the original orientation)``."""
+    out = {}
+    for sh in sharded_params(model):
+        if sh.key not in targets:
+            continue
+        local = sh.local()
+        view = local.t() if sh.transposed else local
+        full = list(view.shape)
+        d = sh.orig_dim()
+        full[d] = sh.full_size()
+        ranges = [[(0, n)] for n in view.shape]
+        ranges[d] = list(sh.rows[sh.rank])
+        out[sh.key] = (torch.Size(full), ranges, view)
+    for ms in mesh_params(model):
+        if ms.key in targets and ms.key not in out:
+            out[ms.key] = (torch.Size(ms.spec.full_shape),
+                           [[r] for r in ms.spec.ranges(ms.info)], ms.local())
+    for key, t in targets.items():
+        if key in out or not isinstance(t, torch.Tensor):
+            continue
+        if isinstance(t, DTensor):
+            out[key] = (t.shape, _generic_dtensor_ranges(t), t._local_tensor)
+        else:
+            out[key] = (t.shape, [[(0, n)] for n in t.shape], t)
+    return out
+
+
+def read_local(src: Lazy, ranges: Ranges, dst: torch.Tensor) -> None:
+    """Reads the blocks ``ranges`` (per dim, in local order) of ``src`` into ``dst``."""
+    per_dim = []
+    for rs in ranges:
+        offs, o = [], 0
+        for s, e in rs:
+            offs.append((s, e, o))
+            o += e - s
+        per_dim.append(offs)
+    if not per_dim:  # a scalar
+        src.read_into((), dst)
+        return
+    for combo in itertools.product(*per_dim):
+        view = dst
+        for d, (s, e, o) in enumerate(combo):
+            view = view.narrow(d, o, e - s)
+        src.read_into(tuple((s, e) for s, e, _ in combo), view)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the files do not hold.
+
+def _owners(model: nn.Module):
+    """``(name, module, owning PreTrainedModel)`` of every module: the nearest transformers
+    model above it (the one whose ``_init_weights`` transformers calls on it)."""
+    from transformers import PreTrainedModel
+
+    def walk(prefix, module, owner):
+        if isinstance(module, PreTrainedModel):
+            owner = module
+        yield prefix, module, owner
+        for name, child in module.named_children():
+            yield from walk(f"{prefix}.{name}" if prefix else name, child, owner)
+
+    yield from walk("", model, model if isinstance(model, PreTrainedModel) else None)
+
+
+@torch.no_grad()
+def init_unsaved_buffers(model: nn.Module) -> List[str]:
+    """Sets the non-persistent buffers of a transformers model (rotary tables, position ids)
+    as ``from_pretrained`` sets them after it loads the files: by the owning model's
+    ``_init_weights`` on each module that holds one, its parameters and saved buffers left
+    alone. Returns the names of the buffers it set; nothing for a model that is not a
+    transformers ``PreTrainedModel``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    try:
+        from transformers import initialization as hf_init
+        guard = hf_init.guard_torch_init_functions()
+    except (ImportError, AttributeError):
+        guard = contextlib.nullcontext()
+    done: List[str] = []
+    with guard:
+        for prefix, module, owner in _owners(model):
+            values = getattr(module, "_tpx_buffer_values", None)
+            if values:  # a tpx module in place of one whose buffers transformers sets
+                for n, value in values.items():
+                    buf = module._buffers.get(n)
+                    if buf is not None and buf.device.type != "meta":
+                        buf.fill_(value)
+                        done.append(f"{prefix}.{n}" if prefix else n)
+                continue
+            names = [n for n in module._non_persistent_buffers_set
+                     if module._buffers.get(n) is not None]
+            if not names or owner is None:
+                continue
+            kept = [t for n, t in list(module._parameters.items()) + list(module._buffers.items())
+                    if t is not None and n not in names]
+            flags = [(t, t.__dict__.get("_is_hf_initialized")) for t in kept]
+            for t in kept:
+                t._is_hf_initialized = True
+            for n in names:
+                module._buffers[n].__dict__.pop("_is_hf_initialized", None)
+            before = {n: module._buffers[n]._version for n in names}
+            try:
+                owner._init_weights(module)
+            finally:
+                for t, flag in flags:
+                    if flag is None:
+                        t.__dict__.pop("_is_hf_initialized", None)
+                    else:
+                        t._is_hf_initialized = flag
+            for n in names:
+                buf = module._buffers.get(n)
+                if buf is not None and buf._version != before[n]:
+                    done.append(f"{prefix}.{n}" if prefix else n)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# The call.
 
 @torch.no_grad()
 def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
                        strict: bool = True) -> HFLoadResult:
     """Loads a Hugging Face checkpoint (a ``.safetensors`` file, or a directory of them with or
     without ``model.safetensors.index.json``, as ``save_pretrained`` writes it) into a model
-    sharded by tpx. The files are memory-mapped and each rank reads only its own slices of
-    the sharded tensors (``safe_open(...).get_slice``): no rank ever holds a full copy of a
-    sharded weight (a multi-dimensional layer reads its block).
+    sharded by tpx (or any model: unsharded tensors are read whole). The files are
+    memory-mapped and each rank reads only its own slices of the sharded tensors
+    (``safe_open(...).get_slice``): no rank ever holds a full copy of a sharded weight (a
+    multi-dimensional layer reads its block, a ``DTensor`` of a style tpx did not write its
+    local part), and a tensor is read straight into the parameter, in the files' dtype
+    converted once (bf16 files into a bf16 model: no float32 detour).
 
-    The files' keys become the model's ``state_dict()`` keys by transformers' own loading
-    rules (what ``from_pretrained`` applies): the checkpoint conversion mapping of the model's
-    classes (GPT-NeoX's ``save_pretrained`` writes ``embed_out.weight`` for the model's
-    ``lm_head.weight``), the legacy renamings, the base-model prefix added or dropped. A key
-    that transformers transforms on load (tensors merged or split) raises ``ValueError``: load
-    such a model with ``from_pretrained``, then shard it. Tied parameters absent from the
-    files (GPT-2's ``lm_head.weight``) are filled through their tie.
+    The files' keys and tensors become the model's by transformers' own loading rules (the
+    ones ``from_pretrained`` applies, ``get_model_conversion_mapping``): renamed and legacy keys
+    (GPT-NeoX's ``embed_out.weight`` is ``lm_head.weight``), the base-model prefix added or
+    dropped, and the conversions that merge tensors, such as a mixture of experts saved per
+    expert (``experts.0.gate_proj.weight`` ...) into the fused ``experts.gate_up_proj``, read
+    slice by slice (each rank reads its rows of each expert). A conversion tpx cannot read by
+    slices raises ``ValueError`` naming it, before anything is loaded.
 
-    ``strict=True``: a parameter or buffer of the model that the files do not hold (nor one
-    tied to it) raises ``ValueError`` before anything is loaded. ``strict=False``: those keep
-    their current values and a warning names them. Returns an :class:`HFLoadResult`: the list
-    of the files' keys the model has no use for, with ``.missing_keys`` (the model's keys left
-    untouched). No communication: each rank reads on its own.
+    What the files do not hold: tied parameters are filled through their tie; the
+    non-persistent buffers of a transformers model (rotary tables) are set as
+    ``from_pretrained`` sets them (the model's ``_init_weights``), so a model built on the meta
+    device and materialized with ``to_empty`` is complete after this call.
+
+    ``strict=True``: a parameter or saved buffer of the model that the files do not hold (nor
+    one tied to it) raises ``ValueError`` before anything is loaded; so does a tensor whose
+    shape differs from the model's. ``strict=False``: missing ones keep their current values
+    and a warning names them. Returns an :class:`HFLoadResult`: the list of the files' keys the
+    model has no use for, with ``.missing_keys`` (the model's keys left untouched). No
+    communication: each rank reads on its own.
     """
     from safetensors import safe_open
 
-    sharded = {sh.key: sh for sh in sharded_params(model)}
-    blocks = {ms.key: ms for ms in mesh_params(model)}
+    files = safetensors_files(path)
     with raw_state_dict():
         targets = dict(model.state_dict(keep_vars=True))
-    rename = _hf_key_mapping(model)
-    # Every file key's name in the model first: nothing changes before the checks below.
-    reads: Dict[str, List[Tuple[str, str]]] = {}
-    unused: List[str] = []
-    found = set()
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for file_key in f.keys():
-                key, conversion = rename(file_key, targets)
-                if key not in targets:
-                    unused.append(file_key)
-                    continue
-                if conversion is not None:
-                    raise ValueError(
-                        f"tpx.checkpoint.load_hf_checkpoint: {file_key} in {file} becomes "
-                        f"{key} through a conversion that transformers applies on load "
-                        f"({conversion!r}: the tensor is transformed, not only renamed), which "
-                        "tpx does not read slice by slice; load the model with "
-                        "from_pretrained, then shard it with tpx.parallelize_module")
-                reads.setdefault(file, []).append((file_key, key))
-                found.add(id(targets[key]))
-    missing = [k for k, t in targets.items() if id(t) not in found]
+    reads = local_reads(model, targets)
+    shapes = {k: v[0] for k, v in reads.items()}
     where = os.fspath(path)
-    more = " ..." if len(missing) > 8 else ""
-    if missing and strict:
-        raise ValueError(
-            f"tpx.checkpoint.load_hf_checkpoint: {where!r} does not hold {missing[:8]}{more} "
-            f"(nor keys that transformers maps to them); nothing was loaded. Load a checkpoint "
-            f"of this model, or pass strict=False to load the rest and leave these at their "
-            f"current values")
-    if missing:
-        warnings.warn(
-            f"tpx.checkpoint.load_hf_checkpoint(strict=False): {len(missing)} parameters or "
-            f"buffers of the model are not in {where!r} and keep their current values: "
-            f"{missing[:8]}{more}" + (f"; keys of the files not used: {unused[:8]}"
-                                      f"{' ...' if len(unused) > 8 else ''}" if unused else ""),
-            stacklevel=2)
-    for file, keys in reads.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for file_key, key in keys:
-                dst = targets[key]
-                if key in sharded:
-                    sh = sharded[key]
-                    sl, d = f.get_slice(file_key), sh.orig_dim()
-                    full_shape = sl.get_shape()
-                    if len(full_shape) <= d or full_shape[d] != sh.full_size():
-                        raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {file_key} in "
-                                         f"{file} has shape {tuple(full_shape)}; the model "
-                                         f"expects {sh.full_size()} entries along dim {d}")
-                    pieces = [sl[s:e] if d == 0 else sl[:, s:e]
-                              for s, e in sh.rows[sh.rank]]
-                    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
-                    if sh.transposed:
-                        value = value.t()
-                elif key in blocks:
-                    ms = blocks[key]
-                    sl = f.get_slice(file_key)
-                    ms.check_full_shape(f"load_hf_checkpoint ({file})", sl.get_shape())
-                    value = sl[ms.index()]
-                else:
-                    value = f.get_tensor(file_key)
-                dst = local_of(dst)
-                if tuple(value.shape) != tuple(dst.shape):
-                    raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {file_key} has shape "
-                                     f"{tuple(value.shape)} in {file}; the model expects "
-                                     f"{tuple(dst.shape)} for {key} on this rank")
-                dst.copy_(value)
-    return HFLoadResult(unused, missing)
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+                  for f in files]
+        lazy, unused = plan_reads(model, files, opened, targets, shapes, "load_hf_checkpoint")
+        # Every check before anything changes.
+        found = {id(targets[k]) for k in lazy}
+        missing = [k for k, t in targets.items() if id(t) not in found]
+        for key, src in lazy.items():
+            full = shapes[key]
+            if tuple(src.shape) != tuple(full):
+                srcs = src.sources()
+                named = (f"{srcs[0].key} in {srcs[0].file}" if len(srcs) == 1
+                         else f"{len(srcs)} tensors of the files")
+                raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {named} give {key} the "
+                                 f"shape {tuple(src.shape)}; the model expects {tuple(full)}. "
+                                 "Nothing was loaded")
+        meta = [k for k in lazy if reads[k][2].device.type == "meta"]
+        if meta:
+            raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {meta[:4]} are on the meta "
+                             "device: materialize the model first (model.to_empty(device=...)), "
+                             "or use tpx.from_pretrained. Nothing was loaded")
+        more = " ..." if len(missing) > 8 else ""
+        if missing and strict:
+            raise ValueError(
+                f"tpx.checkpoint.load_hf_checkpoint: {where!r} does not hold {missing[:8]}{more} "
+                f"(nor keys that transformers maps to them); nothing was loaded. Load a "
+                f"checkpoint of this model, or pass strict=False to load the rest and leave "
+                f"these at their current values")
+        if missing:
+            warnings.warn(
+                f"tpx.checkpoint.load_hf_checkpoint(strict=False): {len(missing)} parameters or "
+                f"buffers of the model are not in {where!r} and keep their current values: "
+                f"{missing[:8]}{more}" + (f"; keys of the files not used: {unused[:8]}"
+                                          f"{' ...' if len(unused) > 8 else ''}" if unused else ""),
+                stacklevel=2)
+        for key, src in lazy.items():
+            _, ranges, dst = reads[key]
+            read_local(src, ranges, dst)
+    recomputed = init_unsaved_buffers(model)
+    return HFLoadResult(unused, missing, recomputed)

@@ -18,6 +18,7 @@ from ..nn.dtensor_io import DTensor
 from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
+from ..meta_init import watch as watch_meta
 from ..sharding import lays_out_params, params_laid_out_by
 from ..param_dtensors import REPLICATED
 from .base import check_layout
@@ -130,6 +131,7 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         broadcast_(pg, src_rank, _unsharded_tensors(module))
     if ctx.layout == "1d" and config.check_replicas() and ctx.world > 1:
         watch_replicas(module, pg)  # TPX_CHECK_REPLICAS=1: after every backward
+    watch_meta(module)  # built on the meta device: nothing to_empty leaves reaches a forward
     return module
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import collectives
-from ..checkpoint import mesh_params, sharded_params
+from ..checkpoint.full import mesh_params, sharded_params
 from ..mesh import mesh_layout
 from ..replicas import check_replicas
 from .api import parallelize_module

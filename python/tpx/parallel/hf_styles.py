@@ -110,8 +110,22 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
 
         new = VocabParallelEmbedding.from_embedding(module, group=ctx.group,
                                                     src_rank=ctx.src_rank)
-        scale = scale.detach().clone() if isinstance(scale, Tensor) else torch.tensor(scale)
-        new.register_buffer("embed_scale", scale, persistent=False)
+        value = getattr(module, "scalar_embed_scale", None)
+        if isinstance(scale, Tensor) and scale.device.type != "meta" and scale.numel() == 1:
+            value = float(scale)
+        if value is None:
+            raise ValueError(
+                f"tpx.hf_plan: the scale of {type(module).__name__} is on the meta device and "
+                "the module has no scalar_embed_scale to take it from; build this module off "
+                "the meta device, or leave it out of the plan ('replicate')")
+        device = scale.device if isinstance(scale, Tensor) else None
+        dtype = scale.dtype if isinstance(scale, Tensor) else None
+        new.register_buffer("embed_scale", torch.tensor(value, dtype=dtype, device=device),
+                            persistent=False)
+        # The value of the non-persistent buffer, to set it again when the model is
+        # materialized from the meta device (tpx.checkpoint.init_unsaved_buffers), as
+        # transformers' _init_weights sets the buffer of the module this one replaces.
+        new._tpx_buffer_values = {"embed_scale": value}
         new.register_forward_hook(lambda m, a, out: out * m.embed_scale.to(out.dtype))
         return new
 

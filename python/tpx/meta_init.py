@@ -1,0 +1,132 @@
+"""A model tpx sharded while it was on the meta device: no parameter or buffer that ``to_empty``
+left uninitialized reaches a forward.
+
+``to_empty`` gives every tensor of the meta device real memory holding whatever was there. The
+model is right only once each of them is written: loaded (``tpx.checkpoint.load_hf_checkpoint``,
+``tpx.checkpoint.load``, ``load_state_dict``), initialized in place (``init_weights``,
+``reset_parameters``), or replaced by a new tensor (torchtitan's rotary table). :func:`watch`
+(``parallelize_module`` calls it when the module holds meta tensors) marks each tensor
+``to_empty`` makes from a meta one; the module's first forward raises, naming them, if a marked
+tensor was never written since (its version counter still 0), and stops watching once none
+is left."""
+
+from __future__ import annotations
+
+import types
+from typing import Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+from .group import DeviceMesh, mesh_for_group
+from .nn.dtensor_io import DTensor
+from .param_dtensors import local_of
+
+_MARK = "_tpx_from_empty"   # on a tensor ``to_empty`` made from a meta one
+_HOOK = "_tpx_meta_hook"    # on a watched module: the id of its forward pre-hook
+
+
+def _slots(module: nn.Module) -> Iterator[Tuple[str, nn.Module, str, str]]:
+    """``(qualified name, owner, "_parameters" | "_buffers", name)`` of every tensor."""
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in m.__dict__[kind].items():
+                if t is not None:
+                    yield (f"{prefix}.{name}" if prefix else name), m, kind, name
+
+
+def _on_meta(t) -> bool:
+    return local_of(t).device.type == "meta"
+
+
+def watch(module: nn.Module) -> None:
+    """Watches ``module`` when it holds tensors on the meta device (module docstring)."""
+    if _HOOK in module.__dict__:
+        return
+    if not any(_on_meta(m.__dict__[k][n]) for _, m, k, n in _slots(module)):
+        return
+    module._apply = types.MethodType(_apply, module)
+    handle = module.register_forward_pre_hook(_check_first_forward)
+    module.__dict__[_HOOK] = handle.id
+
+
+def _apply(self: nn.Module, fn, recurse: bool = True):
+    """``nn.Module._apply`` (what ``to_empty``, ``to`` and ``cuda`` run), marking each tensor
+    that leaves the meta device: only ``to_empty`` can, and it leaves the memory as it was.
+    (Named as the method it stands in for: a pickled model unpickles with the class's.)"""
+    on_meta = [(m, k, n) for _, m, k, n in _slots(self) if _on_meta(m.__dict__[k][n])]
+    out = type(self)._apply(self, fn, recurse)
+    meshes: dict = {}
+    for m, k, n in on_meta:
+        t = m.__dict__[k].get(n)
+        if t is not None and not _on_meta(t):
+            setattr(local_of(t), _MARK, True)
+            if isinstance(t, DTensor) and t.device_mesh.device_type == "meta":
+                _remesh(t, meshes)
+    return out
+
+
+def _remesh(t: "DTensor", meshes: dict) -> None:
+    """A ``DTensor`` tpx made while the model was on the meta device has a mesh of device type
+    "meta"; once its local tensor has real memory, it gets the same mesh (same groups) on its
+    device, in place (the object stays: ties and references hold)."""
+    device_type = t._local_tensor.device.type
+    old = t.device_mesh
+    mesh = meshes.get((id(old), device_type))
+    if mesh is None:
+        if old.ndim == 1:
+            mesh = mesh_for_group(old.get_group(), device_type)
+        else:
+            mesh = DeviceMesh.from_group([old.get_group(i) for i in range(old.ndim)],
+                                         device_type, mesh=old.mesh,
+                                         mesh_dim_names=old.mesh_dim_names)
+        meshes[(id(old), device_type)] = mesh
+    new = DTensor.from_local(t._local_tensor, mesh, t.placements, run_check=False,
+                             shape=t.shape, stride=t.stride())
+    if isinstance(t, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    else:
+        new.requires_grad_(t.requires_grad)
+    for key, value in t.__dict__.items():
+        new.__dict__.setdefault(key, value)
+    torch.utils.swap_tensors(t, new)
+
+
+def unwritten(module: nn.Module) -> List[str]:
+    """Names of the tensors of ``module`` that ``to_empty`` made from meta ones and that were
+    never written since."""
+    out = []
+    for qual, m, k, n in _slots(module):
+        t = local_of(m.__dict__[k][n])
+        if t.__dict__.get(_MARK):
+            try:
+                if t._version == 0:
+                    out.append(qual)
+            except RuntimeError:  # an inference tensor keeps no version: not known
+                pass
+    return out
+
+
+def _stop(module: nn.Module) -> None:
+    hook = module.__dict__.pop(_HOOK, None)
+    if hook is not None:
+        module._forward_pre_hooks.pop(hook, None)
+    module.__dict__.pop("_apply", None)
+
+
+@torch._dynamo.disable
+def _check_first_forward(module: nn.Module, args) -> None:
+    if any(_on_meta(m.__dict__[k][n]) for _, m, k, n in _slots(module)):
+        return  # still on the meta device (a shape-only run): checked at a later call
+    bad = unwritten(module)
+    if bad:
+        more = " ..." if len(bad) > 8 else ""
+        raise RuntimeError(
+            f"tpx: {len(bad)} parameters or buffers of this {type(module).__name__} were built "
+            f"on the meta device, given memory by to_empty and never written since (they hold "
+            f"whatever that memory held): {bad[:8]}{more}. Load or initialize them before the "
+            "first forward: tpx.from_pretrained(path) does all of it; after to_empty, "
+            "tpx.checkpoint.load_hf_checkpoint(model, path) (which also sets a Hugging Face "
+            "model's rotary tables), tpx.checkpoint.load, load_state_dict, or the model's own "
+            "initialization")
+    _stop(module)

@@ -1,0 +1,303 @@
+"""Pretrained Hugging Face checkpoints into TP: tpx.from_pretrained and the build-on-meta,
+shard, to_empty, load flow, against the unsharded model that wrote the checkpoint (logits, one
+training step), with transformers' own save_pretrained files (per-expert MoE layout included);
+the lazy reads of the files against eager torch; the check that nothing to_empty left
+uninitialized reaches a forward."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpx
+import tpx.checkpoint
+from harness import run_ranks
+from tpx.checkpoint import lazy
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+V = 1003
+
+
+# ---------------------------------------------------------------------------------------------
+# Lazy tensors of the files against eager torch (one process).
+
+def _sources(tmp_path, tensors):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "t.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    f = safe_open(path, framework="pt", device="cpu")
+    return f, {k: lazy.Source(f.get_slice(k), k, path) for k in tensors}
+
+
+def _random_region(shape, g):
+    out = []
+    for n in shape:
+        a = int(torch.randint(0, n, (1,), generator=g))
+        b = int(torch.randint(a + 1, n + 1, (1,), generator=g))
+        out.append((a, b))
+    return tuple(out)
+
+
+def test_lazy_reads_equal_eager(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    experts = {f"e{i}": torch.randn(6, 5, generator=g) for i in range(4)}
+    ups = {f"u{i}": torch.randn(6, 5, generator=g) for i in range(4)}
+    fused = {"qkv": torch.randn(12, 5, generator=g), "gu": torch.randn(3, 5, 8, generator=g)}
+    f, src = _sources(tmp_path, {**experts, **ups, **fused})
+    e = torch.stack([experts[f"e{i}"] for i in range(4)])
+    u = torch.stack([ups[f"u{i}"] for i in range(4)])
+    ls = torch.stack([src[f"e{i}"] for i in range(4)])
+    lu = torch.stack([src[f"u{i}"] for i in range(4)])
+    cases = {
+        "stack": (ls, e),
+        "stack dim 1": (torch.stack([src["e0"], src["e1"]], dim=1),
+                        torch.stack([experts["e0"], experts["e1"]], dim=1)),
+        "stack+cat": (torch.cat([ls, lu], dim=1), torch.cat([e, u], dim=1)),
+        "chunk": (torch.chunk(src["qkv"], 3, dim=0)[1], torch.chunk(fused["qkv"], 3, dim=0)[1]),
+        "split": (torch.split(src["qkv"], [2, 7, 3], dim=0)[1],
+                  torch.split(fused["qkv"], [2, 7, 3], dim=0)[1]),
+        "transpose": (torch.transpose(torch.cat([ls, lu], dim=1), 1, 2).contiguous(),
+                      torch.cat([e, u], dim=1).transpose(1, 2)),
+        "unsqueeze/squeeze": (src["qkv"].unsqueeze(0).unsqueeze(2).squeeze(0),
+                              fused["qkv"].unsqueeze(1)),
+        "interleave (reshape)": (
+            src["gu"].reshape(3, 5, 4, 2).transpose(2, 3).reshape(3, 5, 8),
+            fused["gu"].reshape(3, 5, 4, 2).transpose(2, 3).reshape(3, 5, 8)),
+        "index": (src["gu"][1, :, 2:6], fused["gu"][1, :, 2:6]),
+        "ellipsis": (src["gu"][..., 3], fused["gu"][..., 3]),
+    }
+    for name, (lz, ref) in cases.items():
+        assert tuple(lz.shape) == tuple(ref.shape), name
+        torch.testing.assert_close(lz.read(), ref, rtol=0, atol=0, msg=name)
+        for _ in range(5):
+            region = _random_region(ref.shape, g)
+            want = ref[tuple(slice(a, b) for a, b in region)]
+            torch.testing.assert_close(lz.read(region), want, rtol=0, atol=0, msg=name)
+            # into a strided destination (a transposed view), in another dtype
+            out = torch.empty(want.shape[::-1], dtype=torch.float64).t() if want.dim() == 2 \
+                else torch.empty(want.shape, dtype=torch.float64)
+            lz.read_into(region, out)
+            torch.testing.assert_close(out, want.double(), rtol=0, atol=0, msg=name)
+    assert ls.sliced and not cases["interleave (reshape)"][0].sliced
+    with pytest.raises(lazy.NotSliceable, match="torch.add"):
+        torch.add(src["e0"], src["e1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models at TP 2 (and more in the slow tier), against the model that wrote the files.
+
+def _config(family):
+    import hf_tiny
+
+    if family in ("llama", "llama_tied"):
+        return transformers.LlamaConfig(
+            vocab_size=V, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=family == "llama_tied")
+    return hf_tiny.tiny_config(family)  # gemma3_text (scaled embedding, tied), MoE families
+
+
+def _ids(seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, V, (2, 12), generator=g)
+
+
+def _write(rank, family, path, dtype=torch.float32):
+    """The unsharded model (same seed on every rank), written by transformers on rank 0."""
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(family))
+    ref = ref.to(dtype)
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    return ref
+
+
+def _compare_step(model, ref, what, rtol=1e-5, atol=1e-5):
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=rtol, atol=atol, msg=lambda m: f"{what} logits: {m}")
+    for m in (model, ref):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    full = tpx.checkpoint.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=10 * rtol, atol=10 * atol,
+                                   msg=lambda m: f"{what} after a step, {key}: {m}")
+
+
+def _from_pretrained(rank, world, family, path, experts="tp"):
+    ref = _write(rank, family, path)
+    model, info = tpx.from_pretrained(path, experts=experts, output_loading_info=True)
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == [], info
+    assert not model.training  # as transformers returns it
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    if family in ("llama_tied", "gemma3_text"):
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    _compare_step(model, ref, f"{family} TP={world}")
+
+
+@pytest.mark.parametrize("family,experts", [
+    ("llama", "tp"), ("llama_tied", "tp"), ("gemma3_text", "tp"),
+    ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
+    pytest.param("mixtral", "tp", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "tp", marks=pytest.mark.slow)])
+def test_from_pretrained_tp2(tmp_path, family, experts):
+    run_ranks(_from_pretrained, 2, family, str(tmp_path / "hf"), experts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_from_pretrained_tp4(tmp_path, family):
+    run_ranks(_from_pretrained, 4, family, str(tmp_path / "hf"))
+
+
+def _moe_files_per_expert(rank, world, path):
+    from safetensors import safe_open
+
+    _write(rank, "qwen3_moe", path)
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    # transformers writes the Hub's layout (one tensor per expert), not the fused parameter
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in keys, keys
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)
+
+
+def test_moe_checkpoint_is_per_expert(tmp_path):
+    run_ranks(_moe_files_per_expert, 1, str(tmp_path / "hf"))
+
+
+def _bf16_files(rank, world, path):
+    ref = _write(rank, "llama", path, dtype=torch.bfloat16)
+    model = tpx.from_pretrained(path)  # dtype="auto": the config's, bf16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    full = tpx.checkpoint.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(full[key], value), key  # read as stored, no rounding on the way
+    model32 = tpx.from_pretrained(path, dtype=torch.float32)
+    assert {p.dtype for p in model32.parameters()} == {torch.float32}
+    full = tpx.checkpoint.full_state_dict(model32)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(full[key], value.float()), key
+
+
+def test_from_pretrained_bf16_files(tmp_path):
+    run_ranks(_bf16_files, 2, str(tmp_path / "hf"))
+
+
+def _hub_cache(rank, world, root):
+    """A Hub id read from the local cache (the layout huggingface_hub keeps)."""
+    snap = os.path.join(root, "models--tpx-test--tiny-llama", "snapshots", "0" * 40)
+    ref = _write(rank, "llama", snap)
+    if rank == 0:
+        os.makedirs(os.path.join(root, "models--tpx-test--tiny-llama", "refs"))
+        with open(os.path.join(root, "models--tpx-test--tiny-llama", "refs", "main"), "w") as f:
+            f.write("0" * 40)
+    dist.barrier()
+    model = tpx.from_pretrained("tpx-test/tiny-llama", cache_dir=root)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
+        tpx.from_pretrained("tpx-test/not-there", cache_dir=root)
+
+
+def test_from_pretrained_hub_id_in_cache(tmp_path):
+    run_ranks(_hub_cache, 2, str(tmp_path / "hub"))
+
+
+def _three_steps(rank, world, family, path):
+    """Build on meta, shard, to_empty, load: the same model, rotary tables and Gemma's scale
+    (buffers the files do not hold) set as transformers sets them."""
+    ref = _write(rank, family, path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    model.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match=r"built on the meta device, given memory by "
+                                           r"to_empty and never written since"):
+        model(input_ids=_ids())  # nothing loaded yet: refused, not garbage
+    result = tpx.checkpoint.load_hf_checkpoint(model, path)
+    assert result == [] and result.missing_keys == []
+    assert "model.rotary_emb.inv_freq" in result.recomputed or family == "gemma3_text"
+    _compare_step(model, ref, f"{family} three steps")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_meta_shard_to_empty_load(tmp_path, family):
+    run_ranks(_three_steps, 2, family, str(tmp_path / "hf"))
+
+
+def _missing_not_silent(rank, world, path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    _write(rank, "llama", path)
+    part = path + "-partial"
+    if rank == 0:
+        os.makedirs(part)
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            kept = {k: f.get_tensor(k) for k in f.keys() if k != "model.norm.weight"}
+        save_file(kept, os.path.join(part, "model.safetensors"), metadata={"format": "pt"})
+        for name in ("config.json", "generation_config.json"):
+            with open(os.path.join(path, name)) as a, open(os.path.join(part, name), "w") as b:
+                b.write(a.read())
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"does not hold \['model.norm.weight'\].*nothing was "
+                                         r"loaded"):
+        tpx.from_pretrained(part)
+    with pytest.warns(UserWarning, match="keep their current values"):
+        model = tpx.from_pretrained(part, strict=False)
+    with pytest.raises(RuntimeError, match=r"never written since.*\['model.norm.weight'\]"):
+        model(input_ids=_ids())
+    with torch.no_grad():
+        model.model.norm.weight.fill_(1.0)  # set by the user: the model runs
+    model(input_ids=_ids())
+
+
+def test_missing_weight_never_reaches_a_forward(tmp_path):
+    run_ranks(_missing_not_silent, 2, str(tmp_path / "hf"))
+
+
+class _Rope(nn.Module):
+    """A plain decoder piece in torchtitan's manner: a rotary table rebuilt by init_weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.register_buffer("freqs", torch.arange(16.0), persistent=False)
+
+    def init_weights(self):
+        nn.init.normal_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+        nn.init.normal_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+        self.freqs = torch.arange(16.0)  # a new tensor, as torchtitan's init_weights does
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x * self.freqs)))
+
+
+def _own_init(rank, world):
+    with torch.device("meta"):
+        m = _Rope()
+    tpx.parallelize_module(m, None, {"up": tpx.ColwiseParallel(), "down": tpx.RowwiseParallel()})
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        m.init_weights()
+    m(torch.randn(2, 16))  # written in place or replaced: not flagged
+    assert "_apply" not in vars(m)  # checked once, then no longer watched
+
+
+def test_own_initialization_is_not_flagged():
+    run_ranks(_own_init, 2)
