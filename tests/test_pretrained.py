@@ -95,9 +95,9 @@ def test_lazy_reads_equal_eager(tmp_path):
 def _config(family):
     import hf_tiny
 
-    if family in ("llama", "llama_tied"):
-        return transformers.LlamaConfig(
-            vocab_size=V, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+    if family in ("llama", "llama_tied", "llama_2d"):
+        return transformers.LlamaConfig(  # 2-D layouts split the vocabulary in equal blocks
+            vocab_size=1000 if family == "llama_2d" else V, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
             tie_word_embeddings=family == "llama_tied")
     return hf_tiny.tiny_config(family)  # gemma3_text (scaled embedding, tied), MoE families
@@ -301,3 +301,18 @@ def _own_init(rank, world):
 
 def test_own_initialization_is_not_flagged():
     run_ranks(_own_init, 2)
+
+
+def _two_d(rank, world, path):
+    ref = _write(rank, "llama_2d", path)
+    model = tpx.from_pretrained(path, device_mesh=tpx.init_mesh("2d"), layout="2d")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 1000, (4, 12), generator=g)  # the batch divides by q = 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_from_pretrained_2d_layout(tmp_path):
+    run_ranks(_two_d, 4, str(tmp_path / "hf"))
