@@ -114,8 +114,9 @@ def _stop(module: nn.Module) -> None:
     module.__dict__.pop("_apply", None)
 
 
-@torch._dynamo.disable
 def _check_first_forward(module: nn.Module, args) -> None:
+    if torch.compiler.is_compiling():
+        return  # checked by the first eager call (a compiled forward traces nothing of this)
     if any(_on_meta(m.__dict__[k][n]) for _, m, k, n in _slots(module)):
         return  # still on the meta device (a shape-only run): checked at a later call
     bad = unwritten(module)
