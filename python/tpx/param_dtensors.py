@@ -301,16 +301,30 @@ def block_ranges(placements, mesh, coord, shape) -> List[List[Tuple[int, int]]]:
     return ranges
 
 
-def cut_strided(full: torch.Tensor, like: "DTensor") -> "DTensor":
+def local_ranges(dt: "DTensor") -> List[List[Tuple[int, int]]]:
+    """Per dim of ``dt``'s global shape, the ranges of the full tensor its local tensor holds,
+    in local order: one range per dim for torch's ``Shard`` / ``Replicate`` (nested shards of
+    one dim included), several for a strided layout."""
+    if strided(dt):
+        return block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
+                            tuple(dt.shape))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh,
+                                                          dt.placements)
+    return [[(int(o), int(o) + int(n))] for o, n in zip(offset, shape)]
+
+
+def cut(full: torch.Tensor, like: "DTensor") -> "DTensor":
     """This rank's part of the full tensor ``full`` as a ``DTensor`` with the placements of
-    ``like`` (a strided layout). No communication."""
-    ranges = block_ranges(like.placements, like.device_mesh,
-                           like.device_mesh.get_coordinate(), tuple(full.shape))
+    ``like`` (any layout :func:`local_ranges` reads). No communication."""
     local = full
-    for d, rs in enumerate(ranges):
+    for d, rs in enumerate(local_ranges(like)):
         parts = [local.narrow(d, s, e - s) for s, e in rs]
         local = parts[0] if len(parts) == 1 else torch.cat(parts, d)
-    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements,
+    if strided(like):
+        local = local.contiguous()
+    return DTensor.from_local(local, like.device_mesh, like.placements,
                               run_check=False, shape=like.shape, stride=like.stride())
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .mappings import gather_dim
-from .param_dtensors import (as_dtensor, cut_strided, local_of, replace_param, strided,
+from .param_dtensors import (as_dtensor, cut, local_of, replace_param,
                              strided_placement)
 from .nn.dtensor_io import DTensor, Replicate, Shard
 from .run import run_cache
@@ -540,7 +540,7 @@ def _to_stored(module, name: str, param, value):
             value = value.t()
         if isinstance(value, DTensor) or tuple(value.shape) != tuple(param.shape):
             return value
-        return _cut(value, param)
+        return cut(value, param)  # this rank's part, no communication
     if isinstance(desc, MeshSharding):
         if isinstance(value, DTensor):
             mine = desc.dtensor(param.detach())
@@ -572,17 +572,3 @@ def _to_stored(module, name: str, param, value):
 
 def _raw_loading() -> bool:
     return getattr(_RAW, "on", False)
-
-
-def _cut(full: torch.Tensor, param) -> torch.Tensor:
-    """This rank's part of the full tensor ``full`` as a ``DTensor`` with ``param``'s
-    placements (no communication)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if strided(param):
-        return cut_strided(full, param)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                          param.placements)
-    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())

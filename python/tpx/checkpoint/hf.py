@@ -20,7 +20,7 @@ from torch import nn
 from .full import mesh_params, sharded_params
 from .lazy import Lazy, NotSliceable, Source
 from ..nn.dtensor_io import DTensor
-from ..param_dtensors import local_of, strided
+from ..param_dtensors import local_ranges
 from ..sharding import raw_state_dict
 
 Ranges = List[List[Tuple[int, int]]]
@@ -66,12 +66,6 @@ class HFLoadResult(list):
 
     def __repr__(self) -> str:
         return f"HFLoadResult(missing_keys={self.missing_keys}, unexpected_keys={list(self)})"
-
-
-def _natural(key: str):
-    """Sort key of state-dict names: numbers numerically (``experts.10`` after ``experts.9``),
-    the order transformers collects per-expert tensors in."""
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,14 +121,11 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
     (the ones ``from_pretrained`` applies), the conversions run on lazy tensors: nothing is
     read here. A conversion that cannot be read slice by slice raises ``ValueError`` naming
     it."""
-    from safetensors import safe_open  # noqa: F401  (opened by the caller)
-
     rules = _transformers_rules(model)
     sources: List[Tuple[str, Source]] = []
     for file, f in zip(files, opened):
         for file_key in f.keys():
             sources.append((file_key, Source(f.get_slice(file_key), file_key, file)))
-    sources.sort(key=lambda kv: _natural(kv[0]))
     lazy: Dict[str, Lazy] = {}
     unused: List[str] = []
     if rules is None:
@@ -145,8 +136,10 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
                 unused.append(file_key)
         return lazy, unused
 
-    from transformers.core_model_loading import rename_source_key
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
 
+    # transformers' own order (experts.10 after experts.9): the order a converter stacks in
+    sources.sort(key=lambda kv: dot_natural_key(kv[0]))
     renamings, converters, prefix = rules
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     pending: Dict[str, object] = {}  # first target key -> its converter (a copy per target)
@@ -194,21 +187,6 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
 # ---------------------------------------------------------------------------------------------
 # What each rank reads.
 
-def _generic_dtensor_ranges(dt) -> Ranges:
-    """Per dim of the full tensor, the ranges this rank's local tensor of ``dt`` holds, in its
-    local order (any placements torch's ``DTensor`` takes for a parameter)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if strided(dt):
-        from ..param_dtensors import block_ranges
-
-        return block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
-                             tuple(dt.shape))
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh,
-                                                          dt.placements)
-    return [[(int(o), int(o) + int(n))] for o, n in zip(offset, shape)]
-
-
 def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor]):
     """For each model key: ``(full shape in the original orientation, per-dim ranges of the
     full tensor this rank holds, the local tensor seen in the original orientation)``."""
@@ -232,7 +210,7 @@ def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor]):
         if key in out or not isinstance(t, torch.Tensor):
             continue
         if isinstance(t, DTensor):
-            out[key] = (t.shape, _generic_dtensor_ranges(t), t._local_tensor)
+            out[key] = (t.shape, local_ranges(t), t._local_tensor)
         else:
             out[key] = (t.shape, [[(0, n)] for n in t.shape], t)
     return out

@@ -85,9 +85,8 @@ class Lazy:
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    @property
-    def is_floating_point(self):  # used as a method by loaders
-        return lambda: self.dtype.is_floating_point
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
 
     def contiguous(self, *args, **kwargs) -> "Lazy":
         return self
@@ -416,7 +415,4 @@ _FUNCTIONS = {
     torch.squeeze: _method("squeeze"),
     torch.unsqueeze: _method("unsqueeze"),
     torch.reshape: lambda x, shape: _reshape(x, list(shape)),
-    torch.Tensor.contiguous: _method("contiguous"),
-    torch.Tensor.transpose: _method("transpose"),
-    torch.Tensor.reshape: _method("reshape"),
 }
