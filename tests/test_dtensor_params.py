@@ -311,24 +311,26 @@ def test_fused_layout_state_dict_raises():
 
 
 def _save_pretrained(rank, world, path):
-    """save_pretrained of a tpx model: without state_dict= a clear error before anything is
-    written; with tpx's full state dict the files are the full model."""
+    """save_pretrained of a tpx model: on every rank, each writing its part (no state_dict=);
+    with tpx's full state dict on rank 0, transformers' own. Both are the full model."""
     torch.manual_seed(0)
     ref = _llama()
     model = _llama()
     model.load_state_dict(ref.state_dict())
     tpx.parallelize_module(model, None, tpx.plans.auto(model))
-    with pytest.raises(ValueError, match="full_state_dict"):
-        model.save_pretrained(path)
+    with pytest.raises(ValueError, match="max_shard_size only"):
+        model.save_pretrained(path, safe_serialization=False)
     assert not os.path.exists(path)
+    model.save_pretrained(path)  # every rank
     full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
     if rank == 0:
-        model.save_pretrained(path, state_dict=full)
+        model.save_pretrained(path + "-full", state_dict=full)
     dist.barrier()
-    back = transformers.AutoModelForCausalLM.from_pretrained(path)
-    for key, value in ref.state_dict().items():
-        torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+    for where in (path, path + "-full"):
+        back = transformers.AutoModelForCausalLM.from_pretrained(where)
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(back.state_dict()[key], value, rtol=0, atol=0,
+                                       msg=lambda m, key=key: f"{where} {key}: {m}")
 
 
 def test_save_pretrained(tmp_path):

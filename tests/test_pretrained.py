@@ -119,15 +119,21 @@ def _write(rank, family, path, dtype=torch.float32):
     return ref
 
 
+def _step(m):
+    ids = _ids()
+    m.train()
+    m(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(m.parameters(), lr=0.5).step()
+    m.zero_grad()
+
+
 def _compare_step(model, ref, what, rtol=1e-5, atol=1e-5):
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
                                    rtol=rtol, atol=atol, msg=lambda m: f"{what} logits: {m}")
     for m in (model, ref):
-        m.train()
-        m(input_ids=ids, labels=ids).loss.backward()
-        torch.optim.SGD(m.parameters(), lr=0.5).step()
+        _step(m)
     full = tpx.checkpoint.full_state_dict(model)
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(full[key], value, rtol=10 * rtol, atol=10 * atol,
@@ -311,8 +317,102 @@ def _two_d(rank, world, path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
+    files = tpx.checkpoint.save_pretrained(model, path + "-out")  # blocks, each written once
+    total = torch.tensor([files.bytes_written])
+    dist.all_reduce(total)
+    assert int(total) == sum(t.numel() * t.element_size() for t in _tensors(path).values())
+    if rank == 0:
+        mine, theirs = _tensors(path + "-out"), _tensors(path)
+        assert sorted(mine) == sorted(theirs)
+        for k, v in theirs.items():
+            assert torch.equal(mine[k], v), k
 
 
 @pytest.mark.slow
 def test_from_pretrained_2d_layout(tmp_path):
     run_ranks(_two_d, 4, str(tmp_path / "hf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving back: every rank writes its part; the files are transformers' own layout.
+
+def _tensors(path):
+    from safetensors import safe_open
+
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _save_back(rank, world, family, src, out, experts):
+    ref = _write(rank, family, src)
+    model = tpx.from_pretrained(src, experts=experts)
+    # as loaded: the files hold what transformers wrote, tensor for tensor, bit for bit
+    files = model.save_pretrained(out + "-as-loaded", max_shard_size="40KB")
+    assert len(files) > 1 and os.path.exists(os.path.join(out + "-as-loaded",
+                                                          "model.safetensors.index.json"))
+    total = torch.tensor([files.bytes_written])
+    dist.all_reduce(total)  # every element written once, by one rank
+    expected = sum(t.numel() * t.element_size() for t in _tensors(src).values())
+    assert int(total) == expected, (int(total), expected)
+    if rank == 0:
+        mine, theirs = _tensors(out + "-as-loaded"), _tensors(src)
+        assert sorted(mine) == sorted(theirs)
+        for k, v in theirs.items():
+            assert mine[k].dtype == v.dtype and torch.equal(mine[k], v), k
+    # after a training step: transformers reads the directory on one device
+    _step(model)
+    _step(ref)
+    model.save_pretrained(out)
+    if rank == 0:
+        ref.save_pretrained(out + "-ref")
+    dist.barrier()
+    one = transformers.AutoModelForCausalLM.from_pretrained(out)
+    theirs = ref.state_dict()
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(value, theirs[key], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{family} TP={world} saved {key}: {m}")
+
+
+def _reload(rank, world, out):
+    """The directory tpx wrote, read at another TP degree, against the one-device model."""
+    model = tpx.from_pretrained(out)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out + "-ref")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,experts,world,again", [
+    ("llama", "tp", 2, 4), ("llama", "tp", 4, 2),  # TP 4: KV heads replicated, written once
+    ("llama_tied", "tp", 2, 1), ("gemma3_text", "tp", 2, 1),
+    ("qwen3_moe", "tp", 2, 1), ("qwen3_moe", "ep", 2, 1)])
+def test_save_pretrained_every_rank_writes(tmp_path, family, experts, world, again):
+    out = str(tmp_path / "out")
+    run_ranks(_save_back, world, family, str(tmp_path / "hf"), out, experts)
+    run_ranks(_reload, again, out)
+
+
+def _save_failures(rank, world, path):
+    _write(rank, "llama", path)
+    model = tpx.from_pretrained(path)
+    with pytest.raises(ValueError, match="max_shard_size"):
+        tpx.checkpoint.save_pretrained(model, path + "-x", max_shard_size="a lot")
+    blocked = path + "-blocked"
+    if rank == 0:
+        with open(blocked, "w") as f:  # a file where the directory should go
+            f.write("x")
+    dist.barrier()
+    # rank 0 cannot create the directory: it raises its error, its peers a prompt one
+    with pytest.raises((FileExistsError, NotADirectoryError) if rank == 0 else RuntimeError,
+                       match="" if rank == 0 else "another rank failed"):
+        model.save_pretrained(blocked)
+    model.save_pretrained(path + "-ok")  # the group is still usable
+
+
+def test_save_pretrained_failure_on_one_rank(tmp_path):
+    run_ranks(_save_failures, 2, str(tmp_path / "hf"))

@@ -22,6 +22,9 @@ from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinea
                  vocab_parallel_cross_entropy)
 from . import checkpoint, memory
 from .checkpoint import from_pretrained
+from .parallel.api import register_sharded_save as _register_sharded_save
+
+_register_sharded_save(checkpoint.save_pretrained)  # model.save_pretrained of a sharded model
 from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from . import autograd_multidim, mesh  # noqa: F401  (old import path)
 from .mesh import init_mesh

@@ -25,6 +25,7 @@ from .dcp import is_complete, load, save, sharded_state_dict
 from .full import full_state_dict, load_full_state_dict, mesh_params, sharded_params  # noqa: F401
 from .hf import HFLoadResult, init_unsaved_buffers, load_hf_checkpoint
 from .pretrained import from_pretrained
+from .hf_write import save_pretrained
 from .optim import (ParamSet, full_optimizer_state_dict, get_optimizer_state_dict,  # noqa: F401
                     load_full_optimizer_state_dict, set_optimizer_state_dict)
 
@@ -32,4 +33,4 @@ __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "sav
            "is_complete",
            "sharded_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
            "full_optimizer_state_dict", "load_full_optimizer_state_dict", "HFLoadResult",
-           "from_pretrained", "init_unsaved_buffers"]
+           "from_pretrained", "init_unsaved_buffers", "save_pretrained"]

@@ -248,10 +248,21 @@ def _extra_references(moved: dict, before: dict) -> int:
     return max(sys.getrefcount(old) - in_before[id(old)] for old, _ in moved.values())
 
 
+# The writer of a sharded Hugging Face checkpoint (tpx.checkpoint.save_pretrained: the state
+# layer, above this one, registers it when tpx is imported).
+_SHARDED_SAVE: list = []
+
+
+def register_sharded_save(fn) -> None:
+    """Sets the function ``save_pretrained`` of a model sharded by tpx calls:
+    ``fn(model, save_directory, max_shard_size=...)``."""
+    _SHARDED_SAVE[:] = [fn]
+
+
 def _guard_save_pretrained(module: nn.Module) -> None:
-    """A Hugging Face model sharded by tpx: ``save_pretrained`` without ``state_dict=`` would
-    write each rank's shards (or fail deep inside safetensors), so it raises first, naming the
-    way that writes the full model; with ``state_dict=`` it is transformers' own."""
+    """A Hugging Face model sharded by tpx: ``save_pretrained(path)`` on every rank writes the
+    checkpoint with every rank writing its part (``tpx.checkpoint.save_pretrained``); with
+    ``state_dict=`` (a full state dict) it is transformers' own."""
     import types
 
     save = getattr(type(module), "save_pretrained", None)
@@ -261,14 +272,27 @@ def _guard_save_pretrained(module: nn.Module) -> None:
         return
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        if state_dict is None:
+        if state_dict is not None:
+            return save(self, save_directory, *args, state_dict=state_dict, **kwargs)
+        if (type(self).__module__.startswith("peft.")
+                or getattr(self, "_hf_peft_config_loaded", False)):
             raise ValueError(
-                "tpx: save_pretrained of a model sharded by tpx needs its full weights: on every "
-                "rank, full = tpx.checkpoint.full_state_dict(model, rank0_only=True); then on "
-                "rank 0, model.save_pretrained(path, state_dict=full). (A sharded checkpoint, "
-                "resumable at any TP degree: tpx.checkpoint.save(model, path).) Nothing was "
-                "written")
-        return save(self, save_directory, *args, state_dict=state_dict, **kwargs)
+                "tpx: save_pretrained of adapters on a model sharded by tpx needs their full "
+                "weights: on every rank, full = tpx.checkpoint.full_state_dict(model, "
+                "rank0_only=True); then on rank 0, model.save_pretrained(path, state_dict=full). "
+                "Nothing was written")
+        if args:
+            raise TypeError("tpx: save_pretrained of a model sharded by tpx takes its options "
+                            "by name (max_shard_size=...)")
+        known = {"max_shard_size", "is_main_process", "safe_serialization"}
+        other = sorted(set(kwargs) - known)
+        if other or kwargs.get("safe_serialization", True) is False:
+            raise ValueError(
+                f"tpx: save_pretrained of a model sharded by tpx writes safetensors files with "
+                f"every rank writing its part and takes max_shard_size only; got "
+                f"{other or 'safe_serialization=False'}. Nothing was written")
+        return _SHARDED_SAVE[0](self, save_directory,
+                                max_shard_size=kwargs.get("max_shard_size", "50GB"))
 
     module.save_pretrained = types.MethodType(save_pretrained, module)
 
