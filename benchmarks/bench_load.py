@@ -19,6 +19,12 @@ resident memory, file pages read included, likewise); the target is the
 rank's part of the model (every local tensor, shards and the tensors kept whole) plus the
 largest one: ``peak <= 1.1 x (part + largest)``.
 
+Then each loaded model is written back as a Hugging Face directory, timed and measured the
+same way: tpx's ``model.save_pretrained`` (every rank writing its part), the whole-then-shard
+way (the full state dict gathered on rank 0, then transformers' ``save_pretrained``), and
+transformers' own ``save_pretrained`` of its TP model; checked by reading the directory back
+on one device against the loaded model's full state dict.
+
 ``python benchmarks/bench_load.py [--size small|1b] [--tp 2 4] [--models llama moe]
 [--out benchmarks/results/bench_load.json]``
 """
@@ -160,9 +166,51 @@ def _rank(rank, world, method, path, init, out):
     err = float((logits.float() - ref).abs().max())
     if err > 0.05 * float(ref.abs().max()):  # bf16 weights: reduction order only
         status, detail = "wrong", f"logits off by {err:.3g}"
+    save = _save(rank, method, model, os.path.join(out, f"saved-{method}"))
     torch.save(dict(status=status, detail=detail, seconds=seconds, peak=grow, peak_rss=grow_all, part=part,
-                    largest=largest, logits_err=err), os.path.join(out, f"{method}_{rank}.pt"))
+                    largest=largest, logits_err=err, **save),
+               os.path.join(out, f"{method}_{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _save(rank, method, model, where) -> dict:
+    """Writes the loaded model back as a Hugging Face directory: tpx, every rank writing its
+    part (``model.save_pretrained`` of a tpx model); the whole-then-shard way as tpx offered
+    before (the full state dict gathered on rank 0, then transformers' ``save_pretrained``);
+    transformers' own ``save_pretrained`` of its TP model. Checked: the directory read back
+    on one device gives the loaded model's logits."""
+    import torch.distributed as dist
+    import transformers
+
+    import tpx
+
+    dist.barrier()
+    peak = _Peak()
+    t0 = time.perf_counter()
+    try:
+        if method == "tpx":
+            model.save_pretrained(where)
+        elif method == "whole-then-shard":
+            full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
+            if rank == 0:
+                model.save_pretrained(where, state_dict=full)
+            del full
+        else:
+            model.save_pretrained(where)
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        peak.stop()
+        return dict(save_status="failed", save_detail=f"{type(e).__name__}: {str(e)[:200]}")
+    seconds, grow = time.perf_counter() - t0, peak.stop()
+    status = "ok"
+    full = (tpx.checkpoint.full_state_dict(model, rank0_only=True)
+            if method != "transformers-tp" else None)  # collective: every rank
+    if rank == 0 and full is not None:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(where).state_dict()
+        if sorted(theirs) != sorted(full) or any(not torch.equal(theirs[k], v)
+                                                 for k, v in full.items()):
+            status = "wrong"
+    return dict(save_status=status, save_seconds=seconds, save_peak=grow)
 
 
 def run(method: str, path: str, world: int) -> list:
@@ -209,10 +257,22 @@ def main() -> None:
                     res = run(method, path, world)
                     ok = [r for r in res if r["status"] == "ok"]
                     bad = [r for r in res if r["status"] != "ok"]
+                    saves = [r for r in ok if "save_status" in r]
+                    rec_save = {}
+                    if saves:
+                        bad_save = [r for r in saves if r["save_status"] != "ok"]
+                        rec_save = dict(save_status=bad_save[0]["save_status"] if bad_save
+                                        else "ok",
+                                        save_detail=bad_save[0].get("save_detail", "")
+                                        if bad_save else "")
+                        if not bad_save:
+                            rec_save.update(
+                                save_seconds=max(r["save_seconds"] for r in saves),
+                                save_peak_bytes=max(r["save_peak"] for r in saves))
                     rec = dict(model=model, size=args.size, params=info["params"],
                                checkpoint_bytes=info["bytes"], tp=world, method=method,
                                status=bad[0]["status"] if bad else "ok",
-                               detail=bad[0]["detail"] if bad else "")
+                               detail=bad[0]["detail"] if bad else "", **rec_save)
                     if ok:
                         worst = max(ok, key=lambda r: r["peak"])
                         rec.update(seconds=max(r["seconds"] for r in ok),
@@ -230,18 +290,27 @@ def main() -> None:
                                  f"{rec['peak_rss_bytes'] / mib:.0f}" if "peak_bytes" in rec else "-",
                                  f"{(rec['part_bytes'] + rec['largest_bytes']) / mib:.0f}"
                                  if "part_bytes" in rec else "-",
-                                 f"{rec['peak_over_target']:.2f}" if "peak_bytes" in rec else "-"])
+                                 f"{rec['peak_over_target']:.2f}" if "peak_bytes" in rec else "-",
+                                 rec.get("save_status", "-"),
+                                 f"{rec['save_seconds']:.2f}" if "save_seconds" in rec else "-",
+                                 f"{rec['save_peak_bytes'] / mib:.0f}"
+                                 if "save_peak_bytes" in rec else "-"])
                     print(format_table(["model", "params", "TP", "method", "status", "s",
                                         "peak MiB", "RSS MiB", "part+largest MiB",
-                                        "peak/target"], rows[-1:], text_columns=5).splitlines()[-1], flush=True)
+                                        "peak/target", "save", "save s", "save peak MiB"],
+                                       rows[-1:], text_columns=5).splitlines()[-1], flush=True)
         finally:
             shutil.rmtree(path, ignore_errors=True)
     print()
     print(format_table(["model", "params", "TP", "method", "status", "s", "peak MiB",
-                        "RSS MiB", "part+largest MiB", "peak/target"], rows, text_columns=5))
+                        "RSS MiB", "part+largest MiB", "peak/target", "save", "save s",
+                        "save peak MiB"], rows, text_columns=5))
     for r in records:
         if r["status"] != "ok":
             print(f"{r['model']} TP {r['tp']} {r['method']}: {r['status']}: {r['detail']}")
+        elif r.get("save_status", "ok") != "ok":
+            print(f"{r['model']} TP {r['tp']} {r['method']} save: {r['save_status']}: "
+                  f"{r['save_detail']}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"bench_load_{args.size}.json")
     write_json(out, dict(environment=env, config=vars(args), results=records))

@@ -9,6 +9,11 @@ the same unsharded model from the same seed and a copy sharded by
 * ``tpx``: ``tpx.parallelize_module(model, None, tpx.plans.auto(model))``;
 * ``tpx-sp``: the same with ``tpx.plans.auto(model, sequence_parallel=True)``, on batches of 15
   positions (padded to a multiple of the TP size inside: the uneven case);
+* ``tpx-load``: the unsharded model written by transformers' ``save_pretrained`` and read
+  back with ``tpx.from_pretrained(path, dtype=...)`` (built on the meta device, each rank
+  reading its slices, the Hub's layouts converted); after the steps, written back with
+  ``model.save_pretrained(path)`` on every rank and read on one device by transformers'
+  ``from_pretrained``, whose parameters must equal the unsharded model's;
 * ``hf``: transformers' own tensor parallelism applied to the built model
   (``model._resolve_parallel_plans(DistributedConfig(tp_size=P))`` then
   ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``: what
@@ -29,7 +34,7 @@ exception, a hang or a dead rank; the exception's first line) or ``broken`` (the
 model itself fails to build or to train one step, before any library shards it: a model of
 an older transformers on an older torch).
 
-    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf,tpx-sp]
+    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf,tpx-sp,tpx-load]
 
 prints the table and writes ``benchmarks/results/hf_zoo.json``.
 """
@@ -79,6 +84,42 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+_SCRATCH = {"dir": None}  # a directory every rank of the group sees (tpx-load's files)
+
+
+def _load(ref, arch: str, dtype: torch.dtype):
+    """``tpx-load``: ``ref`` written by transformers, read back sharded by tpx."""
+    import torch.distributed as dist
+
+    import tpx
+
+    path = os.path.join(_SCRATCH["dir"], arch)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    return tpx.from_pretrained(path, dtype=dtype).train()
+
+
+def _saved_back(model, ref, arch: str, dtype: torch.dtype):
+    """``tpx-load`` after the steps: written by every rank, read by transformers on one
+    device; ``None`` or the first parameter that differs from ``ref``'s."""
+    import torch.distributed as dist
+    import transformers
+
+    path = os.path.join(_SCRATCH["dir"], arch + "-saved")
+    model.save_pretrained(path)
+    if dist.get_rank() != 0:
+        return None
+    back = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+    for key, value in ref.state_dict().items():
+        if key not in back:
+            return f"{key} missing from the saved directory"
+        excess, diff = _excess(back[key], value, 1e-4, 2e-5)
+        if excess > 0:
+            return f"{key} as saved and read on one device: largest difference {diff:.1e}"
+    return None
+
+
 def _shard(impl: str, model, world: int):
     if impl in ("tpx", "tpx-sp"):
         import tpx
@@ -95,7 +136,7 @@ def _shard(impl: str, model, world: int):
 
 
 def _full_state(impl: str, model):
-    if impl in ("tpx", "tpx-sp"):
+    if impl in ("tpx", "tpx-sp", "tpx-load"):
         import tpx.checkpoint
 
         return tpx.checkpoint.full_state_dict(model)
@@ -131,8 +172,11 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
         line = (str(e).strip().splitlines() or [""])[0]
         return dict(status="broken", detail=f"unsharded: {type(e).__name__}: {line}"[:300])
     ref = ref.to(dtype)
-    model = copy.deepcopy(ref)
-    _shard(impl, model, world)
+    if impl == "tpx-load":
+        model = _load(ref, arch, dtype)
+    else:
+        model = copy.deepcopy(ref)
+        _shard(impl, model, world)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
     worst = (0.0, "")
     for step in range(STEPS):
@@ -169,6 +213,10 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
             return dict(status="wrong", detail=f"{key} after {STEPS} AdamW steps: largest "
                                                f"difference {diff:.1e}")
         worst = max(worst, (diff, key))
+    if impl == "tpx-load":
+        wrong = _saved_back(model, ref, arch, dtype)
+        if wrong is not None:
+            return dict(status="wrong", detail=wrong)
     return dict(status="pass", detail=f"largest difference of a parameter {worst[0]:.1e} "
                                       f"({worst[1]}; {str(dtype)[6:]})")
 
@@ -185,6 +233,7 @@ def _rank(rank: int, world: int, cases, dtype, init: str, out_dir: str) -> None:
 
     transformers.logging.set_verbosity_error()
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    _SCRATCH["dir"] = out_dir
     for arch, impl in cases:
         t = time.perf_counter()
         try:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .full import mesh_params, sharded_params
-from .lazy import Lazy, NotSliceable, Source
+from .lazy import Lazy, NotSliceable, Source, map_safetensors
 from ..nn.dtensor_io import DTensor
 from ..param_dtensors import local_ranges
 from ..sharding import raw_state_dict
@@ -124,8 +124,10 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
     rules = _transformers_rules(model)
     sources: List[Tuple[str, Source]] = []
     for file, f in zip(files, opened):
+        mapped = map_safetensors(file)
         for file_key in f.keys():
-            sources.append((file_key, Source(f.get_slice(file_key), file_key, file)))
+            sources.append((file_key, Source(f.get_slice(file_key), file_key, file,
+                                             mapped.get(file_key))))
     lazy: Dict[str, Lazy] = {}
     unused: List[str] = []
     if rules is None:

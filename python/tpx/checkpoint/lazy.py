@@ -22,8 +22,12 @@ input whole (one tensor of the files, never more) before it cuts the region out.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+import mmap
+import os
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -173,11 +177,40 @@ class Lazy:
         return impl(*args, **kwargs)
 
 
-class Source(Lazy):
-    """One tensor of a safetensors file: ``sl`` is ``safe_open(...).get_slice(key)``."""
+def map_safetensors(path: str) -> Dict[str, Tensor]:
+    """The tensors of a safetensors file as views of the file mapped into memory (read-only,
+    no copy: reading a slice of one copies those bytes once, from the page cache into the
+    destination). A tensor whose data does not start at a multiple of its element size is
+    left out (read through safetensors instead)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+        if size <= 8 + n:
+            return {}
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # read-only memory: the views are never written
+        warnings.simplefilter("ignore")
+        buf = torch.frombuffer(mapped, dtype=torch.uint8)
+    out = {}
+    for key, info in header.items():
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if key != "__metadata__" else None
+        if dtype is None:
+            continue
+        s, e = info["data_offsets"]
+        if (8 + n + s) % dtype.itemsize:
+            continue
+        out[key] = buf[8 + n + s:8 + n + e].view(dtype).view(info["shape"])
+    return out
 
-    def __init__(self, sl, key: str, file: str) -> None:
-        self.sl, self.key, self.file = sl, key, file
+
+class Source(Lazy):
+    """One tensor of a safetensors file: ``sl`` is ``safe_open(...).get_slice(key)``;
+    ``mapped``, when given, the same tensor as a view of the mapped file
+    (:func:`map_safetensors`), read from without an intermediate copy."""
+
+    def __init__(self, sl, key: str, file: str, mapped: Optional[Tensor] = None) -> None:
+        self.sl, self.key, self.file, self.mapped = sl, key, file, mapped
         self.shape = torch.Size(sl.get_shape())
         dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
         if dtype is None:
@@ -187,6 +220,9 @@ class Source(Lazy):
 
     def read_into(self, region: Region, out: Tensor) -> None:
         if any(e <= s for s, e in region):
+            return
+        if self.mapped is not None:
+            out.copy_(self.mapped[tuple(slice(s, e) for s, e in region)])
             return
         if not region:
             out.copy_(self.sl[...])
