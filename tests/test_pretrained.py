@@ -420,3 +420,28 @@ def _save_failures(rank, world, path):
 
 def test_save_pretrained_failure_on_one_rank(tmp_path):
     run_ranks(_save_failures, 2, str(tmp_path / "hf"))
+
+
+def _save_positioned(rank, world, src, out):
+    """Ranks on several hosts write with pwrite (a shared mapping would write back whole
+    pages of a network file system): the same files."""
+    from unittest import mock
+
+    _write(rank, "qwen3_moe", src)
+    model = tpx.from_pretrained(src)
+    with mock.patch("tpx.checkpoint.hf_write._one_host", return_value=False), \
+            mock.patch("tpx.checkpoint.hf_write._Mapped", side_effect=AssertionError):
+        files = model.save_pretrained(out, max_shard_size="40KB")
+    total = torch.tensor([files.bytes_written])
+    dist.all_reduce(total)
+    theirs = _tensors(src)
+    assert int(total) == sum(t.numel() * t.element_size() for t in theirs.values())
+    if rank == 0:
+        mine = _tensors(out)
+        assert sorted(mine) == sorted(theirs)
+        for k, v in theirs.items():
+            assert torch.equal(mine[k], v), k
+
+
+def test_save_pretrained_with_pwrite(tmp_path):
+    run_ranks(_save_positioned, 4, str(tmp_path / "hf"), str(tmp_path / "out"))

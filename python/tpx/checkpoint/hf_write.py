@@ -204,6 +204,57 @@ def plan_files(entries: List[Tuple[str, torch.Size, torch.dtype]], max_shard_siz
     return out
 
 
+class _Mapped:
+    """A file written through a shared memory mapping: each part is one copy into the
+    mapped file tensor (twice as fast as ``pwrite`` s on one host, where several processes
+    writing one file contend for it)."""
+
+    def __init__(self, path: str) -> None:
+        import mmap
+
+        with open(path, "r+b") as f:
+            self.mm = mmap.mmap(f.fileno(), 0)
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def write(self, base: int, ftensor: Lazy, region, block: torch.Tensor) -> int:
+        n = math.prod(ftensor.shape) * ftensor.dtype.itemsize
+        view = self.buf[base:base + n].view(ftensor.dtype).view(list(ftensor.shape))
+        target = view[tuple(slice(a, b) for a, b in region)]
+        target.copy_(block)
+        return target.numel() * target.element_size()
+
+    def close(self) -> None:
+        del self.buf
+        self.mm.close()
+
+
+class _Positioned:
+    """A file written with ``pwrite`` at byte offsets: only the bytes of each part reach the
+    file system (ranks on several hosts sharing a network file system: a memory mapping
+    would write back whole pages, a peer's bytes in them included)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY)
+
+    def write(self, base: int, ftensor: Lazy, region, block: torch.Tensor) -> int:
+        data = block.to(ftensor.dtype).contiguous()
+        return _write_box(self.fd, base, list(ftensor.shape), region, data)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _one_host(pg: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``pg`` runs on this host."""
+    import socket
+
+    from ..collectives import all_gather_object
+
+    names: List[Optional[str]] = [None] * dist.get_world_size(pg)
+    all_gather_object(names, socket.gethostname(), pg)
+    return len(set(names)) == 1
+
+
 class SavedFiles(list):
     """The names of the files :func:`save_pretrained` wrote, with ``bytes_written``: the bytes
     of tensor data this rank wrote (over the group they add up to the files' data: each
@@ -340,6 +391,7 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
     plan = plan_files([(n, files[n].shape, files[n].dtype) for n in names], max_bytes)
     where = {k: (fname, offsets[k]) for fname, _, offsets, _ in plan for k in offsets}
 
+    one_host = _one_host(pg)
     error, written = None, 0
     if rank == 0:
         try:
@@ -359,7 +411,8 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
     try:
         leaves = list(dict.fromkeys(p[1].key for ps in pieces.values() for p in ps))
         blocks = owned_blocks(model, targets, leaves, rank, world)
-        fds: Dict[str, int] = {}
+        opener = _Mapped if one_host else _Positioned
+        fds: Dict[str, object] = {}
         try:
             for name in names:
                 fname, base = where[name]
@@ -368,12 +421,12 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
                     if mine is None:
                         continue
                     if fname not in fds:
-                        fds[fname] = os.open(os.path.join(path, fname), os.O_WRONLY)
+                        fds[fname] = opener(os.path.join(path, fname))
                     written += _write_owned(fds[fname], base, files[name], off, dims, start,
                                             size, *mine)
         finally:
             for fd in fds.values():
-                os.close(fd)
+                fd.close()
     except Exception as e:  # noqa: BLE001
         error = e
     _sync(pg, error, "writing its part")
@@ -389,7 +442,7 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
     return out
 
 
-def _write_owned(fd, base, ftensor, off, dims, start, size, segs, view) -> int:
+def _write_owned(out, base, ftensor, off, dims, start, size, segs, view) -> int:
     """Writes the parts of one piece of a file tensor (the box ``start`` .. ``start + size``
     of a model tensor at ``off`` of the file tensor, dims mapped by ``dims``) that lie in this
     rank's owned segments of that model tensor."""
@@ -418,8 +471,7 @@ def _write_owned(fd, base, ftensor, off, dims, start, size, segs, view) -> int:
                 block = block.unsqueeze(i)
         region = [(o, o + 1) if d is None else (o + lo[d] - start[d], o + hi[d] - start[d])
                   for o, d in zip(off, dims)]
-        data = block.to(ftensor.dtype).contiguous()
-        written += _write_box(fd, base, list(ftensor.shape), region, data)
+        written += out.write(base, ftensor, region, block)
     return written
 
 
