@@ -97,7 +97,9 @@ def _load(ref, arch: str, dtype: torch.dtype):
     if dist.get_rank() == 0:
         ref.save_pretrained(path)
     dist.barrier()
-    return tpx.from_pretrained(path, dtype=dtype).train()
+    # its config object: the tiny configs' eager attention and experts (float64) are settings
+    # of the object that config.json does not carry
+    return tpx.from_pretrained(path, dtype=dtype, config=copy.deepcopy(ref.config)).train()
 
 
 def _saved_back(model, ref, arch: str, dtype: torch.dtype):

@@ -88,8 +88,21 @@ def remember_mesh(pg: dist.ProcessGroup, mesh) -> None:
     _MESHES[(pg.group_name, mesh.device_type)] = (pg, mesh)
 
 
+def group_device_type(pg: dist.ProcessGroup) -> str:
+    """The device type ``pg`` carries by default: "cuda" for a group with an NCCL backend (on a
+    machine with CUDA), else "cpu"."""
+    import torch
+
+    return "cuda" if "nccl" in str(dist.get_backend(pg)) and torch.cuda.is_available() else "cpu"
+
+
 def mesh_for_group(pg: dist.ProcessGroup, device_type: str, mesh=None):
-    """The 1-D ``DeviceMesh`` over ``pg`` (``mesh`` itself when it is one over the same ranks)."""
+    """The 1-D ``DeviceMesh`` over ``pg`` (``mesh`` itself when it is one over the same ranks).
+    For tensors on the meta device (a model built there, materialized later), the mesh of the
+    device they will have: the given mesh's, else the group's (:func:`group_device_type`), as
+    PyTorch's meta initialization has it."""
+    if device_type == "meta":
+        device_type = getattr(mesh, "device_type", None) or group_device_type(pg)
     if mesh is not None and getattr(mesh, "ndim", None) == 1 and mesh.device_type == device_type:
         if tuple(mesh.mesh.flatten().tolist()) == group_ranks(pg):
             return mesh

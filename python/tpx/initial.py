@@ -160,7 +160,8 @@ def broadcast_(pg: dist.ProcessGroup, src_rank: int, tensors: Sequence[torch.Ten
     """Overwrites every tensor of ``tensors`` in place with its value on group rank
     ``src_rank``. Small tensors travel together (one broadcast per bucket of up to
     ``chunk_bytes``), large ones in place or through staging pieces of that size. The
-    tensors' shapes and dtypes, in order, must be the same on every rank."""
+    tensors' shapes and dtypes, in order, must be the same on every rank; tensors on the meta
+    device (on every rank alike) are skipped."""
     chunk_bytes = init_chunk_bytes() if chunk_bytes is None else chunk_bytes
     is_src = dist.get_rank(pg) == src_rank
     bucket: List[torch.Tensor] = []
@@ -192,8 +193,8 @@ def broadcast_(pg: dist.ProcessGroup, src_rank: int, tensors: Sequence[torch.Ten
 
     for t in tensors:
         t = t.detach()
-        if t.numel() == 0:
-            continue
+        if t.numel() == 0 or t.device.type == "meta":
+            continue  # a meta tensor has no value yet (a model built on meta: loaded later)
         dev = comm_device(pg, t.device)
         nbytes = t.numel() * t.element_size()
         if nbytes < chunk_bytes:

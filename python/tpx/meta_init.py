@@ -18,8 +18,6 @@ from typing import Iterator, List, Tuple
 import torch
 from torch import nn
 
-from .group import DeviceMesh, mesh_for_group
-from .nn.dtensor_io import DTensor
 from .param_dtensors import local_of
 
 _MARK = "_tpx_from_empty"   # on a tensor ``to_empty`` made from a meta one
@@ -56,40 +54,11 @@ def _apply(self: nn.Module, fn, recurse: bool = True):
     (Named as the method it stands in for: a pickled model unpickles with the class's.)"""
     on_meta = [(m, k, n) for _, m, k, n in _slots(self) if _on_meta(m.__dict__[k][n])]
     out = type(self)._apply(self, fn, recurse)
-    meshes: dict = {}
     for m, k, n in on_meta:
         t = m.__dict__[k].get(n)
         if t is not None and not _on_meta(t):
             setattr(local_of(t), _MARK, True)
-            if isinstance(t, DTensor) and t.device_mesh.device_type == "meta":
-                _remesh(t, meshes)
     return out
-
-
-def _remesh(t: "DTensor", meshes: dict) -> None:
-    """A ``DTensor`` tpx made while the model was on the meta device has a mesh of device type
-    "meta"; once its local tensor has real memory, it gets the same mesh (same groups) on its
-    device, in place (the object stays: ties and references hold)."""
-    device_type = t._local_tensor.device.type
-    old = t.device_mesh
-    mesh = meshes.get((id(old), device_type))
-    if mesh is None:
-        if old.ndim == 1:
-            mesh = mesh_for_group(old.get_group(), device_type)
-        else:
-            mesh = DeviceMesh.from_group([old.get_group(i) for i in range(old.ndim)],
-                                         device_type, mesh=old.mesh,
-                                         mesh_dim_names=old.mesh_dim_names)
-        meshes[(id(old), device_type)] = mesh
-    new = DTensor.from_local(t._local_tensor, mesh, t.placements, run_check=False,
-                             shape=t.shape, stride=t.stride())
-    if isinstance(t, nn.Parameter):
-        new = nn.Parameter(new, requires_grad=t.requires_grad)
-    else:
-        new.requires_grad_(t.requires_grad)
-    for key, value in t.__dict__.items():
-        new.__dict__.setdefault(key, value)
-    torch.utils.swap_tensors(t, new)
 
 
 def unwritten(module: nn.Module) -> List[str]:
@@ -97,10 +66,13 @@ def unwritten(module: nn.Module) -> List[str]:
     never written since."""
     out = []
     for qual, m, k, n in _slots(module):
-        t = local_of(m.__dict__[k][n])
-        if t.__dict__.get(_MARK):
+        t = m.__dict__[k][n]
+        local = local_of(t)
+        if local.__dict__.get(_MARK):
             try:
-                if t._version == 0:
+                # A DTensor's in-place ops count on the DTensor, not on its local tensor; tpx's
+                # loaders write the local tensor.
+                if t._version == 0 and local._version == 0:
                     out.append(qual)
             except RuntimeError:  # an inference tensor keeps no version: not known
                 pass

@@ -210,7 +210,8 @@ class MeshSharding:
                 order = lead + [n for n in names if n not in lead]
                 break
         local = local_of(local).detach()
-        key = (info.ranks, tuple(order), local.device.type)
+        device_type = info.device_type if local.is_meta else local.device.type
+        key = (info.ranks, tuple(order), device_type)
         world = dist.group.WORLD
         cached = _BLOCK_MESHES.get(key)
         if cached is not None and cached[0] is world:
@@ -218,7 +219,7 @@ class MeshSharding:
         else:
             perm = [names.index(n) for n in order]
             ranks = torch.tensor(info.ranks, dtype=torch.int).view(info.shape).permute(perm)
-            mesh = DeviceMesh.from_group([info.groups[n] for n in order], local.device.type,
+            mesh = DeviceMesh.from_group([info.groups[n] for n in order], device_type,
                                          mesh=ranks.contiguous(), mesh_dim_names=tuple(order))
             _BLOCK_MESHES[key] = (world, mesh)
         placements = []

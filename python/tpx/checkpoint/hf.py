@@ -257,11 +257,13 @@ def _owners(model: nn.Module):
 
 @torch.no_grad()
 def init_unsaved_buffers(model: nn.Module) -> List[str]:
-    """Sets the non-persistent buffers of a transformers model (rotary tables, position ids)
-    as ``from_pretrained`` sets them after it loads the files: by the owning model's
-    ``_init_weights`` on each module that holds one, its parameters and saved buffers left
-    alone. Returns the names of the buffers it set; nothing for a model that is not a
-    transformers ``PreTrainedModel``."""
+    """Sets the non-persistent buffers of a transformers model (rotary tables, position ids,
+    Falcon-H1's muP vector) as ``from_pretrained`` sets them after it loads the files: the
+    owning model's ``_init_weights`` on every module (a model may set a buffer of a child),
+    with every parameter and saved buffer marked as loaded, so that only the non-persistent
+    buffers are written (transformers' ``init`` functions skip marked tensors). Returns the
+    names of the buffers that were set; nothing for a model that is not a transformers
+    ``PreTrainedModel``."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -273,42 +275,39 @@ def init_unsaved_buffers(model: nn.Module) -> List[str]:
         guard = hf_init.guard_torch_init_functions()
     except (ImportError, AttributeError):
         guard = contextlib.nullcontext()
-    done: List[str] = []
-    with guard:
-        for prefix, module, owner in _owners(model):
-            values = getattr(module, "_tpx_buffer_values", None)
-            if values:  # a tpx module in place of one whose buffers transformers sets
-                for n, value in values.items():
-                    buf = module._buffers.get(n)
-                    if buf is not None and buf.device.type != "meta":
-                        buf.fill_(value)
-                        done.append(f"{prefix}.{n}" if prefix else n)
-                continue
-            names = [n for n in module._non_persistent_buffers_set
-                     if module._buffers.get(n) is not None]
-            if not names or owner is None:
-                continue
-            kept = [t for n, t in list(module._parameters.items()) + list(module._buffers.items())
-                    if t is not None and n not in names]
-            flags = [(t, t.__dict__.get("_is_hf_initialized")) for t in kept]
-            for t in kept:
-                t._is_hf_initialized = True
-            for n in names:
-                module._buffers[n].__dict__.pop("_is_hf_initialized", None)
-            before = {n: module._buffers[n]._version for n in names}
-            try:
-                owner._init_weights(module)
-            finally:
-                for t, flag in flags:
-                    if flag is None:
-                        t.__dict__.pop("_is_hf_initialized", None)
-                    else:
-                        t._is_hf_initialized = flag
-            for n in names:
-                buf = module._buffers.get(n)
-                if buf is not None and buf._version != before[n]:
-                    done.append(f"{prefix}.{n}" if prefix else n)
-    return done
+    unsaved = {}  # id -> (name, buffer, version before)
+    for prefix, module in model.named_modules():
+        for n in module._non_persistent_buffers_set:
+            buf = module._buffers.get(n)
+            if buf is not None and id(buf) not in unsaved and buf.device.type != "meta":
+                unsaved[id(buf)] = (f"{prefix}.{n}" if prefix else n, buf, buf._version)
+    if not unsaved:
+        return []
+    kept = {id(t): t for t in list(model.parameters()) + list(model.buffers())
+            if id(t) not in unsaved}
+    flags = [(t, t.__dict__.get("_is_hf_initialized")) for t in kept.values()]
+    for t in kept.values():
+        t._is_hf_initialized = True
+    for _, buf, _ in unsaved.values():
+        buf.__dict__.pop("_is_hf_initialized", None)
+    try:
+        with guard:
+            for prefix, module, owner in _owners(model):
+                values = getattr(module, "_tpx_buffer_values", None)
+                if values:  # a tpx module in place of one whose buffers transformers sets
+                    for n, value in values.items():
+                        buf = module._buffers.get(n)
+                        if buf is not None and buf.device.type != "meta":
+                            buf.fill_(value)
+                elif owner is not None:
+                    owner._init_weights(module)
+    finally:
+        for t, flag in flags:
+            if flag is None:
+                t.__dict__.pop("_is_hf_initialized", None)
+            else:
+                t._is_hf_initialized = flag
+    return [name for name, buf, before in unsaved.values() if buf._version != before]
 
 
 # ---------------------------------------------------------------------------------------------

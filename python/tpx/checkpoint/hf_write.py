@@ -192,7 +192,9 @@ def plan_files(entries: List[Tuple[str, torch.Size, torch.dtype]], max_shard_siz
     for name, group in zip(_file_names(len(groups)), groups):
         header: Dict[str, object] = {"__metadata__": {"format": "pt"}}
         offsets, o = {}, 0
-        for key, shape, dtype in group:
+        # wider elements first, as safetensors lays a file out: every tensor's data starts
+        # at a multiple of its element size (the header ends 8-byte aligned)
+        for key, shape, dtype in sorted(group, key=lambda e: -e[2].itemsize):
             n = math.prod(shape) * dtype.itemsize
             header[key] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [o, o + n]}
             offsets[key] = o
