@@ -1,8 +1,10 @@
 """benchmarks/hf_zoo.py: tpx's plans and transformers' own TP over the zoo of causal LMs that
 ship a TP plan (``hf_tiny.zoo_types()``: transformers' registry). ``make test`` runs a cheap
-subset (two layouts tpx once read wrong, one it could not take, and Llama); ``make test-slow``
-runs tpx over the whole zoo at TP 2 and requires that no type is silently wrong or crashes:
-each trains equal to one device or is refused by tpx with an error that says so."""
+subset (two layouts tpx once read wrong, one it could not take, and Llama; and three read
+from ``save_pretrained`` files by ``tpx.from_pretrained``); ``make test-slow`` runs tpx over
+the whole zoo at TP 2, sharded in memory and loaded from files, and requires that no type is
+silently wrong or crashes: each trains equal to one device or is refused by tpx with an
+error that says so."""
 
 import json
 import sys
@@ -44,11 +46,24 @@ def test_zoo_subset(tmp_path):
         assert got[("apertus", "hf")]["status"] == "wrong", got[("apertus", "hf")]
 
 
-@pytest.mark.slow
-def test_whole_zoo_never_silently_wrong(tmp_path):
+def test_zoo_load_subset(tmp_path):
+    # written by transformers, read by tpx.from_pretrained at TP 2 (an MoE in the per-expert
+    # layout, a layer kept by a PyTorch style, a dense model), trained, written back
     import hf_tiny
 
-    rows = _zoo(tmp_path, "--tp", "2", "--impls", "tpx", "--timeout", "300", timeout=3600)
+    archs = [a for a in ["llama", "qwen3_moe", "granite_swa"]
+             if a == "llama" or hf_tiny.no_tp_plan(a) is None]
+    rows = _zoo(tmp_path, "--tp", "2", "--archs", ",".join(archs), "--impls", "tpx-load",
+                "--timeout", "240", timeout=900)
+    assert {r["arch"]: r["status"] for r in rows} == {a: "pass" for a in archs}, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["tpx", "tpx-load"])
+def test_whole_zoo_never_silently_wrong(tmp_path, impl):
+    import hf_tiny
+
+    rows = _zoo(tmp_path, "--tp", "2", "--impls", impl, "--timeout", "300", timeout=3600)
     assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.zoo_types())
     # "broken": the unsharded model fails on its own, as two of transformers 5.18's do on
     # torch 2.5 (a rope table of the tiny config, an int32 scatter index)
