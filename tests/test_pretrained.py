@@ -445,3 +445,26 @@ def _save_positioned(rank, world, src, out):
 
 def test_save_pretrained_with_pwrite(tmp_path):
     run_ranks(_save_positioned, 4, str(tmp_path / "hf"), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_finetune_example(tmp_path, lora):
+    """examples/finetune_hf.py as a user runs it: checkpoint in, TP (LoRA), steps, checkpoint
+    out, read back on one process (it asserts the logits itself)."""
+    import sys
+
+    from harness import free_port, run_command
+
+    if lora:
+        pytest.importorskip("peft")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), os.path.join(root, "examples", "finetune_hf.py"),
+           "--make-tiny", "tiny", "--model", "tiny", "--out", "out", "--steps", "3",
+           "--seq", "16", "--lr", "1e-3"] + (["--lora"] if lora else [])
+    r = run_command(cmd, cwd=str(tmp_path), timeout=300,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "read back on one process: largest logit difference" in r.stdout
+    assert os.path.exists(tmp_path / "out" / ("adapter_model.safetensors" if lora
+                                               else "model.safetensors"))
