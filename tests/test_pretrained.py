@@ -468,3 +468,31 @@ def test_finetune_example(tmp_path, lora):
     assert "read back on one process: largest logit difference" in r.stdout
     assert os.path.exists(tmp_path / "out" / ("adapter_model.safetensors" if lora
                                                else "model.safetensors"))
+
+
+def _adapter_on_top(rank, world, src, adapter):
+    """A pretrained model read by tpx.from_pretrained, then a LoRA adapter trained on one
+    device loaded on top (peft's PeftModel.from_pretrained, tpx's layers registered): the
+    logits and one training step of the adapters as on one device."""
+    peft = pytest.importorskip("peft")
+    from tpx.nn import lora
+
+    ref = _write(rank, "llama", src)
+    if rank == 0:
+        torch.manual_seed(3)
+        one = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8,
+                                                       target_modules=["q_proj", "v_proj"]))
+        for n, p in one.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p)  # not the zero start: the adapter changes the logits
+        one.save_pretrained(adapter)
+    dist.barrier()
+    ref = peft.PeftModel.from_pretrained(ref, adapter, is_trainable=True)
+    model = tpx.from_pretrained(src)
+    config = lora.register(peft.LoraConfig.from_pretrained(adapter))
+    model = peft.PeftModel.from_pretrained(model, adapter, config=config, is_trainable=True)
+    _compare_step(model, ref, f"adapter on top, TP={world}")
+
+
+def test_adapter_on_a_pretrained_model(tmp_path):
+    run_ranks(_adapter_on_top, 2, str(tmp_path / "hf"), str(tmp_path / "adapter"))
