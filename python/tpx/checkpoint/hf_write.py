@@ -14,6 +14,7 @@ is then a box of one model tensor, and a rank writes the part of the box it owns
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -280,8 +281,6 @@ def _write_box(fd: int, base: int, shape: Sequence[int], region, data: torch.Ten
     run = math.prod(b - a for a, b in region[k:])
     if run == 0:
         return 0
-    import itertools
-
     outer = itertools.product(*[range(a, b) for a, b in region[:k]])
     for i, idx in enumerate(outer):
         start = sum(x * strides[j] for j, x in enumerate(idx)) + region[k][0] * strides[k]
@@ -448,8 +447,6 @@ def _write_owned(out, base, ftensor, off, dims, start, size, segs, view) -> int:
     """Writes the parts of one piece of a file tensor (the box ``start`` .. ``start + size``
     of a model tensor at ``off`` of the file tensor, dims mapped by ``dims``) that lie in this
     rank's owned segments of that model tensor."""
-    import itertools
-
     written = 0
     nd = len(start)
     for combo in itertools.product(*segs):
