@@ -11,10 +11,8 @@ steps, checkpoint out.
   adapters train;
 - the data: ``--text FILE`` tokenized with the checkpoint's tokenizer, else random token ids
   (a checkpoint without a tokenizer, as the one ``--make-tiny`` writes);
-- the way out: the full model with ``model.save_pretrained(out)`` on every rank (each rank
-  writes its part of the files); with ``--lora``, peft writes the adapters from the model's
-  full state dict gathered on rank 0 (the whole model there once: peft's adapter writer
-  takes a full state dict).
+- the way out: ``model.save_pretrained(out)`` on every rank, each rank writing its part of
+  the files: the full model, or with ``--lora`` peft's adapter files.
 
 ``--make-tiny DIR`` first writes a tiny random Llama there (nothing downloaded), for a try on
 a laptop: ``torchrun --nproc-per-node 2 examples/finetune_hf.py --make-tiny tiny --model tiny
@@ -116,13 +114,7 @@ def main() -> None:
         if rank == 0:
             steps.set_postfix(loss=f"{loss.item():.4f}")
 
-    if args.lora:   # peft writes the adapters from a full state dict on rank 0
-        full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
-        if rank == 0:
-            model.save_pretrained(args.out, state_dict=full)
-    else:           # every rank writes its part of the files
-        model.save_pretrained(args.out)
-    dist.barrier()
+    model.save_pretrained(args.out)  # every rank writes its part (with --lora: the adapters)
 
     # The directory, read back on one process, gives the trained model's logits.
     model.eval()

@@ -209,23 +209,27 @@ def _round_trips(rank, world, order, d):
     for step in range(2):
         train_step(pm, opt, step)
         train_step(ref, ref_opt, step)
-    # save_pretrained without the full weights would write this rank's parts: it raises.
-    with pytest.raises(ValueError, match="full_state_dict"):
-        pm.save_pretrained(os.path.join(d, f"refused{rank}"))
-    assert not os.path.exists(os.path.join(d, f"refused{rank}", "adapter_model.safetensors"))
-    # TP -> the full adapter -> one device.
+    # peft's save_pretrained on every rank: each writes its part; the files are what one
+    # device writes after the same steps.
+    mine = pm.save_pretrained(os.path.join(d, f"tp{world}"))["default"]
+    if rank == 0:
+        ref.save_pretrained(os.path.join(d, f"one{world}"))
+    dist.barrier()
+    _assert_same_adapter_dirs(os.path.join(d, f"tp{world}"), os.path.join(d, f"one{world}"))
+    total = torch.tensor([mine.bytes_written])
+    dist.all_reduce(total)
+    assert int(total) == _data_bytes(os.path.join(d, f"tp{world}", "adapter_model.safetensors"))
+    # The full adapter gathered on rank 0 and peft's own writer: the same files.
     full = tpx.checkpoint.full_state_dict(pm, rank0_only=True)
     if rank == 0:
-        pm.save_pretrained(os.path.join(d, f"tp{world}"), state_dict=full)
+        pm.save_pretrained(os.path.join(d, f"full{world}"), state_dict=full)
     dist.barrier()
+    _assert_same_adapter_dirs(os.path.join(d, f"full{world}"), os.path.join(d, f"one{world}"))
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), os.path.join(d, f"tp{world}"))
     ids = batch(7)
     torch.testing.assert_close(loaded(input_ids=ids).logits, ref(input_ids=ids).logits,
                                rtol=0, atol=1e-10)
     # One device -> TP, as a second adapter.
-    if rank == 0:
-        ref.save_pretrained(os.path.join(d, f"one{world}"))
-    dist.barrier()
     if not SHARD_HAS_LOCAL_SIZE:  # transformers' loader needs torch >= 2.6 (torch_compat)
         with pytest.raises(AttributeError, match="local_shard_size_and_offset"):
             pm.load_adapter(os.path.join(d, f"one{world}"), adapter_name="from_one")
@@ -234,9 +238,51 @@ def _round_trips(rank, world, order, d):
     pm.set_adapter("from_one")
     torch.testing.assert_close(pm(input_ids=ids).logits, ref(input_ids=ids).logits,
                                rtol=0, atol=1e-10)
+    # Two adapters: the second in its sub-folder, as peft writes it; only the selected ones.
+    pm.save_pretrained(os.path.join(d, f"both{world}"))
+    pm.save_pretrained(os.path.join(d, f"second{world}"), selected_adapters=["from_one"])
+    dist.barrier()
+    _assert_same_adapter_dirs(os.path.join(d, f"both{world}", "from_one"),
+                              os.path.join(d, f"one{world}"))
+    assert sorted(os.listdir(os.path.join(d, f"second{world}"))) == ["README.md", "from_one"]
+    with pytest.raises(ValueError, match="selected_adapters"):
+        pm.save_pretrained(os.path.join(d, "none"), selected_adapters=["nope"])
+    with pytest.raises(ValueError, match="safe_serialization=False"):
+        pm.save_pretrained(os.path.join(d, "none"), safe_serialization=False)
+    assert not os.path.exists(os.path.join(d, "none"))
+
+
+def _data_bytes(path) -> int:
+    with open(path, "rb") as f:
+        head = int.from_bytes(f.read(8), "little")
+    return os.path.getsize(path) - 8 - head
+
+
+def _assert_same_adapter_dirs(got, expected) -> None:
+    """Two adapter directories hold the same adapter files: the same tensors (names, dtypes,
+    values to 1e-10) and the same adapter config (the model card, README.md, is written once
+    at the top of a save)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    def files(path):
+        return sorted(f for f in os.listdir(path) if f.startswith("adapter_"))
+
+    assert files(got) == files(expected) == ["adapter_config.json", "adapter_model.safetensors"]
+    a = load_file(os.path.join(got, "adapter_model.safetensors"))
+    b = load_file(os.path.join(expected, "adapter_model.safetensors"))
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    for key in b:
+        assert a[key].dtype == b[key].dtype, key
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-10, msg=key)
+    with open(os.path.join(got, "adapter_config.json")) as f, \
+            open(os.path.join(expected, "adapter_config.json")) as g:
+        assert json.load(f) == json.load(g)
 
 
 @pytest.mark.parametrize("order,world", [("peft", 2), ("tpx", 2),
+                                         pytest.param("tpx", 3, marks=pytest.mark.slow),
                                          pytest.param("peft", 4, marks=pytest.mark.slow)])
 def test_adapter_round_trips(tmp_path, order, world):
     run_ranks(_round_trips, world, order, str(tmp_path))

@@ -22,9 +22,11 @@ from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinea
                  vocab_parallel_cross_entropy)
 from . import checkpoint, memory
 from .checkpoint import from_pretrained
-from .parallel.api import register_sharded_save as _register_sharded_save
+from .sharding import register_sharded_save as _register_sharded_save
 
-_register_sharded_save(checkpoint.save_pretrained)  # model.save_pretrained of a sharded model
+# save_pretrained of a sharded model, and peft's of its adapters: every rank writes its part
+_register_sharded_save("model", checkpoint.save_pretrained)
+_register_sharded_save("adapters", checkpoint.save_adapters)
 from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from . import autograd_multidim, mesh  # noqa: F401  (old import path)
 from .mesh import init_mesh

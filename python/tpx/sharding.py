@@ -29,7 +29,7 @@ import contextlib
 import threading
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -285,6 +285,31 @@ def lays_out_params(module: nn.Module) -> bool:
     1-D layout, ``_param_splits()`` of a multi-dimensional one), or a model's module a tpx
     style sharded in place (experts)."""
     return hasattr(module, "_shards") or hasattr(module, "_param_splits")
+
+
+# How a model sharded by tpx is written (the state layer, above this one, registers its writers
+# when tpx is imported): "model" -> fn(model, save_directory, max_shard_size=...) for
+# ``save_pretrained`` of a Hugging Face model; "adapters" -> fn(peft_model, save_directory,
+# **options) for peft's ``save_pretrained`` of a model whose layers tpx shards.
+_SHARDED_SAVE: Dict[str, object] = {}
+
+
+def register_sharded_save(kind: str, fn) -> None:
+    """Sets the writer of ``kind`` ("model" or "adapters") a sharded model's
+    ``save_pretrained`` calls."""
+    if kind not in ("model", "adapters"):
+        raise ValueError(f"register_sharded_save: kind must be 'model' or 'adapters', got {kind!r}")
+    _SHARDED_SAVE[kind] = fn
+
+
+def sharded_save(kind: str):
+    """The writer registered for ``kind``."""
+    return _SHARDED_SAVE[kind]
+
+
+def sharded_by_tpx(module: nn.Module) -> bool:
+    """Whether a module of ``module``'s tree has its parameters laid out by tpx."""
+    return any(lays_out_params(m) for m in module.modules())
 
 
 def params_laid_out_by(module: nn.Module) -> List[torch.Tensor]:

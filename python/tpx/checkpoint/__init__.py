@@ -26,6 +26,7 @@ from .full import full_state_dict, load_full_state_dict, mesh_params, sharded_pa
 from .hf import HFLoadResult, init_unsaved_buffers, load_hf_checkpoint
 from .pretrained import from_pretrained
 from .hf_write import save_pretrained
+from .adapters import save_adapters
 from .optim import (ParamSet, full_optimizer_state_dict, get_optimizer_state_dict,  # noqa: F401
                     load_full_optimizer_state_dict, set_optimizer_state_dict)
 
@@ -33,4 +34,4 @@ __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "sav
            "is_complete",
            "sharded_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
            "full_optimizer_state_dict", "load_full_optimizer_state_dict", "HFLoadResult",
-           "from_pretrained", "init_unsaved_buffers", "save_pretrained"]
+           "from_pretrained", "init_unsaved_buffers", "save_pretrained", "save_adapters"]

@@ -288,7 +288,8 @@ def _write_box(fd: int, base: int, shape: Sequence[int], region, data: torch.Ten
     return len(raw)
 
 
-def _sync(pg: dist.ProcessGroup, error: Optional[BaseException], what: str) -> None:
+def sync_errors(pg: dist.ProcessGroup, error: Optional[BaseException], what: str,
+          who: str = "tpx.checkpoint.save_pretrained") -> None:
     """A barrier that carries failure: every rank raises if one failed."""
     flag = torch.tensor([1 if error is not None else 0])
     if dist.get_backend(pg) == "nccl":
@@ -297,7 +298,7 @@ def _sync(pg: dist.ProcessGroup, error: Optional[BaseException], what: str) -> N
     if error is not None:
         raise error
     if int(flag.item()):
-        raise RuntimeError(f"tpx.checkpoint.save_pretrained: another rank failed while {what}; "
+        raise RuntimeError(f"{who}: another rank failed while {what}; "
                            "the directory is incomplete")
 
 
@@ -369,27 +370,56 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
     files written (:class:`SavedFiles`). ``model.save_pretrained(path)`` of a Hugging Face model sharded by tpx calls
     this."""
     pg = resolve_group(group)
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     max_bytes = _parse_size(max_shard_size)
     path = os.fspath(save_directory)
     with raw_state_dict():
         targets = dict(model.state_dict(keep_vars=True))
     shapes = {k: v[0] for k, v in local_reads(model, targets).items()}
     files = _file_tensors(model, targets, shapes)
+
+    def stale(f: str) -> bool:  # files of an earlier save that this one does not rewrite
+        return bool(_SHARD.fullmatch(f)) or f == "model.safetensors.index.json"
+
+    plan, written = write_files(model, targets, files, path, max_bytes, pg, stale=stale,
+                                what="tpx.checkpoint.save_pretrained")
+    error = None
+    if dist.get_rank(pg) == 0:
+        try:
+            _write_metadata(model, path, plan, files)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    sync_errors(pg, error, "writing the index and the config")
+    out = SavedFiles(p[0] for p in plan)
+    out.bytes_written = written
+    return out
+
+
+def write_files(model: nn.Module, targets: Dict[str, torch.Tensor], files: Dict[str, Lazy],
+                path: str, max_bytes: int, pg: dist.ProcessGroup, *, stale=None,
+                single: Optional[str] = None, what: str = "tpx"):
+    """Writes the file tensors ``files`` (each made of blocks of the model's tensors
+    ``targets``, its raw state dict) into safetensors files under ``path``, every rank of
+    ``pg`` writing the blocks it owns: rank 0 creates the directory, removes the files
+    ``stale(name)`` names and creates the new ones; then each rank writes. ``single``: one
+    file of that name, whatever its size. Returns ``(plan, bytes this rank wrote)``; a failure
+    on any rank raises on all."""
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     pieces = {}
     for name, t in files.items():
         try:
             pieces[name] = pieces_of(t)
         except NotSliceable as e:
-            raise ValueError(f"tpx.checkpoint.save_pretrained: {name} of the files is not made "
-                             f"of blocks of the model's tensors ({e}); nothing was "
-                             "written") from None
+            raise ValueError(f"{what}: {name} of the files is not made of blocks of the "
+                             f"model's tensors ({e}); nothing was written") from None
     try:
         from transformers.core_model_loading import dot_natural_key as order
     except ImportError:
         order = None
     names = sorted(files, key=order) if order else sorted(files)
-    plan = plan_files([(n, files[n].shape, files[n].dtype) for n in names], max_bytes)
+    entries = [(n, files[n].shape, files[n].dtype) for n in names]
+    plan = plan_files(entries, math.inf if single else max_bytes)
+    if single:
+        plan = [(single,) + tuple(plan[0][1:])]
     where = {k: (fname, offsets[k]) for fname, _, offsets, _ in plan for k in offsets}
 
     one_host = _one_host(pg)
@@ -399,15 +429,15 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
             os.makedirs(path, exist_ok=True)
             new = {p[0] for p in plan}
             for f in os.listdir(path):
-                if (_SHARD.fullmatch(f) and f not in new) or f == "model.safetensors.index.json":
+                if stale is not None and f not in new and stale(f):
                     os.remove(os.path.join(path, f))
             for fname, head, _, total in plan:
                 with open(os.path.join(path, fname), "wb") as f:
                     f.write(head)
                     f.truncate(total)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by _sync
+        except Exception as e:  # noqa: BLE001 - raised on every rank by sync_errors
             error = e
-    _sync(pg, error, "creating the files")
+    sync_errors(pg, error, "creating the files", what)
 
     try:
         leaves = list(dict.fromkeys(p[1].key for ps in pieces.values() for p in ps))
@@ -430,17 +460,8 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
                 fd.close()
     except Exception as e:  # noqa: BLE001
         error = e
-    _sync(pg, error, "writing its part")
-
-    if rank == 0:
-        try:
-            _write_metadata(model, path, plan, files)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    _sync(pg, error, "writing the index and the config")
-    out = SavedFiles(p[0] for p in plan)
-    out.bytes_written = written
-    return out
+    sync_errors(pg, error, "writing its part", what)
+    return plan, written
 
 
 def _write_owned(out, base, ftensor, off, dims, start, size, segs, view) -> int:

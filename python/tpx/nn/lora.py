@@ -36,6 +36,11 @@ keeps its part of the base layer's ``src_rank``'s draw, as tpx's layers are init
 Parameters are ``DTensor`` s with the placements above (a fused projection whose segments are
 split separately keeps plain local tensors, described for ``tpx.checkpoint``), and
 ``state_dict()`` / ``load_state_dict()`` speak the unsharded adapter's names and shapes.
+
+Saving: importing this module wraps peft's ``PeftModel.save_pretrained`` once, for models whose
+layers tpx shards only: called on every rank it writes peft's files with every rank writing
+its part (``tpx.checkpoint.save_adapters``). With ``state_dict=`` (a full adapter gathered by
+``tpx.checkpoint.full_state_dict``), and for every other model, it is peft's own call.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from .. import random as tpx_random
 from ..comm_groups import guarded
 from ..group import shard_bounds, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
-from ..sharding import KeepsParamSharding, describe_params
+from ..sharding import KeepsParamSharding, describe_params, sharded_by_tpx, sharded_save
 from ..param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -101,39 +106,42 @@ class _LoraFactor(KeepsParamSharding, SharesGroupOnCopy, nn.Linear):
             if getattr(self, name, None) is not None:
                 yield name, dim, rows
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        _refuse_peft_save()
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
     @guarded
     def forward(self, x: Tensor) -> Tensor:
         raise RuntimeError("tpx: a sharded LoRA factor is not called on its own; the LoRA layer "
                            "that holds it computes the adapter")
 
 
-def _refuse_peft_save() -> None:
-    """peft's ``save_pretrained`` reading the state dict itself (no ``state_dict=``) would get
-    this rank's parts: it raises first, naming the way that writes the whole adapter. (A
-    model tpx sharded after peft wrapped it has the same check on ``save_pretrained``
-    itself; here peft wrapped a model tpx had sharded.)"""
-    import sys
+def _install_save() -> None:
+    """peft's ``save_pretrained`` of a model whose layers tpx shards (in either order) writes
+    the adapters with every rank writing its part (``tpx.checkpoint.save_adapters``, called on
+    every rank); with ``state_dict=`` (a full adapter) and on any other model it is peft's own,
+    unchanged."""
+    import functools
+    import inspect
 
     from peft import PeftModel
 
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return
-        if frame.f_code.co_name == "save_pretrained" and isinstance(frame.f_locals.get("self"),
-                                                                    PeftModel):
-            raise ValueError(
-                "tpx: save_pretrained of a peft model whose LoRA layers tpx shards needs the "
-                "full adapter: on every rank, full = tpx.checkpoint.full_state_dict(model, "
-                "rank0_only=True); then on rank 0, model.save_pretrained(path, "
-                "state_dict=full) (peft keeps the adapter's entries). A sharded checkpoint, "
-                "resumable at any TP degree: tpx.checkpoint.save(model, path). The adapter "
-                "was not written")
-        frame = frame.f_back
+    own = PeftModel.save_pretrained
+    if getattr(own, "_tpx_wrapped", False):
+        return
+    signature = inspect.signature(own)
+
+    @functools.wraps(own)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if kwargs.get("state_dict") is not None or not sharded_by_tpx(self):
+            return own(self, save_directory, *args, **kwargs)
+        options = dict(signature.bind(self, save_directory, *args, **kwargs).arguments)
+        for name in ("self", "save_directory"):
+            options.pop(name)
+        options.update(options.pop("kwargs", {}))
+        return sharded_save("adapters")(self, save_directory, **options)
+
+    save_pretrained._tpx_wrapped = True
+    PeftModel.save_pretrained = save_pretrained
+
+
+_install_save()
 
 
 def _full(lin: nn.Linear):

@@ -19,7 +19,7 @@ from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
 from ..meta_init import watch as watch_meta
-from ..sharding import lays_out_params, params_laid_out_by
+from ..sharding import lays_out_params, params_laid_out_by, sharded_by_tpx, sharded_save
 from ..param_dtensors import REPLICATED
 from .base import check_layout
 from .style import ParallelStyle, TPContext, apply_style
@@ -248,39 +248,30 @@ def _extra_references(moved: dict, before: dict) -> int:
     return max(sys.getrefcount(old) - in_before[id(old)] for old, _ in moved.values())
 
 
-# The writer of a sharded Hugging Face checkpoint (tpx.checkpoint.save_pretrained: the state
-# layer, above this one, registers it when tpx is imported).
-_SHARDED_SAVE: list = []
-
-
-def register_sharded_save(fn) -> None:
-    """Sets the function ``save_pretrained`` of a model sharded by tpx calls:
-    ``fn(model, save_directory, max_shard_size=...)``."""
-    _SHARDED_SAVE[:] = [fn]
-
-
 def _guard_save_pretrained(module: nn.Module) -> None:
     """A Hugging Face model sharded by tpx: ``save_pretrained(path)`` on every rank writes the
-    checkpoint with every rank writing its part (``tpx.checkpoint.save_pretrained``); with
-    ``state_dict=`` (a full state dict) it is transformers' own."""
+    checkpoint with every rank writing its part (``tpx.checkpoint.save_pretrained``; a peft
+    model: its adapters, ``tpx.checkpoint.save_adapters``); with ``state_dict=`` (a full state
+    dict) it is transformers' or peft's own."""
     import types
 
     save = getattr(type(module), "save_pretrained", None)
-    if save is None or "save_pretrained" in vars(module):
+    if save is None or "save_pretrained" in vars(module) or not sharded_by_tpx(module):
         return
-    if not any(lays_out_params(m) for m in module.modules()):
+    if type(module).__module__.startswith("peft."):
+        from ..nn import lora  # noqa: F401 - wraps peft's save_pretrained for sharded models
         return
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
         if state_dict is not None:
             return save(self, save_directory, *args, state_dict=state_dict, **kwargs)
-        if (type(self).__module__.startswith("peft.")
-                or getattr(self, "_hf_peft_config_loaded", False)):
+        if getattr(self, "_hf_peft_config_loaded", False):
             raise ValueError(
-                "tpx: save_pretrained of adapters on a model sharded by tpx needs their full "
-                "weights: on every rank, full = tpx.checkpoint.full_state_dict(model, "
-                "rank0_only=True); then on rank 0, model.save_pretrained(path, state_dict=full). "
-                "Nothing was written")
+                "tpx: save_pretrained of adapters added with transformers' add_adapter on a "
+                "model sharded by tpx needs their full weights: on every rank, full = "
+                "tpx.checkpoint.full_state_dict(model, rank0_only=True); then on rank 0, "
+                "model.save_pretrained(path, state_dict=full). (Adapters of peft's "
+                "get_peft_model are written by every rank.) Nothing was written")
         if args:
             raise TypeError("tpx: save_pretrained of a model sharded by tpx takes its options "
                             "by name (max_shard_size=...)")
@@ -291,8 +282,8 @@ def _guard_save_pretrained(module: nn.Module) -> None:
                 f"tpx: save_pretrained of a model sharded by tpx writes safetensors files with "
                 f"every rank writing its part and takes max_shard_size only; got "
                 f"{other or 'safe_serialization=False'}. Nothing was written")
-        return _SHARDED_SAVE[0](self, save_directory,
-                                max_shard_size=kwargs.get("max_shard_size", "50GB"))
+        return sharded_save("model")(self, save_directory,
+                                     max_shard_size=kwargs.get("max_shard_size", "50GB"))
 
     module.save_pretrained = types.MethodType(save_pretrained, module)
 
