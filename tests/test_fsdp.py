@@ -268,3 +268,54 @@ def _unstated_layouts(rank, world, ckpt):
 def test_fsdp2_layouts_no_dtensor_states(tmp_path):
     pytest.importorskip("transformers")
     run_ranks(_unstated_layouts, 4, str(tmp_path / "ckpt"))
+
+
+def _from_pretrained_fsdp(rank, world, src, out):
+    """A checkpoint read by tpx.from_pretrained over the TP dimension, FSDP2 over the other;
+    one step equals one device's, and save_pretrained on every rank writes what one device
+    would (each element once), read back by transformers on one device."""
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=88,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    if rank == 0:
+        ref.save_pretrained(src)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tpx.from_pretrained(src, device_mesh=mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 101, (4, 12), generator=g)
+    dp = mesh["dp"].get_local_rank()
+    mine = ids[2 * dp:2 * dp + 2]
+    for m, batch in ((ref, ids), (model, mine)):
+        m.train()
+        m(input_ids=batch, labels=batch).loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    expected = ref.state_dict()
+    full = tpx.checkpoint.full_state_dict(model)
+    for key, value in expected.items():
+        torch.testing.assert_close(full[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    files = model.save_pretrained(out)
+    total = torch.tensor([files.bytes_written])
+    dist.all_reduce(total)
+    written = sum(os.path.getsize(os.path.join(out, f)) - 8
+                  - int.from_bytes(open(os.path.join(out, f), "rb").read(8), "little")
+                  for f in files)
+    assert int(total) == written, (int(total), written)  # each element by one rank
+    one = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@needs_fsdp2_on_cpu
+def test_fsdp2_on_a_pretrained_model(tmp_path):
+    run_ranks(_from_pretrained_fsdp, 4, str(tmp_path / "hf"), str(tmp_path / "out"))

@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .hf import local_reads
-from .hf_write import Placeholder, SavedFiles, sync_errors, write_files
+from .hf_write import Placeholder, SavedFiles, model_tensors, sync_errors, write_files
 from ..group import resolve_group
-from ..sharding import raw_state_dict
 
 _WHO = "tpx.checkpoint.save_adapters"
 
@@ -96,9 +95,8 @@ def save_adapters(model: nn.Module, save_directory, *, safe_serialization: bool 
                          f"are {list(model.peft_config)}")
 
     pg = resolve_group(group)
-    with raw_state_dict():
-        targets = dict(model.state_dict(keep_vars=True))
-    shapes = {k: v[0] for k, v in local_reads(model, targets).items()}
+    targets, layouts = model_tensors(model, _WHO)
+    shapes = {k: v[0] for k, v in local_reads(model, targets, layouts).items()}
     plans = [(n, _adapter_files(model, targets, shapes, n, save_embedding_layers))
              for n in names]  # every adapter checked before anything is written
 
@@ -115,7 +113,8 @@ def save_adapters(model: nn.Module, save_directory, *, safe_serialization: bool 
     for name, files in plans:
         target = path if name == "default" else os.path.join(path, name)
         plan, written = write_files(model, targets, files, target, math.inf, pg,
-                                    single="adapter_model.safetensors", what=_WHO)
+                                    single="adapter_model.safetensors", what=_WHO,
+                                    layouts=layouts)
         if rank == 0:
             try:
                 _write_config(model, name, target)

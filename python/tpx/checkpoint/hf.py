@@ -189,11 +189,13 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
 # ---------------------------------------------------------------------------------------------
 # What each rank reads.
 
-def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor]):
+def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor], layouts: bool = True):
     """For each model key: ``(full shape in the original orientation, per-dim ranges of the
-    full tensor this rank holds, the local tensor seen in the original orientation)``."""
+    full tensor this rank holds, the local tensor seen in the original orientation)``.
+    ``layouts=False``: read every tensor's layout from its ``DTensor`` placements alone, not
+    from tpx's layers (FSDP2 splits them further: ``targets`` is then its state dict)."""
     out = {}
-    for sh in sharded_params(model):
+    for sh in (sharded_params(model) if layouts else ()):
         if sh.key not in targets:
             continue
         local = sh.local()
@@ -204,7 +206,7 @@ def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor]):
         ranges = [[(0, n)] for n in view.shape]
         ranges[d] = list(sh.rows[sh.rank])
         out[sh.key] = (torch.Size(full), ranges, view)
-    for ms in mesh_params(model):
+    for ms in (mesh_params(model) if layouts else ()):
         if ms.key in targets and ms.key not in out:
             out[ms.key] = (torch.Size(ms.spec.full_shape),
                            [[r] for r in ms.spec.ranges(ms.info)], ms.local())

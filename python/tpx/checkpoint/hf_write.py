@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .full import mesh_params, sharded_params
+from .full import fsdp_managed, mesh_params, sharded_params
 from .hf import local_reads
 from .lazy import (SAFETENSORS_DTYPES, Cast, Cat, Lazy, Narrow, NotSliceable, Stack, Transpose,
                    Unit)
 from ..collectives import all_reduce
 from ..group import resolve_group
 from ..nn.dtensor_io import DTensor
-from ..sharding import raw_state_dict
+from ..sharding import raw_state_dict, unstated_layouts
 
 _NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items() if v is not None}
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
@@ -133,13 +133,15 @@ def _clip(segs, local_keep: Optional[List[Tuple[int, int]]]):
 
 
 def owned_blocks(model: nn.Module, targets: Dict[str, torch.Tensor], keys: List[str],
-                 rank: int, world: int):
+                 pg: dist.ProcessGroup, layouts: bool = True):
     """For each model key this rank writes: ``(per-dim segments (global start, end, local
     start) it owns, the local tensor in the original orientation)``. Every element of every
-    tensor is owned by exactly one rank of the group."""
-    reads = local_reads(model, targets)
-    tpx_1d = {sh.key: sh for sh in sharded_params(model)}
-    tpx_md = {ms.key: ms for ms in mesh_params(model)}
+    tensor is owned by exactly one rank of ``pg``. ``layouts``: as :func:`local_reads`."""
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    reads = local_reads(model, targets, layouts)
+    tpx_1d = {sh.key: sh for sh in sharded_params(model)} if layouts else {}
+    tpx_md = {ms.key: ms for ms in mesh_params(model)} if layouts else {}
+    first = dist.get_global_rank(pg, 0)
     out = {}
     for i, key in enumerate(keys):
         _, ranges, view = reads[key]
@@ -161,6 +163,8 @@ def owned_blocks(model: nn.Module, targets: Dict[str, torch.Tensor], keys: List[
             coord = t.device_mesh.get_coordinate()
             if any(p.is_replicate() and coord[m] for m, p in enumerate(t.placements)):
                 continue
+            if first not in t.device_mesh.mesh.flatten().tolist():
+                continue  # a copy on a mesh of other ranks (FSDP2's over each TP coordinate)
         elif i % world != rank:  # whole on every rank: written by one, in turn
             continue
         out[key] = (segs, view)
@@ -289,17 +293,19 @@ def _write_box(fd: int, base: int, shape: Sequence[int], region, data: torch.Ten
 
 
 def sync_errors(pg: dist.ProcessGroup, error: Optional[BaseException], what: str,
-          who: str = "tpx.checkpoint.save_pretrained") -> None:
-    """A barrier that carries failure: every rank raises if one failed."""
-    flag = torch.tensor([1 if error is not None else 0])
+                who: str = "tpx.checkpoint.save_pretrained", count: int = 0) -> int:
+    """A barrier that carries failure: every rank raises if one failed. Returns the sum of
+    ``count`` over the ranks."""
+    flag = torch.tensor([1 if error is not None else 0, count], dtype=torch.int64)
     if dist.get_backend(pg) == "nccl":
         flag = flag.cuda()
-    all_reduce(flag, pg, op=dist.ReduceOp.MAX)
+    all_reduce(flag, pg)
     if error is not None:
         raise error
-    if int(flag.item()):
+    if int(flag[0]):
         raise RuntimeError(f"{who}: another rank failed while {what}; "
                            "the directory is incomplete")
+    return int(flag[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +357,25 @@ def _file_tensors(model: nn.Module, targets: Dict[str, torch.Tensor], shapes):
     return {k: (v[0] if isinstance(v, list) else v) for k, v in files.items()}
 
 
+def model_tensors(model: nn.Module, what: str):
+    """``(the model's tensors by key, whether tpx's layers state their layouts)``: tpx's raw
+    state dict; for a model FSDP2 shards too, its state dict, every tensor a ``DTensor`` over
+    the mesh FSDP2 and tpx share (a parameter tpx splits in a layout no ``DTensor`` states
+    raises, naming it, before anything is written)."""
+    if not fsdp_managed(model):
+        with raw_state_dict():
+            return dict(model.state_dict(keep_vars=True)), True
+    unstated = [f"{name}.{p}" if name else p for name, m in model.named_modules()
+                for p, _ in unstated_layouts(m)]
+    if unstated:
+        raise ValueError(
+            f"{what}: FSDP2 shards a model whose parameters {unstated[:4]} tpx splits in a "
+            "layout no DTensor states (fused segments, rows held by several ranks); write it "
+            "with tpx.checkpoint.save (DCP) or from tpx.checkpoint.full_state_dict(model, "
+            "rank0_only=True). Nothing was written")
+    return dict(model.state_dict(keep_vars=True)), False
+
+
 @torch.no_grad()
 def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *,
                     group=None, max_shard_size: Union[int, str] = "50GB") -> List[str]:
@@ -372,16 +397,15 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
     pg = resolve_group(group)
     max_bytes = _parse_size(max_shard_size)
     path = os.fspath(save_directory)
-    with raw_state_dict():
-        targets = dict(model.state_dict(keep_vars=True))
-    shapes = {k: v[0] for k, v in local_reads(model, targets).items()}
+    targets, layouts = model_tensors(model, "tpx.checkpoint.save_pretrained")
+    shapes = {k: v[0] for k, v in local_reads(model, targets, layouts).items()}
     files = _file_tensors(model, targets, shapes)
 
     def stale(f: str) -> bool:  # files of an earlier save that this one does not rewrite
         return bool(_SHARD.fullmatch(f)) or f == "model.safetensors.index.json"
 
     plan, written = write_files(model, targets, files, path, max_bytes, pg, stale=stale,
-                                what="tpx.checkpoint.save_pretrained")
+                                what="tpx.checkpoint.save_pretrained", layouts=layouts)
     error = None
     if dist.get_rank(pg) == 0:
         try:
@@ -396,14 +420,15 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
 
 def write_files(model: nn.Module, targets: Dict[str, torch.Tensor], files: Dict[str, Lazy],
                 path: str, max_bytes: int, pg: dist.ProcessGroup, *, stale=None,
-                single: Optional[str] = None, what: str = "tpx"):
+                single: Optional[str] = None, what: str = "tpx", layouts: bool = True):
     """Writes the file tensors ``files`` (each made of blocks of the model's tensors
     ``targets``, its raw state dict) into safetensors files under ``path``, every rank of
     ``pg`` writing the blocks it owns: rank 0 creates the directory, removes the files
     ``stale(name)`` names and creates the new ones; then each rank writes. ``single``: one
-    file of that name, whatever its size. Returns ``(plan, bytes this rank wrote)``; a failure
-    on any rank raises on all."""
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    file of that name, whatever its size. ``layouts``: as :func:`model_tensors` says. Returns
+    ``(plan, bytes this rank wrote)``; a failure on any rank raises on all, and parts owned
+    by no rank or by two raise before anything is written."""
+    rank = dist.get_rank(pg)
     pieces = {}
     for name, t in files.items():
         try:
@@ -423,26 +448,11 @@ def write_files(model: nn.Module, targets: Dict[str, torch.Tensor], files: Dict[
     where = {k: (fname, offsets[k]) for fname, _, offsets, _ in plan for k in offsets}
 
     one_host = _one_host(pg)
-    error, written = None, 0
-    if rank == 0:
-        try:
-            os.makedirs(path, exist_ok=True)
-            new = {p[0] for p in plan}
-            for f in os.listdir(path):
-                if stale is not None and f not in new and stale(f):
-                    os.remove(os.path.join(path, f))
-            for fname, head, _, total in plan:
-                with open(os.path.join(path, fname), "wb") as f:
-                    f.write(head)
-                    f.truncate(total)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by sync_errors
-            error = e
-    sync_errors(pg, error, "creating the files", what)
+    leaves = list(dict.fromkeys(p[1].key for ps in pieces.values() for p in ps))
 
-    try:
-        leaves = list(dict.fromkeys(p[1].key for ps in pieces.values() for p in ps))
-        blocks = owned_blocks(model, targets, leaves, rank, world)
-        opener = _Mapped if one_host else _Positioned
+    def each_part(opener):
+        """Every part this rank owns, handed to ``opener(file path)``'s ``write``."""
+        count = 0
         fds: Dict[str, object] = {}
         try:
             for name in names:
@@ -453,15 +463,59 @@ def write_files(model: nn.Module, targets: Dict[str, torch.Tensor], files: Dict[
                         continue
                     if fname not in fds:
                         fds[fname] = opener(os.path.join(path, fname))
-                    written += _write_owned(fds[fname], base, files[name], off, dims, start,
-                                            size, *mine)
+                    count += _write_owned(fds[fname], base, files[name], off, dims, start,
+                                          size, *mine)
         finally:
             for fd in fds.values():
                 fd.close()
+        return count
+
+    # Who writes what, counted before anything is written: every element exactly once.
+    error, owned = None, 0
+    try:
+        blocks = owned_blocks(model, targets, leaves, pg, layouts)
+        owned = each_part(lambda _: _Counted())
+    except Exception as e:  # noqa: BLE001 - raised on every rank by sync_errors
+        error = e
+    total = sync_errors(pg, error, "finding its part", what, count=owned)
+    data = sum(p[3] - len(p[1]) for p in plan)
+    if total != data:
+        raise RuntimeError(f"{what}: the ranks own {total} bytes of tensor data where the "
+                           f"files hold {data} (the layout of a tensor over the ranks is not "
+                           "one tpx reads); nothing was written")
+
+    if rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            new = {p[0] for p in plan}
+            for f in os.listdir(path):
+                if stale is not None and f not in new and stale(f):
+                    os.remove(os.path.join(path, f))
+            for fname, head, _, size in plan:
+                with open(os.path.join(path, fname), "wb") as f:
+                    f.write(head)
+                    f.truncate(size)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    sync_errors(pg, error, "creating the files", what)
+
+    written = 0
+    try:
+        written = each_part(_Mapped if one_host else _Positioned)
     except Exception as e:  # noqa: BLE001
         error = e
     sync_errors(pg, error, "writing its part", what)
     return plan, written
+
+
+class _Counted:
+    """A file nothing is written to: counts the bytes of the parts."""
+
+    def write(self, base: int, ftensor: Lazy, region, block: torch.Tensor) -> int:
+        return math.prod(b - a for a, b in region) * ftensor.dtype.itemsize
+
+    def close(self) -> None:
+        pass
 
 
 def _write_owned(out, base, ftensor, off, dims, start, size, segs, view) -> int:
