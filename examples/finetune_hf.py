@@ -89,11 +89,8 @@ def main() -> None:
     if args.lora:
         import peft
 
-        from tpx.nn import lora
-
-        config = lora.register(peft.LoraConfig(r=8, lora_alpha=16,
-                                               target_modules=["q_proj", "v_proj"]))
-        model = peft.get_peft_model(model, config)
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(model, config)  # wraps tpx's layers as it is
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr)
@@ -108,7 +105,7 @@ def main() -> None:
         ids = next(data).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        tpx.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
         if rank == 0:

@@ -468,12 +468,12 @@ def _llama_case(rank, world, dev, sp, lp, lowp):
     # change of order lr (measured here: 1.5e-5 in output.weight from gradients that agree to
     # 3e-8), which no elementwise tolerance could tell from a real difference.
     # torch's foreach kernels (the default on CUDA) refuse a list mixing plain and DTensor
-    # parameters, under PyTorch's own TP as under tpx (docs/training.md): without sequence
-    # parallelism the norms' weights stay plain, and so do wk / wv when the TP degree exceeds
-    # the KV heads (each is held by a group of ranks). The per-parameter loop there; the
-    # foreach kernels where every parameter is a DTensor (on the CPU too).
+    # parameters. Every parameter tpx keeps whole is a Replicate() DTensor; only wk / wv stay
+    # plain when the TP degree exceeds the KV heads (each is held by a group of ranks, a
+    # layout no DTensor states). The per-parameter loop there; the foreach kernels where every
+    # parameter is a DTensor (on the CPU too).
     foreach = all(isinstance(p, DTensor) for p in model.parameters())
-    assert foreach == (sp and world <= 4), (case, foreach)
+    assert foreach == (world <= 4), (case, foreach)
     optims = {name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
               for name, m, _ in runs}
     sharded = {sh.key: sh for sh in tpx.checkpoint.sharded_params(model)}

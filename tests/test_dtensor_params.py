@@ -42,13 +42,17 @@ def _train(model, opt, steps, seed0):
 
 
 def _check_params_are_dtensors(model, sp=False):
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    # Every projection, the embedding and the LM head; the norms stay plain, as under
-    # PyTorch's TP, unless sequence parallelism makes them Replicate() DTensors (as PyTorch's).
-    norms = 2 * len(model.model.layers) + 1 if sp else 0
+    # Every projection, the embedding and the LM head; and the norms, Replicate() DTensors
+    # (as under PyTorch's sequence parallelism; without it, tpx makes what a plan keeps whole
+    # a replica too, where PyTorch's TP leaves it plain).
+    norms = 2 * len(model.model.layers) + 1
     assert len(sharded) == 2 + 7 * len(model.model.layers) + norms, sharded
+    for n, p in model.named_parameters():
+        if "norm" in n:
+            assert tuple(p.placements) == (Replicate(),), n
     for n, p in model.named_parameters():
         if isinstance(p, DTensor):
             assert p.shape == model.get_parameter(n).shape

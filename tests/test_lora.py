@@ -1,6 +1,6 @@
 """LoRA (peft) on models sharded by tpx, in both orders (peft first, then
 ``tpx.parallelize_module(pm, None, tpx.plans.auto(pm))``; or tpx first, then
-``get_peft_model(model, tpx.nn.lora.register(config))``): the loss of every AdamW step, every
+``get_peft_model(model, config)``, with or without ``tpx.nn.lora.register``): the loss of every AdamW step, every
 parameter after the steps and the merged model equal one device's; adapters saved at one TP
 degree (or on one device) load at another; what tpx does not shard is a clear error."""
 
@@ -74,9 +74,11 @@ def sharded_lora(model, config, order: str, sp: bool = False):
     if order == "peft":
         pm = peft.get_peft_model(model, config)
         tpx.parallelize_module(pm, None, tpx.plans.auto(pm, sequence_parallel=sp))
-    else:
+    else:  # "tpx": peft's own call; "tpx+register": the explicit registration kept working
         tpx.parallelize_module(model, None, tpx.plans.auto(model, sequence_parallel=sp))
-        pm = peft.get_peft_model(model, tpx.nn.lora.register(config))
+        if order == "tpx+register":
+            config = tpx.nn.lora.register(config)
+        pm = peft.get_peft_model(model, config)
     return pm
 
 
@@ -166,7 +168,7 @@ def _train_like_one_device(rank, world, family, order, targets, extra, sp=False)
 # qwen2_moe: LoRA on the attention, on layer 0's dense MLP (split by the plan) and on layer 1's
 # shared expert (which Hugging Face's plan leaves whole: its LoRA layer stays peft's own).
 CASES = [("llama", "peft", 2), ("llama", "tpx", 3), ("qwen2_moe", "peft", 3),
-         ("qwen2_moe", "tpx", 2)]
+         ("qwen2_moe", "tpx+register", 2)]
 SLOW_CASES = [("llama", "tpx", 2), ("llama", "peft", 3), ("qwen2_moe", "tpx", 3),
               ("qwen2_moe", "peft", 2), ("llama", "peft", 1), ("llama_gqa", "peft", 4),
               ("llama_gqa", "tpx", 4)]
@@ -335,7 +337,7 @@ def _errors(rank, world):
     model = fresh()
     tpx.parallelize_module(model, None, tpx.plans.auto(model))
     with pytest.raises(NotImplementedError, match="DoRA"):
-        peft.get_peft_model(model, tpx.nn.lora.register(lora_config(["q_proj"], use_dora=True)))
+        peft.get_peft_model(model, lora_config(["q_proj"], use_dora=True))
     # Another tuner wrapping a projection: named.
     pm = peft.get_peft_model(fresh(), peft.LoHaConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="loha"):
@@ -474,3 +476,35 @@ def test_dcp_of_state_dict_at_another_degree(tmp_path):
     the model at TP 3 (tpx first): every parameter, adapters included, as on one device."""
     run_ranks(_dcp_save, 2, str(tmp_path / "dcp"))
     run_ranks(_dcp_load, 3, str(tmp_path / "dcp"))
+
+
+PEFT_AFTER = """
+import os, sys
+import torch, torch.distributed as dist, transformers
+import tpx
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+    num_attention_heads=4, num_key_value_heads=2))
+tpx.parallelize_module(model, None, tpx.plans.auto(model))
+assert "peft" not in sys.modules and "tpx.nn.lora" not in sys.modules
+import peft
+assert "tpx.nn.lora" in sys.modules
+pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
+attn = pm.base_model.model.model.layers[0].self_attn
+print(type(attn.q_proj).__name__, type(attn.o_proj).__name__)
+"""
+
+
+def test_peft_imported_after_sharding():
+    """peft imported only after tpx sharded the model: get_peft_model still wraps tpx's layers
+    with tpx's LoRA layers, with no register step (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    from harness import free_port
+
+    r = subprocess.run([sys.executable, "-c", PEFT_AFTER % free_port()], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["ColumnParallelLoraLinear", "RowParallelLoraLinear"], r.stdout

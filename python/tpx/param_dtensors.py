@@ -17,7 +17,8 @@ from .ops import amp
 from .ops.core import check_watched, dtensor_of
 
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
-           "read_for_input_grad", "replace_param", "replicate_params", "sum_partial_grads",
+           "read_for_input_grad", "replace_param", "replicate_params", "replicate_params_of",
+           "sum_partial_grads",
            "watch_params", "with_local"]
 
 
@@ -35,14 +36,22 @@ def replicate_params(module: nn.Module, group) -> List[Tuple[nn.Module, str]]:
         for name, p in list(owner._parameters.items()):
             if p is None or isinstance(p, DTensor):
                 continue
-            new = replace_param(owner, name, as_dtensor(p, group, Replicate(), p.shape))
-            setattr(new, REPLICATED, True)
+            replicate_params_of(owner, name, group)
             done.append((owner, name))
     return done
 
 
+def replicate_params_of(owner: nn.Module, name: str, group) -> nn.Parameter:
+    """Makes the plain parameter ``name`` of ``owner`` a ``Replicate()`` ``DTensor`` on the 1-D
+    mesh over ``group`` sharing its storage; returns it."""
+    p = owner._parameters[name]
+    new = replace_param(owner, name, as_dtensor(p, group, Replicate(), p.shape))
+    setattr(new, REPLICATED, True)
+    return new
+
+
 def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
-                      sum_grads_over=None) -> None:
+                      sum_grads_over=None) -> list:
     """Runs ``module``'s own forward (code tpx did not write: a norm, an activation) on the
     local tensors of its ``DTensor`` parameters ``owned`` (``(owner, name)`` pairs, as
     :func:`replicate_params` returns them): a forward pre-hook swaps them into the owners'
@@ -53,9 +62,10 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
     (the module saw this rank's block of the sequence, or its heads), summed over the group in
     the backward with one all-reduce (:func:`tpx.mappings.all_reduce_grads`). The sum is part
     of the autograd graph of each call, so it reaches whichever parameter object the module
-    holds at that call (FSDP2's unsharded one too), a parameter made trainable later as well."""
+    holds at that call (FSDP2's unsharded one too), a parameter made trainable later as well.
+    Returns the hooks' handles."""
     if not owned:
-        return
+        return []
     stack = []  # one entry per call in flight (a module called again inside its own forward)
     if sum_grads_over is not None and sum_grads_over.size() == 1:
         sum_grads_over = None
@@ -85,8 +95,8 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
             watch_params(out, *params)
         return None
 
-    module.register_forward_pre_hook(swap_in, prepend=True)
-    module.register_forward_hook(restore, prepend=True, always_call=True)
+    return [module.register_forward_pre_hook(swap_in, prepend=True),
+            module.register_forward_hook(restore, prepend=True, always_call=True)]
 
 
 def sum_partial_grads(tensors: list, pg) -> None:

@@ -65,6 +65,7 @@ from .. import random as tpx_random
 from ..comm_groups import guarded
 from ..group import shard_bounds, SharesGroupOnCopy
 from ..initial import load_initial, ShardSpec
+from ..kept_whole import is_default_replica, replicate_kept_whole
 from ..sharding import KeepsParamSharding, describe_params, sharded_by_tpx, sharded_save
 from ..param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from .dtensor_io import DTensor, Replicate, Shard, local_input
@@ -142,6 +143,51 @@ def _install_save() -> None:
 
 
 _install_save()
+
+
+def _install_dispatch() -> None:
+    """peft's ``get_peft_model`` (and ``add_adapter`` / ``load_adapter``) on a model tpx
+    sharded wraps tpx's column- and row-parallel layers with :class:`ColumnParallelLoraLinear`
+    / :class:`RowParallelLoraLinear` with no :func:`register` step: peft's choice of the LoRA
+    class for a target (``LoraModel._create_new_module``) is wrapped once to try tpx's layers
+    first; a config that registers its own class for them keeps it, and every other target
+    goes to peft's own dispatch, unchanged."""
+    import functools
+
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.lora.model import LoraModel
+
+    own = LoraModel._create_new_module
+    if getattr(own, "_tpx_wrapped", False):
+        return
+
+    @functools.wraps(own)
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        custom = getattr(lora_config, "_custom_modules", None) or {}
+        if not any(isinstance(base, key) for key in custom):
+            for layer, cls in ((ColumnParallelLinear, ColumnParallelLoraLinear),
+                               (RowParallelLinear, RowParallelLoraLinear)):
+                if isinstance(base, layer):
+                    return cls(target, adapter_name, config=lora_config, **kwargs)
+        return own(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module._tpx_wrapped = True
+    LoraModel._create_new_module = staticmethod(_create_new_module)
+
+    # An adapter on a module the TP plan kept whole (its weight a Replicate() DTensor, as every
+    # parameter tpx keeps whole): its factors become Replicate() DTensors on the same mesh.
+    update = LoraLayer.update_layer
+
+    @functools.wraps(update)
+    def update_layer(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)
+        weight = getattr(self.get_base_layer(), "weight", None)
+        if is_default_replica(weight):
+            replicate_kept_whole(self, weight.device_mesh.get_group())
+        return out
+
+    LoraLayer.update_layer = update_layer
 
 
 def _full(lin: nn.Linear):
@@ -532,3 +578,6 @@ def shard_lora_layer(style, module: nn.Module, ctx) -> nn.Module:
     for adapter in list(new.lora_A):
         new._tpx_shard_adapter(adapter, ctx.src_rank)
     return new
+
+
+_install_dispatch()

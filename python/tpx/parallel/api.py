@@ -19,8 +19,11 @@ from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
 from ..meta_init import watch as watch_meta
-from ..sharding import lays_out_params, params_laid_out_by, sharded_by_tpx, sharded_save
+from ..sharding import lays_out_params, params_laid_out_by
 from ..param_dtensors import REPLICATED
+from .integrations import guard_save_pretrained, offer_lora_layers
+from ..kept_whole import (is_default_replica, planned_owners, replicate_kept_whole,
+                          unreplicate_kept_whole)
 from .base import check_layout
 from .style import ParallelStyle, TPContext, apply_style
 
@@ -122,9 +125,22 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     check_src_rank("parallelize_module", src_rank, ctx.world)
     before = dict(module.named_parameters(remove_duplicate=False))
     work = _match(module, entries, strict, ctx)
-    keep = _apply_plan(module, ctx, work)
+    # Parameters an earlier call kept whole as Replicate() DTensors are plain again while the
+    # plan is applied (this call may shard them), and made DTensors again after.
+    replicas = unreplicate_kept_whole(module)
+    try:
+        keep = _apply_plan(module, ctx, work)
+    except BaseException:
+        replicate_kept_whole(module, None, reuse=replicas)
+        raise
+    if ctx.layout == "1d":
+        replicate_kept_whole(module, ctx.group, keep, reuse=replicas,
+                             owners=planned_owners(module, [n for n, _ in work]))
+    else:
+        replicate_kept_whole(module, None, reuse=replicas)
     _keep_parameter_objects(module, before, keep)
-    _guard_save_pretrained(module)
+    guard_save_pretrained(module)
+    offer_lora_layers(module)
     if src_rank is not None and ctx.world > 1:
         # The sharded layers took their blocks from the source rank; everything else (a
         # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.
@@ -190,11 +206,11 @@ def _keep_parameter_objects(module: nn.Module, before: Dict[str, nn.Parameter],
         owner_name, _, attr = path.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         # (a parameter a style made a DTensor, its own layer's or a Replicate() one)
-        sharded = lays_out_params(owner) or (isinstance(new, DTensor)
-                                             and not isinstance(old, DTensor))
+        plain = not isinstance(old, DTensor) or is_default_replica(old)
+        sharded = lays_out_params(owner) or (isinstance(new, DTensor) and plain)
         if old is None or old is new or not sharded or id(old) in keep:
             continue
-        if isinstance(new, DTensor) and not isinstance(old, DTensor):
+        if isinstance(new, DTensor) and plain:
             # A plain Parameter cannot become a DTensor in place: the optimizers that hold the
             # old object are given the new one instead.
             new.requires_grad_(old.requires_grad)
@@ -246,46 +262,6 @@ def _extra_references(moved: dict, before: dict) -> int:
 
     in_before = collections.Counter(id(v) for v in before.values())  # ids: no references
     return max(sys.getrefcount(old) - in_before[id(old)] for old, _ in moved.values())
-
-
-def _guard_save_pretrained(module: nn.Module) -> None:
-    """A Hugging Face model sharded by tpx: ``save_pretrained(path)`` on every rank writes the
-    checkpoint with every rank writing its part (``tpx.checkpoint.save_pretrained``; a peft
-    model: its adapters, ``tpx.checkpoint.save_adapters``); with ``state_dict=`` (a full state
-    dict) it is transformers' or peft's own."""
-    import types
-
-    save = getattr(type(module), "save_pretrained", None)
-    if save is None or "save_pretrained" in vars(module) or not sharded_by_tpx(module):
-        return
-    if type(module).__module__.startswith("peft."):
-        from ..nn import lora  # noqa: F401 - wraps peft's save_pretrained for sharded models
-        return
-
-    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        if state_dict is not None:
-            return save(self, save_directory, *args, state_dict=state_dict, **kwargs)
-        if getattr(self, "_hf_peft_config_loaded", False):
-            raise ValueError(
-                "tpx: save_pretrained of adapters added with transformers' add_adapter on a "
-                "model sharded by tpx needs their full weights: on every rank, full = "
-                "tpx.checkpoint.full_state_dict(model, rank0_only=True); then on rank 0, "
-                "model.save_pretrained(path, state_dict=full). (Adapters of peft's "
-                "get_peft_model are written by every rank.) Nothing was written")
-        if args:
-            raise TypeError("tpx: save_pretrained of a model sharded by tpx takes its options "
-                            "by name (max_shard_size=...)")
-        known = {"max_shard_size", "is_main_process", "safe_serialization"}
-        other = sorted(set(kwargs) - known)
-        if other or kwargs.get("safe_serialization", True) is False:
-            raise ValueError(
-                f"tpx: save_pretrained of a model sharded by tpx writes safetensors files with "
-                f"every rank writing its part and takes max_shard_size only; got "
-                f"{other or 'safe_serialization=False'}. Nothing was written")
-        return sharded_save("model")(self, save_directory,
-                                     max_shard_size=kwargs.get("max_shard_size", "50GB"))
-
-    module.save_pretrained = types.MethodType(save_pretrained, module)
 
 
 def _rebind_optimizers(moved: Dict[int, Tuple[nn.Parameter, nn.Parameter]]) -> None:

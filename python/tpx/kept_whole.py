@@ -1,0 +1,195 @@
+"""The parameters a 1-D plan keeps whole (norms, routers, a module the plan does not name), as
+``Replicate()`` ``DTensor`` s on the TP mesh by default, so that every parameter of a
+parallelized tree is a ``DTensor`` and the lines of an ordinary training script take them as
+they are: torch's ``clip_grad_norm_`` / ``clip_grad_value_``, foreach and fused optimizers,
+DCP. Their modules compute on the local tensors (each module that owns such a parameter swaps
+the local tensors in for its own forward, as :class:`~tpx.parallel.module_styles.NoParallel`
+does), the gradients land on the ``DTensor`` s, whole on every rank.
+
+``parallelize_module`` may be called on a model block by block, the root before or after the
+blocks (PyTorch's tests and torchtitan's shard the root first, or the blocks first). A call
+leaves alone the blocks of a ``ModuleList`` / ``ModuleDict`` its plan does not reach (a later
+call shards them; code in between may change them, as torchtitan's gpt-oss does). A call first makes
+the replicas earlier calls left in its tree plain again (the plan may shard them), applies its
+plan, then makes what is still kept whole a replica again: the same ``DTensor`` object where
+the parameter was not touched, so an optimizer built between calls keeps stepping it.
+
+A parameter of a tpx layer in a layout no ``DTensor`` states (fused segments split separately,
+KV heads held by several ranks) stays this rank's plain tensor, described for tpx's own
+checkpoints and clipping."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict
+
+import torch
+from torch import nn
+
+from .nn.dtensor_io import DTensor
+from .param_dtensors import REPLICATED, local_params, replicate_params_of, watch_params
+from .sharding import guard_state_dict, lays_out_params
+
+__all__ = ["is_default_replica", "planned_owners", "replicate_kept_whole",
+           "unreplicate_kept_whole"]
+
+_MARK = "_tpx_kept_whole"           # on a replica this module made
+_HOOKS = "_tpx_kept_whole_hooks"    # on its owner: the handles of the swapping hooks
+_LISTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> lists naming it
+
+
+def is_default_replica(p) -> bool:
+    """Whether ``p`` is a parameter :func:`replicate_kept_whole` made a ``Replicate()``
+    ``DTensor``."""
+    return bool(getattr(p, _MARK, False))
+
+
+def planned_owners(module: nn.Module, named) -> set:
+    """Ids of the modules whose parameters a call with plan entries on the modules ``named``
+    (their names in ``module``) keeps whole as replicas: every module on the way from
+    ``module`` to a named one, and every subtree that hangs off that way, except the blocks
+    of a ``ModuleList`` / ``ModuleDict`` that no entry reaches (a later call may shard
+    them: PyTorch's and torchtitan's code parallelize the root and the blocks in separate
+    calls, and may change a block's parameters in between)."""
+    on_way = {id(module)}
+    for name in named:
+        parts = name.split(".") if name else []
+        m = module
+        for part in parts:
+            m = m.get_submodule(part)
+            on_way.add(id(m))
+    out = set()
+
+    def walk(m: nn.Module, in_container: bool) -> None:
+        if id(m) in on_way:
+            out.add(id(m))
+        elif isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            pass  # a container: its blocks decide
+        elif in_container:
+            return  # a block no entry reaches
+        else:
+            out.update(id(x) for x in m.modules())
+            return
+        container = isinstance(m, (nn.ModuleList, nn.ModuleDict))
+        for child in m.children():
+            walk(child, container)
+
+    walk(module, False)
+    return out
+
+
+def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
+                         reuse: Dict[int, nn.Parameter] = None, owners=None) -> None:
+    """Every plain parameter of ``module``'s tree outside tpx's layers becomes a
+    ``Replicate()`` ``DTensor`` on the 1-D mesh over ``group`` sharing its storage, and its
+    owner and the owner's parent compute on the local tensor (the swaps nest). Tied parameters get one ``DTensor``. ``keep``: ids of
+    parameters left as they are (tied to a module outside the call). ``reuse``: what
+    :func:`unreplicate_kept_whole` returned: a plain parameter still in place gets its
+    replica object back. ``group=None``: only that. ``owners``: ids of the modules whose
+    parameters may become replicas (:func:`planned_owners`; default: all)."""
+    reuse = reuse or {}
+    made: Dict[int, nn.Parameter] = {}
+    parent_of: Dict[int, nn.Module] = {}
+    for m in module.modules():
+        for child in m.children():
+            parent_of.setdefault(id(child), m)
+    by_parent: Dict[int, list] = {}
+    for owner in module.modules():
+        if lays_out_params(owner):
+            continue
+        owned = []
+        for name, p in list(owner._parameters.items()):
+            if p is None or isinstance(p, DTensor) or id(p) in keep:
+                continue
+            new = made.get(id(p))
+            if new is None and owners is not None and id(owner) not in owners \
+                    and id(p) not in reuse:
+                continue
+            if new is None:
+                old = reuse.get(id(p))
+                if old is not None and old._local_tensor.data_ptr() == p.data_ptr():
+                    old.requires_grad_(p.requires_grad)
+                    owner._parameters[name] = new = old
+                elif group is None:
+                    continue
+                else:
+                    new = replicate_params_of(owner, name, group)
+                    setattr(new, _MARK, True)
+                made[id(p)] = new
+            else:
+                owner._parameters[name] = new
+            owned.append((owner, name))
+        if owned:
+            _hook(owner, owned)
+            guard_state_dict(owner)  # load_state_dict takes the full tensors too
+            parent = parent_of.get(id(owner))
+            if parent is not None and not lays_out_params(parent):
+                by_parent.setdefault(id(parent), [parent, []])[1].extend(owned)
+    # A module's forward may read its child's parameter itself (a convolution's weight passed
+    # to a function, Qwen3-Next's and Mamba's mixers): the parent swaps its children's in too.
+    for parent, owned in by_parent.values():
+        _hook(parent, owned, watch=False)
+
+
+def _hook(module: nn.Module, owned, watch: bool = True) -> None:
+    """``module``'s forward computes on the local tensors of the ``DTensor`` parameters
+    ``owned`` names (a replica, or FSDP2's unsharded parameter in its place at the call). A
+    later call that makes an owner's parameters plain again takes the owner out of every
+    such list (:func:`unreplicate_kept_whole`), so a parameter it then shards computes as its
+    layer was written. ``watch``: the module's outputs check, in the backward, that no parameter it
+    read was changed in place since (as :func:`~tpx.param_dtensors.compute_on_locals`)."""
+    for o in {id(o): o for o, _ in owned}.values():
+        _LISTS.setdefault(o, []).append(owned)
+    stack = []
+
+    def swap_in(mod, args):
+        entries = [(o, n) for o, n in owned if isinstance(o._parameters.get(n), DTensor)]
+        params = [o._parameters[n] for o, n in entries]
+        for (o, n), local in zip(entries, local_params(*params)):
+            o._parameters[n] = local
+        stack.append((entries, params))
+
+    def restore(mod, args, out):
+        if not stack:
+            return None
+        entries, params = stack.pop()
+        for (o, n), p in zip(entries, params):
+            o._parameters[n] = p
+        if watch and params and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                    for a in args):
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            watch_params([t for t in outs if not any(t is a for a in args)], *params)
+        return None
+
+    module.__dict__.setdefault(_HOOKS, []).extend([
+        module.register_forward_pre_hook(swap_in, prepend=True),
+        module.register_forward_hook(restore, prepend=True, always_call=True)])
+
+
+def unreplicate_kept_whole(module: nn.Module) -> Dict[int, nn.Parameter]:
+    """Makes the replicas :func:`replicate_kept_whole` made in ``module``'s tree plain
+    parameters again (on their local tensors; tied ones stay tied) and removes their owners'
+    hooks. Returns ``{id(plain parameter): its replica}`` for
+    :func:`replicate_kept_whole`'s ``reuse``."""
+    out: Dict[int, nn.Parameter] = {}
+    plain_of: Dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for handle in owner.__dict__.pop(_HOOKS, ()):
+            handle.remove()
+        for owned in _LISTS.pop(owner, ()):  # a parent's hook outside this tree names it
+            owned[:] = [(o, n) for o, n in owned if o is not owner]
+        for name, p in list(owner._parameters.items()):
+            if p is None or not is_default_replica(p):
+                continue
+            q = plain_of.get(id(p))
+            if q is None:
+                q = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
+                for key, value in vars(p).items():
+                    if key.startswith("_tpx") and key not in (_MARK, REPLICATED):
+                        setattr(q, key, value)
+                if p.grad is not None:
+                    q.grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                plain_of[id(p)] = q
+                out[id(q)] = p
+            owner._parameters[name] = q
+    return out
