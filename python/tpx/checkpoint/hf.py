@@ -258,6 +258,25 @@ def _owners(model: nn.Module):
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def _locals_of(module: nn.Module):
+    """Within the block, ``module``'s ``DTensor`` parameters are their local tensors, marked as
+    loaded as the ``DTensor`` s are (a model's ``_init_weights`` computes with its parameters
+    before it asks whether they were loaded: Hunyuan's ``zeros_like(module.base)``)."""
+    saved = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    for n, p in saved.items():
+        local = p._local_tensor
+        if "_is_hf_initialized" in p.__dict__:
+            local._is_hf_initialized = p.__dict__["_is_hf_initialized"]
+        module._parameters[n] = local
+    try:
+        yield
+    finally:
+        for n, p in saved.items():
+            module._parameters[n].__dict__.pop("_is_hf_initialized", None)
+            module._parameters[n] = p
+
+
 def init_unsaved_buffers(model: nn.Module) -> List[str]:
     """Sets the non-persistent buffers of a transformers model (rotary tables, position ids,
     Falcon-H1's muP vector) as ``from_pretrained`` sets them after it loads the files: the
@@ -302,7 +321,8 @@ def init_unsaved_buffers(model: nn.Module) -> List[str]:
                         if buf is not None and buf.device.type != "meta":
                             buf.fill_(value)
                 elif owner is not None:
-                    owner._init_weights(module)
+                    with _locals_of(module):
+                        owner._init_weights(module)
     finally:
         for t, flag in flags:
             if flag is None:

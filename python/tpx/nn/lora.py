@@ -28,8 +28,10 @@ Both orders work:
   the layer becomes a :class:`ColumnParallelLoraLinear` / :class:`RowParallelLoraLinear` (still
   a peft ``lora.Linear``: ``merge``, ``unmerge``, ``set_adapter``, ``disable_adapter`` and
   ``merge_and_unload`` are peft's own).
-* **tpx first**: :func:`register` adds tpx's layers to a ``LoraConfig`` through peft's
-  custom-module API, so ``get_peft_model`` wraps them with the same classes.
+* **tpx first**: ``get_peft_model`` wraps tpx's layers with the same classes, with no other
+  call: importing this module teaches peft's dispatch (``LoraModel._create_new_module``) tpx's
+  layers (``parallelize_module`` imports it when peft is imported, or right after peft's own
+  import). :func:`register` (peft's custom-module API) still works.
 
 Adapters are created full-sized (as on one device, from the same random stream) and each rank
 keeps its part of the base layer's ``src_rank``'s draw, as tpx's layers are initialised.
