@@ -18,20 +18,23 @@ transformers = pytest.importorskip("transformers")
 V = 101  # divides by none of 2, 3
 
 
-def _llama():
+def _llama(layout="1d"):
     """A tiny Llama in float64 (12 heads, 6 KV heads: TP 2 and 3 split both; sizes that split
-    unevenly)."""
+    unevenly; for the 2-D layout, sizes its blocks divide)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=70,
-                                   num_hidden_layers=2, num_attention_heads=12,
-                                   num_key_value_heads=6, max_position_embeddings=32,
-                                   attn_implementation="eager", tie_word_embeddings=False)
+    sizes = (dict(vocab_size=V, hidden_size=48, intermediate_size=70, num_attention_heads=12,
+                  num_key_value_heads=6) if layout == "1d" else
+             dict(vocab_size=1000, hidden_size=64, intermediate_size=88, num_attention_heads=8,
+                  num_key_value_heads=2))
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=32,
+                                   attn_implementation="eager", tie_word_embeddings=False,
+                                   **sizes)
     return transformers.AutoModelForCausalLM.from_config(cfg).double()
 
 
 def _batch(step: int):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, V, (2, 12), generator=g)
+    return torch.randint(0, V, (4, 12), generator=g)  # 4 rows: the 2-D layout splits them
 
 
 def _train(model, opt, steps=3):
@@ -60,44 +63,59 @@ def _tensors(path):
     return out
 
 
-def _assert_same_files(got, expected, what):
+def _assert_same_files(got, expected, what, atol=1e-10):
     a, b = _tensors(got), _tensors(expected)
     assert sorted(a) == sorted(b), (what, sorted(set(a) ^ set(b)))
     for key, value in b.items():
         assert a[key].dtype == value.dtype, (what, key)
-        torch.testing.assert_close(a[key], value, rtol=0, atol=1e-10,
+        torch.testing.assert_close(a[key], value, rtol=0, atol=atol,
                                    msg=lambda m, key=key: f"{what} {key}: {m}")
 
 
-def _full_loop(rank, world, d, optim):
+def _full_loop(rank, world, d, optim, layout="1d"):
     import tpx
     import tpx.checkpoint
     from torch.distributed.tensor import DTensor
 
-    ref = _llama()
+    ref = _llama(layout)
     model = copy.deepcopy(ref)
-    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    if layout == "1d":
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    else:
+        tpx.parallelize_module(model, tpx.init_mesh(layout), tpx.plans.auto(model, layout=layout))
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    options = {"foreach": dict(foreach=True), "fused": dict(fused=True)}[optim]
-    got = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2, **options))
-    want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, **options))
+    def make(params):
+        if optim == "sgd":  # foreach SGD with momentum
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True)
+        return torch.optim.AdamW(params, lr=1e-2, **{optim: True})
+
+    got, want = _train(model, make(model.parameters())), _train(ref, make(ref.parameters()))
+    # Hugging Face's RMSNorm normalises in float32 even in a float64 model; the 2-D layout's
+    # norm (its rows' features split over ranks) sums those float32 squares in parts (norms
+    # differ by 1e-8 relative). SGD there: AdamW's first steps (lr * g / |g|) turn that
+    # rounding of a gradient near zero into changes of 1e-6 (measured).
+    tol = 1e-9 if layout == "1d" else 1e-6
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
-        assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9, (step, got, want)
+        assert abs(loss - ref_loss) <= tol and abs(norm - ref_norm) <= tol * ref_norm, \
+            (step, got, want)
     full = tpx.checkpoint.full_state_dict(model)
     for key, value in ref.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=0, atol=1e-10,
+        torch.testing.assert_close(full[key], value, rtol=0, atol=tol if layout != "1d" else 1e-10,
                                    msg=lambda m, key=key: f"after 3 steps, {key}: {m}")
     model.save_pretrained(os.path.join(d, "tp"))
     if rank == 0:
         ref.save_pretrained(os.path.join(d, "one"))
     dist.barrier()
-    _assert_same_files(os.path.join(d, "tp"), os.path.join(d, "one"), f"TP {world}")
+    _assert_same_files(os.path.join(d, "tp"), os.path.join(d, "one"), f"TP {world} {layout}",
+                       atol=tol if layout != "1d" else 1e-10)
 
 
-@pytest.mark.parametrize("world,optim", [
-    (2, "foreach"), (2, "fused"), pytest.param(3, "foreach", marks=pytest.mark.slow)])
-def test_full_fine_tuning_loop(tmp_path, world, optim):
-    run_ranks(_full_loop, world, str(tmp_path), optim)
+@pytest.mark.parametrize("world,optim,layout", [
+    (2, "foreach", "1d"), (2, "fused", "1d"),
+    pytest.param(3, "foreach", "1d", marks=pytest.mark.slow),
+    pytest.param(4, "sgd", "2d", marks=pytest.mark.slow)])
+def test_full_fine_tuning_loop(tmp_path, world, optim, layout):
+    run_ranks(_full_loop, world, str(tmp_path), optim, layout)
 
 
 def _lora_loop(rank, world, d):
