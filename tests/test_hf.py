@@ -156,7 +156,7 @@ def _check_bad(rank, world):
     model = tiny("gpt2")
     with pytest.raises(ValueError, match="matches no module"):
         tpx.parallelize_module(model, None, {"transformer.h.*.attn.q_proj":
-                                             tpx.ColwiseParallel()})
+                                             tpx.ColwiseParallel()}, strict=True)
     with pytest.raises(ValueError, match="model_type='bert'"):
         tpx.plans.auto(transformers.AutoModel.from_config(transformers.BertConfig(
             vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -160,6 +160,16 @@ def _check_parallelize(rank, world):
     # Replicated parameters and buffers are rank 0's on every rank.
     assert torch.equal(model.norm.weight.to_local(), ref.norm.weight)  # a Replicate() DTensor
     assert torch.equal(model.scale, ref.scale)
+    # PyTorch's name of the argument: src_data_rank=1 takes rank 1's module.
+    torch.manual_seed(700 + rank)
+    other = _Small()
+    ref1 = from_rank(other, 1)
+    tpx.parallelize_module(other, None, dict(plan), src_data_rank=1)
+    full1 = tpx.checkpoint.full_state_dict(other)
+    for key, value in ref1.state_dict().items():
+        assert torch.equal(full1[key], value), key
+    with pytest.raises(TypeError, match="disagree"):
+        tpx.parallelize_module(_Small(), None, dict(plan), src_rank=1, src_data_rank=0)
     full = tpx.checkpoint.full_state_dict(model)
     for key, value in ref.state_dict().items():
         assert torch.equal(full[key], value), key

@@ -68,14 +68,22 @@ def _check_bad_plans(rank, world):
     torch.manual_seed(0)
     model = Decoder(vocab=V)
     with pytest.raises(ValueError, match="matches no module"):
-        tpx.parallelize_module(model, None, {"layers.*.attn.wq": tpx.ColwiseParallel()})
+        tpx.parallelize_module(model, None, {"layers.*.attn.wq": tpx.ColwiseParallel()},
+                               strict=True)
     with pytest.raises(TypeError, match="must be a ParallelStyle"):
         tpx.parallelize_module(model, None, {"output": "colwise"})
     with pytest.raises(ValueError, match="applies to nn.Linear"):
         tpx.parallelize_module(model, None, {"norm": tpx.ColwiseParallel()})
-    # strict=False skips patterns that match nothing.
-    tpx.parallelize_module(model, None, {"nothing.here": tpx.ColwiseParallel(),
-                                         "output": tpx.ColwiseParallel()}, strict=False)
+    # No plan: a warning and nothing changed, as PyTorch's.
+    for empty in (None, {}):
+        with pytest.warns(UserWarning, match="no parallelize_plan"):
+            assert tpx.parallelize_module(model, None, empty) is model
+    assert type(model.output) is torch.nn.Linear
+    # By default (PyTorch's behaviour) a pattern that matches nothing is skipped with a
+    # warning and the others are applied.
+    with pytest.warns(UserWarning, match="'nothing.here' matches no module"):
+        tpx.parallelize_module(model, None, {"nothing.here": tpx.ColwiseParallel(),
+                                             "output": tpx.ColwiseParallel()})
     assert isinstance(model.output, tpx.ColumnParallelLinear)
 
 
@@ -474,3 +482,31 @@ def test_styles_receive_one_context(world):
     """Every style is applied with one TPContext (group, mesh, source rank, layout); styles
     written for the older apply(module, pg) keep working; at an uneven world size."""
     run_ranks(_check_one_context, world)
+
+
+def _prepare_input_output(rank, world):
+    """PrepareModuleInputOutput (PyTorch's style of that name): a module kept whole reads the
+    gathered rows and hands back this rank's rows of its output, as one device computes."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5)
+    ref = copy.deepcopy(lin)
+    x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(1))
+    mine = slice(4 * rank, 4 * rank + 4)
+    tpx.parallelize_module(lin, None, tpx.PrepareModuleInputOutput(
+        input_layouts=(tpx.Shard(0),), desired_input_layouts=(tpx.Replicate(),),
+        use_local_input=True, output_layouts=(tpx.Replicate(),),
+        desired_output_layouts=(tpx.Shard(0),)))
+    out = lin(x[mine])
+    assert not isinstance(out, torch.distributed.tensor.DTensor)  # use_local_output=True
+    torch.testing.assert_close(out, ref(x)[mine])
+    # Layouts of different lengths: tpx's ValueError, also PyTorch's AssertionError.
+    for error in (ValueError, AssertionError):
+        with pytest.raises(error, match="same length"):
+            tpx.PrepareModuleInputOutput(input_layouts=(tpx.Shard(0), None),
+                                         desired_input_layouts=(tpx.Replicate(),),
+                                         output_layouts=tpx.Replicate(),
+                                         desired_output_layouts=tpx.Shard(0))
+
+
+def test_prepare_module_input_output():
+    run_ranks(_prepare_input_output, 2)

@@ -12,7 +12,8 @@ from .parallel import (MeshAttention, MeshInput, MeshParallel)
 from .parallel import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel,
                        GroupedExpertsTensorParallel, MoEIdentityExpert)
 from .parallel import (ColwiseParallel, NoParallel, PairwiseParallel, ParallelStyle,
-                       PrepareModuleInput, PrepareModuleOutput, Replicate,
+                       PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                       Replicate,
                        ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
                        ShardedAttention, loss_parallel, parallelize_module, plans)
 from .replicas import ReplicaMismatch, check_replicas
@@ -41,6 +42,7 @@ __all__ = [
     "PairwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
+    "PrepareModuleInputOutput",
     "PrepareModuleOutput",
     "Replicate",
     "RowwiseParallel",

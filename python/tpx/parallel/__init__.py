@@ -14,11 +14,11 @@ from .moe import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
 from .style import (ColwiseParallel, NoParallel, ParallelStyle, PrepareModuleInput,
-                    PrepareModuleOutput, ReplicatedWithGradAllReduce, Replicate, RowwiseParallel,
+                    PrepareModuleInputOutput, PrepareModuleOutput, ReplicatedWithGradAllReduce, Replicate, RowwiseParallel,
                     SequenceParallel, Shard, ShardedAttention, TPContext)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-           "PrepareModuleInput", "PrepareModuleOutput", "ParallelStyle", "TPContext", "Replicate", "Shard",
+           "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput", "ParallelStyle", "TPContext", "Replicate", "Shard",
            "ShardedAttention", "NoParallel", "ReplicatedWithGradAllReduce", "loss_parallel",
            "plans", "hf_plan",
            "compat", "PairwiseParallel", "mesh_styles", "MeshParallel", "MeshAttention",

@@ -67,10 +67,13 @@ def _structure(module: nn.Module) -> str:
     return hashlib.sha1(repr(sorted(parts)).encode()).hexdigest()
 
 
+_UNSET = object()  # an argument not given
+
+
 def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
                        parallelize_plan: Union[ParallelStyle, Dict[str, ParallelStyle], None] = None,
                        tp_mesh_dim: Optional[int] = None, *, src_rank: Optional[int] = 0,
-                       strict: bool = True) -> nn.Module:
+                       strict: bool = False, src_data_rank=_UNSET) -> nn.Module:
     """Shards ``module`` in place over a TP group (``None``, a ``ProcessGroup`` or a 1-D
     ``DeviceMesh``, e.g. ``DeviceMesh("cpu", torch.arange(world))``) and returns it, as
     ``torch.distributed.tensor.parallel.parallelize_module``.
@@ -78,10 +81,12 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     ``parallelize_plan`` is a style (applied to ``module`` itself) or a dict from module-name
     patterns (``fnmatch`` wildcards: ``"layers.*.attention.wq"``) to styles. Patterns are
     matched against the names of ``module.named_modules()`` before anything is replaced; the
-    key ``""`` names ``module`` itself. Under ``strict=True`` a pattern that matches no module
-    is a ``ValueError``.
+    key ``""`` names ``module`` itself. A pattern that matches no module is skipped with a
+    warning, as PyTorch skips it (the entries that match are applied, all or nothing); under
+    ``strict=True`` it is a ``ValueError`` and nothing changes. No plan (``None`` or ``{}``)
+    warns and returns ``module`` unchanged, as PyTorch's.
 
-    ``src_rank`` (default 0, as PyTorch's ``src_data_rank``): the rank of the TP group whose
+    ``src_rank`` (default 0; PyTorch's name ``src_data_rank`` is taken too): the rank of the TP group whose
     module is used. Sharded parameters are cut from its full tensors (each rank receives its
     shard); every other parameter and buffer of ``module`` (norms, a layer the plan leaves
     whole) is broadcast from it, so the ranks need not be seeded alike. ``src_rank=None``: no
@@ -102,13 +107,24 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     was. Each style is applied with one :class:`~tpx.parallel.TPContext` (group, mesh,
     ``src_rank``, layout).
     """
+    if src_data_rank is not _UNSET:
+        if src_rank not in (0, src_data_rank):
+            raise TypeError(f"tpx.parallelize_module: src_rank={src_rank} and "
+                            f"src_data_rank={src_data_rank} disagree; pass one of them (they "
+                            "are the same argument: PyTorch's name and tpx's)")
+        src_rank = src_data_rank
     target = device_mesh if tp_mesh_dim is None else _tp_group(device_mesh, tp_mesh_dim)
     ctx = TPContext.of(target, src_rank)
     pg = ctx.group  # an unusable group or mesh is the first error
     plan = parallelize_plan
-    if plan is None:
-        raise ValueError("tpx.parallelize_module: `parallelize_plan` is required: a "
-                         "ParallelStyle or a dict from module-name patterns to styles")
+    if plan is None or (isinstance(plan, dict) and not plan):
+        import warnings
+
+        warnings.warn("tpx.parallelize_module: no parallelize_plan was given (None or an "
+                      "empty dict), so this call changes nothing; pass a ParallelStyle or a "
+                      "dict from module-name patterns to styles (tpx.plans.auto(model) writes "
+                      "one)", UserWarning, stacklevel=2)
+        return module
     if ctx.layout != "1d" and not isinstance(plan, dict):
         raise TypeError("tpx.parallelize_module: over a multi-dimensional mesh the plan must be a "
                         "dict from module-name patterns to mesh styles (tpx.plans.auto(model, "
@@ -329,6 +345,7 @@ def _unsharded_tensors(module: nn.Module) -> List[Tensor]:
 # Styles that take a peft layer (LoRA on a projection): they shard it with its adapters, or
 # leave its parameters alone.
 _PEFT_AWARE = (_style.ColwiseParallel, _style.RowwiseParallel, _style.PrepareModuleInput,
+               _style.PrepareModuleInputOutput,
                _style.PrepareModuleOutput)
 
 
@@ -390,6 +407,13 @@ def _match(module: nn.Module, entries, strict: bool, ctx: TPContext) -> list:
             raise ValueError(f"tpx.parallelize_module: the plan pattern {pattern!r} matches no "
                              f"module (some module names: {names[:8]}); fix the pattern or pass "
                              "strict=False")
+        if not matches:
+            import warnings
+
+            warnings.warn(f"tpx.parallelize_module: the plan pattern {pattern!r} matches no "
+                          f"module of {type(module).__name__} (some module names: "
+                          f"{names[:8]}); this entry is skipped (strict=True raises)",
+                          UserWarning, stacklevel=3)
         work += [(n, style) for n in matches]
     return work
 

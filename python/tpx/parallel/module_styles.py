@@ -13,7 +13,8 @@ from torch import nn
 from ..param_dtensors import compute_on_locals, replicate_params
 from .base import ParallelStyle, TPContext, redistribute
 
-__all__ = ["NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "ReplicatedWithGradAllReduce",
+__all__ = ["NoParallel", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
+           "ReplicatedWithGradAllReduce",
            "ShardedAttention"]
 
 
@@ -21,6 +22,11 @@ def _as_tuple(x) -> tuple:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+class LayoutsLengthError(ValueError, AssertionError):
+    """Layouts of different lengths given to a style: a ``ValueError`` (tpx's bad input) that is
+    also the ``AssertionError`` PyTorch's styles raise there."""
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -41,8 +47,8 @@ class PrepareModuleInput(ParallelStyle):
         self.input_layouts = _as_tuple(input_layouts)
         self.desired_input_layouts = _as_tuple(desired_input_layouts)
         if len(self.input_layouts) != len(self.desired_input_layouts):
-            raise ValueError("tpx.PrepareModuleInput: input_layouts and desired_input_layouts "
-                             "must have the same length")
+            raise LayoutsLengthError("tpx.PrepareModuleInput: input_layouts and "
+                                     "desired_input_layouts must have the same length")
         self.kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
 
@@ -80,8 +86,8 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts = _as_tuple(output_layouts)
         self.desired_output_layouts = _as_tuple(desired_output_layouts)
         if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ValueError("tpx.PrepareModuleOutput: output_layouts and desired_output_layouts "
-                             "must have the same length")
+            raise LayoutsLengthError("tpx.PrepareModuleOutput: output_layouts and "
+                                     "desired_output_layouts must have the same length")
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
@@ -100,6 +106,40 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module, as PyTorch's
+    style of that name: the inputs redistributed ``input_layouts -> desired_input_layouts``
+    (handed on as local tensors with ``use_local_input=True``), the outputs
+    ``output_layouts -> desired_output_layouts`` (local tensors with ``use_local_output=True``,
+    the default)."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
+                 use_local_input: bool = False, output_layouts, desired_output_layouts,
+                 use_local_output: bool = True) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        self.prepare_module_input.apply(module, ctx)
+        self.prepare_module_output.apply(module, ctx)
+        return module
+
+    def __repr__(self) -> str:
+        i, o = self.prepare_module_input, self.prepare_module_output
+        return (f"PrepareModuleInputOutput(input_layouts={i.input_layouts}, "
+                f"desired_input_layouts={i.desired_input_layouts}, "
+                f"use_local_input={i.use_local_output}, output_layouts={o.output_layouts}, "
+                f"desired_output_layouts={o.desired_output_layouts}, "
+                f"use_local_output={o.use_local_output})")
 
 
 class NoParallel(ParallelStyle):

@@ -20,11 +20,13 @@ from ..param_dtensors import compute_on_locals, replicate_params
 from ..sharding import mark_transposed_weight
 from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
                    check_placement, is_style, redistribute, torch_style)
-from .module_styles import (NoParallel, PrepareModuleInput, PrepareModuleOutput,  # noqa: F401
+from .module_styles import (NoParallel, PrepareModuleInput, PrepareModuleInputOutput,  # noqa: F401
+                            PrepareModuleOutput,
                             ReplicatedWithGradAllReduce, ShardedAttention)
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
-           "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "ShardedAttention",
+           "SequenceParallel", "PrepareModuleInput", "PrepareModuleInputOutput",
+           "PrepareModuleOutput", "ShardedAttention",
            "NoParallel", "ReplicatedWithGradAllReduce", "apply_style", "is_style", "torch_style"]
 
 
