@@ -23,11 +23,10 @@ from __future__ import annotations
 import weakref
 from typing import Dict
 
-import torch
 from torch import nn
 
 from .nn.dtensor_io import DTensor
-from .param_dtensors import REPLICATED, local_params, replicate_params_of, watch_params
+from .param_dtensors import REPLICATED, compute_on_locals, replicate_params_of
 from .sharding import guard_state_dict, lays_out_params
 
 __all__ = ["is_default_replica", "planned_owners", "replicate_kept_whole",
@@ -82,8 +81,8 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
                          reuse: Dict[int, nn.Parameter] = None, owners=None) -> None:
     """Every plain parameter of ``module``'s tree outside tpx's layers becomes a
     ``Replicate()`` ``DTensor`` on the 1-D mesh over ``group`` sharing its storage, and its
-    owner and the owner's parent compute on the local tensor (the swaps nest). Tied parameters get one ``DTensor``. ``keep``: ids of
-    parameters left as they are (tied to a module outside the call). ``reuse``: what
+    owner and the owner's parent compute on the local tensor (the swaps nest). Tied parameters
+    get one ``DTensor``. ``keep``: ids of parameters left as they are (tied to a module outside the call). ``reuse``: what
     :func:`unreplicate_kept_whole` returned: a plain parameter still in place gets its
     replica object back. ``group=None``: only that. ``owners``: ids of the modules whose
     parameters may become replicas (:func:`planned_owners`; default: all)."""
@@ -136,34 +135,11 @@ def _hook(module: nn.Module, owned, watch: bool = True) -> None:
     ``owned`` names (a replica, or FSDP2's unsharded parameter in its place at the call). A
     later call that makes an owner's parameters plain again takes the owner out of every
     such list (:func:`unreplicate_kept_whole`), so a parameter it then shards computes as its
-    layer was written. ``watch``: the module's outputs check, in the backward, that no parameter it
-    read was changed in place since (as :func:`~tpx.param_dtensors.compute_on_locals`)."""
+    layer was written. ``watch``: as :func:`~tpx.param_dtensors.compute_on_locals`'s."""
     for o in {id(o): o for o, _ in owned}.values():
         _LISTS.setdefault(o, []).append(owned)
-    stack = []
-
-    def swap_in(mod, args):
-        entries = [(o, n) for o, n in owned if isinstance(o._parameters.get(n), DTensor)]
-        params = [o._parameters[n] for o, n in entries]
-        for (o, n), local in zip(entries, local_params(*params)):
-            o._parameters[n] = local
-        stack.append((entries, params))
-
-    def restore(mod, args, out):
-        if not stack:
-            return None
-        entries, params = stack.pop()
-        for (o, n), p in zip(entries, params):
-            o._parameters[n] = p
-        if watch and params and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                    for a in args):
-            outs = out if isinstance(out, (tuple, list)) else [out]
-            watch_params([t for t in outs if not any(t is a for a in args)], *params)
-        return None
-
-    module.__dict__.setdefault(_HOOKS, []).extend([
-        module.register_forward_pre_hook(swap_in, prepend=True),
-        module.register_forward_hook(restore, prepend=True, always_call=True)])
+    module.__dict__.setdefault(_HOOKS, []).extend(
+        compute_on_locals(module, owned, watch=watch, only_dtensors=True))
 
 
 def unreplicate_kept_whole(module: nn.Module) -> Dict[int, nn.Parameter]:

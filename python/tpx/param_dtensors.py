@@ -51,7 +51,8 @@ def replicate_params_of(owner: nn.Module, name: str, group) -> nn.Parameter:
 
 
 def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
-                      sum_grads_over=None) -> list:
+                      sum_grads_over=None, *, watch: bool = True,
+                      only_dtensors: bool = False) -> list:
     """Runs ``module``'s own forward (code tpx did not write: a norm, an activation) on the
     local tensors of its ``DTensor`` parameters ``owned`` (``(owner, name)`` pairs, as
     :func:`replicate_params` returns them): a forward pre-hook swaps them into the owners'
@@ -63,7 +64,11 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
     the backward with one all-reduce (:func:`tpx.mappings.all_reduce_grads`). The sum is part
     of the autograd graph of each call, so it reaches whichever parameter object the module
     holds at that call (FSDP2's unsharded one too), a parameter made trainable later as well.
-    Returns the hooks' handles."""
+
+    ``watch``: the outputs check, in the backward, that no parameter the module read was
+    changed in place since (:func:`watch_params`). ``only_dtensors``: at each call, only the
+    entries that hold a ``DTensor`` then are swapped (``owned`` may be a list the caller
+    edits later). Returns the hooks' handles."""
     if not owned:
         return []
     stack = []  # one entry per call in flight (a module called again inside its own forward)
@@ -71,23 +76,26 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
         sum_grads_over = None
 
     def swap_in(mod, args):
-        params = [owner._parameters[name] for owner, name in owned]
+        entries = owned if not only_dtensors else [
+            (o, n) for o, n in owned if isinstance(o._parameters.get(n), DTensor)]
+        params = [owner._parameters[name] for owner, name in entries]
         locals_ = list(local_params(*params))
         if sum_grads_over is not None:
             sum_partial_grads(locals_, sum_grads_over)
-        for (owner, name), local in zip(owned, locals_):
+        for (owner, name), local in zip(entries, locals_):
             owner._parameters[name] = local
-        stack.append(params)
+        stack.append((entries, params))
 
     def restore(mod, args, out):
         if not stack:
             return None
-        params = stack.pop()
-        for (owner, name), p in zip(owned, params):
+        entries, params = stack.pop()
+        for (owner, name), p in zip(entries, params):
             owner._parameters[name] = p
         # The module's parameters are read for its inputs' gradients; outputs that are its
         # inputs passed through are not its computation.
-        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if not watch or not params or not any(isinstance(a, torch.Tensor) and a.requires_grad
+                                              for a in args):
             return None
         if isinstance(out, (tuple, list)):
             watch_params([t for t in out if not any(t is a for a in args)], *params)
