@@ -69,8 +69,11 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     """``nn.Embedding`` with the rows of its table sharded over ``group``.
 
     Placement: ``ids R -> y R``; with ``sequence_parallel=True``: ``ids R -> y
-    S(sequence_dim)`` (the partial lookups are reduce-scattered along the sequence instead of
-    all-reduced; that dimension of ``ids`` must divide by the group size).
+    S(sequence_dim)`` (the partial lookups are reduce-scattered instead of all-reduced).
+    ``sequence_dim`` is a dimension of the output ``y`` (``[*ids.shape, embedding_dim]``), as
+    PyTorch's ``RowwiseParallel(output_layouts=Shard(d))`` reads it: a dimension of ``ids``
+    (the sequence), or the last one (``-1``, or ``ids.dim()``: this rank's block of the
+    embedding features); that dimension must divide by the group size.
 
     This rank holds rows ``tpx.shard_range(num_embeddings)`` (uneven splits allowed); ids
     outside them look up zeros, so the rows of other ranks never leak. ``padding_idx``
@@ -157,11 +160,14 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         self._check_ids(ids, self.weight)
         scatter_dim = None
         if self.sequence_parallel:
-            d = self.sequence_dim
-            if not -ids.dim() <= d < ids.dim():
-                raise ValueError(f"tpx.VocabParallelEmbedding: sequence_dim={d} is not a dimension "
-                                 f"of ids of shape {tuple(ids.shape)}")
-            scatter_dim = d % ids.dim()
+            d, out_dims = self.sequence_dim, ids.dim() + 1
+            if not -out_dims <= d < out_dims:
+                raise ValueError(
+                    f"tpx.VocabParallelEmbedding: sequence_dim={d} is not a dimension of the "
+                    f"output (ids of shape {tuple(ids.shape)} give {out_dims} dimensions)")
+            scatter_dim = d % out_dims
+            if scatter_dim == ids.dim():
+                return self._features_block(ids)
             if ids.shape[scatter_dim] % self.world_size:
                 raise ValueError(
                     f"tpx.VocabParallelEmbedding: with sequence_parallel=True the sequence "
@@ -170,6 +176,26 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
         weight, = local_params(self.weight)
         return ops.vocab_parallel_embedding(weight, ids.long(), self.vocab_start, self.group,
                                             scatter_dim, self._local_padding_idx)
+
+    def _features_block(self, ids: Tensor) -> Tensor:
+        """``y S(-1)``: this rank's partial lookups, reduce-scattered along the features."""
+        if self.embedding_dim % self.world_size:
+            raise ValueError(
+                f"tpx.VocabParallelEmbedding: an output sharded along the embedding dim needs "
+                f"embedding_dim ({self.embedding_dim}) to divide by the group size "
+                f"{self.world_size}; shard another output dim or use Replicate()")
+        weight, = local_params(self.weight)
+        rows = weight.shape[0]
+        local = ids.long() - self.vocab_start
+        held = (local >= 0) & (local < rows)
+        if rows == 0:
+            partial = weight.new_zeros((*ids.shape, self.embedding_dim)) + weight.sum() * 0
+        else:
+            pad = self._local_padding_idx
+            partial = torch.nn.functional.embedding(local.clamp(0, rows - 1), weight,
+                                                    padding_idx=pad if pad >= 0 else None)
+            partial = partial * held.unsqueeze(-1).to(partial.dtype)
+        return mappings.reduce_scatter_dim(partial, -1, self.group)
 
     def _check_ids(self, ids, weight: Tensor, values: bool = True) -> None:
         """Raises unless ``ids`` is an integer tensor on the table's device with (``values``)

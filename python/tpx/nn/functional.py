@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import collectives, ops
+from .. import collectives, mappings, ops
 from ..checks import check_values
 from ..comm_groups import guarded
 from ..ops.amp import loss_dtype
@@ -97,6 +97,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "mean",
     inplace_backward: bool = False,
     vocab_size: Optional[int] = None,
+    weight: Optional[Tensor] = None,
 ) -> Tensor:
     """Cross-entropy of logits sharded over the vocabulary, equal to ``F.cross_entropy`` on the
     gathered logits (``F.cross_entropy(full.reshape(-1, V), target.reshape(-1), ...)``, or of
@@ -122,19 +123,28 @@ def vocab_parallel_cross_entropy(
         vocab_size: the full vocabulary size. When given, the shard must be
             ``shard_range(vocab_size)`` and no extra communication is needed; when omitted,
             the ranks' widths are all-gathered (one integer each) on every call.
+        weight: class weights, as ``F.cross_entropy``'s: the FULL ``[V]`` tensor, the same
+            on every rank (R; a ``DTensor`` is gathered); ``"mean"`` divides by the summed
+            weights of the non-ignored targets. With label smoothing it costs one more
+            all-reduce of three numbers per row; not with ``inplace_backward``.
     """
     fn = "vocab_parallel_cross_entropy"
     if isinstance(logits, DTensor) or isinstance(target, DTensor):
         return _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing,
-                                      reduction, inplace_backward, vocab_size)
+                                      reduction, inplace_backward, vocab_size, weight)
     target1 = _check_loss_args(fn, logits, target, reduction, label_smoothing)
     pg = resolve_group(group)
     width = logits.shape[-1]
     start, full = vocab_layout(width, pg, vocab_size, logits.device)
+    weight = _check_class_weight(fn, weight, full, logits, inplace_backward)
     _check_targets(fn, target1, full, ignore_index)
     logits2 = logits.reshape(-1, width)
     if inplace_backward and not logits2.is_contiguous():
         raise ValueError(f"tpx.{fn}: inplace_backward=True needs contiguous logits")
+    if weight is not None:
+        return _weighted_cross_entropy(logits2, target1, weight, start, full, pg, ignore_index,
+                                       float(label_smoothing), reduction, target.shape,
+                                       loss_dtype(logits))
     loss_rows, _ = ops.vocab_parallel_cross_entropy_rows(
         logits2, target1, start, full, pg, ignore_index, float(label_smoothing),
         bool(inplace_backward))
@@ -142,8 +152,72 @@ def vocab_parallel_cross_entropy(
                    loss_dtype(logits))
 
 
+def _check_class_weight(fn: str, weight, classes: int, logits: Tensor,
+                        inplace_backward: bool) -> Optional[Tensor]:
+    if weight is None:
+        return None
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+    if not isinstance(weight, Tensor) or not weight.is_floating_point() or weight.dim() != 1:
+        raise ValueError(f"tpx.{fn}: `weight` must be a 1-D floating-point Tensor of the {classes} "
+                         "class weights (the full vocabulary's, the same on every rank)")
+    if weight.shape[0] != classes:
+        raise ValueError(f"tpx.{fn}: `weight` has {weight.shape[0]} entries but the vocabulary "
+                         f"has {classes} classes; pass the FULL weight vector on every rank, not "
+                         "this rank's block")
+    if weight.device != logits.device:
+        raise ValueError(f"tpx.{fn}: `weight` is on {weight.device} but the logits on "
+                         f"{logits.device}")
+    if inplace_backward:
+        raise ValueError(f"tpx.{fn}: inplace_backward=True does not take class weights; drop "
+                         "one of them")
+    return weight
+
+
+def _weighted_cross_entropy(logits2: Tensor, target1: Tensor, weight: Tensor, start: int,
+                            full: int, pg, ignore_index: int, eps: float, reduction: str, shape,
+                            dtype) -> Tensor:
+    """``F.cross_entropy(full_logits, target, weight, ...)`` from this rank's columns: the rows'
+    negative log-likelihoods come from the fused operator, scaled by the target's weight;
+    with label smoothing the operator gives ``lse - mean(x)`` per row and one all-reduce adds
+    the rows' sums of the logits, of the weighted logits and the target logit (PyTorch's
+    smoothing term is ``sum_c w_c (lse - x_c)``)."""
+    valid = target1 != ignore_index
+    safe = torch.where(valid, target1, torch.zeros_like(target1))
+    w_t = weight.gather(0, safe) * valid
+    width = logits2.shape[1]
+    if eps == 0:
+        nll, _ = ops.vocab_parallel_cross_entropy_rows(logits2, target1, start, full, pg,
+                                                        ignore_index, 0.0, False)
+        rows = w_t * nll
+        smooth = None
+    else:
+        flat, _ = ops.vocab_parallel_cross_entropy_rows(logits2, target1, start, full, pg,
+                                                         ignore_index, 1.0, False)
+        x = logits2.float()
+        local = target1 - start
+        held = valid & (local >= 0) & (local < width)
+        if width:
+            picked = x.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+            picked = torch.where(held, picked, torch.zeros_like(picked))
+        else:
+            picked = x.new_zeros(x.shape[0])
+        w_local = weight[start:start + width].float()
+        stats = mappings.all_reduce_sum(torch.stack([x.sum(1), x @ w_local, picked]), pg)
+        lse = flat + stats[0] / full
+        nll = torch.where(valid, lse - stats[2], torch.zeros_like(lse))
+        smooth = torch.where(valid, weight.sum().float() * lse - stats[1], torch.zeros_like(lse))
+        rows = (1.0 - eps) * w_t * nll + (eps / full) * smooth
+    if reduction == "none":
+        return rows.view(shape).to(dtype)
+    total = rows.sum()
+    if reduction == "sum":
+        return total.to(dtype)
+    return (total / w_t.sum()).to(dtype)
+
+
 def _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing, reduction,
-                           inplace_backward, vocab_size) -> Tensor:
+                           inplace_backward, vocab_size, weight=None) -> Tensor:
     """:func:`vocab_parallel_cross_entropy` of DTensor logits on a 1-D mesh (the output of a
     ``ColwiseParallel(use_local_output=False)`` head, after the ops a training loop puts in
     between: ``flatten``, ``float()``, ``view``): redistributed to ``Shard(-1)`` if they are
@@ -156,7 +230,7 @@ def _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing,
         return vocab_parallel_cross_entropy(
             logits, target, group=group, ignore_index=ignore_index,
             label_smoothing=label_smoothing, reduction=reduction,
-            inplace_backward=inplace_backward, vocab_size=vocab_size)
+            inplace_backward=inplace_backward, vocab_size=vocab_size, weight=weight)
     mesh = logits.device_mesh
     if mesh.ndim != 1:
         raise ValueError(f"tpx.{fn}: the logits are a DTensor on a {mesh.ndim}-D mesh; pass the "
@@ -182,7 +256,7 @@ def _dtensor_cross_entropy(logits, target, group, ignore_index, label_smoothing,
     loss = vocab_parallel_cross_entropy(
         logits.to_local(), target, group=pg, ignore_index=ignore_index,
         label_smoothing=label_smoothing, reduction=reduction,
-        inplace_backward=inplace_backward, vocab_size=full)
+        inplace_backward=inplace_backward, vocab_size=full, weight=weight)
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 

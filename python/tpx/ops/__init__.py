@@ -29,8 +29,9 @@ the default (``tpx.build_info()["default_chunks"]``, or ``TPX_DEFAULT_CHUNKS``).
 The operators live by family, each with its wrapper, fake implementation and autograd side by
 side: :mod:`tpx.ops.matmul` (the collective matmuls), :mod:`tpx.ops.vocab` (loss and
 embedding), :mod:`tpx.ops.multidim` (2-D / 2.5-D / 3-D and the mesh collectives);
-:mod:`tpx.ops.core` holds the call path they share and :mod:`tpx.ops.amp` their autocast
-kernels. Nothing outside this package calls ``torch.ops.tpx`` itself.
+:mod:`tpx.ops.core` holds the call path they share, :mod:`tpx.ops.amp` their autocast
+kernels and :mod:`tpx.ops.reference` their decomposition into PyTorch's functional collectives
+(what runs while ``CommDebugMode`` watches). Nothing outside this package calls ``torch.ops.tpx`` itself.
 """
 
 from . import amp
@@ -42,6 +43,9 @@ from .matmul import (all_gather_matmul, cpu_gemm_backend, default_chunks, local_
 from .multidim import linear_2d, linear_3d, mesh_all_gather, mesh_all_reduce, sum_by_name
 from .vocab import (linear_cross_entropy_rows, plain_embedding,
                     vocab_parallel_cross_entropy_rows, vocab_parallel_embedding)
+from . import reference
+
+reference.install()
 
 __all__ = [
     "all_gather_matmul",

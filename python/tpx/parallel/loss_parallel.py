@@ -131,9 +131,6 @@ def _mesh_cross_entropy(spec: _MeshLogits, input: Tensor, target: Tensor, ignore
 def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None,
                            size_average=None, ignore_index: int = -100, reduce=None,
                            reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-    if weight is not None:
-        raise NotImplementedError("tpx.loss_parallel: cross_entropy with class `weight` is not "
-                                  "supported on vocab-sharded logits")
     if size_average is not None or reduce is not None:
         raise ValueError("tpx.loss_parallel: the deprecated `size_average`/`reduce` arguments "
                          "are not supported; use `reduction`")
@@ -145,6 +142,11 @@ def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
     elif input.dim() == 1:
         input, target = input.unsqueeze(0), target.unsqueeze(0)
     if isinstance(_active[-1], _MeshLogits):
+        if weight is not None:
+            raise NotImplementedError(
+                "tpx.loss_parallel: class `weight` on the logits of a 2-D / 2.5-D / 3-D layout "
+                "is not supported; use a 1-D TP group, or compute the weighted loss from the "
+                "per-row losses (reduction='none') yourself")
         return _mesh_cross_entropy(_active[-1], input, target, ignore_index, label_smoothing,
                                    reduction)
     spec = _active[-1]
@@ -153,11 +155,11 @@ def _sharded_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
         # ColwiseParallel(use_local_output=False) head, as in torchtitan's plans).
         return vocab_parallel_cross_entropy(input, target, ignore_index=ignore_index,
                                             label_smoothing=label_smoothing,
-                                            reduction=reduction)
+                                            reduction=reduction, weight=weight)
     return vocab_parallel_cross_entropy(input, target, group=spec.group,
                                         ignore_index=ignore_index,
                                         label_smoothing=label_smoothing, reduction=reduction,
-                                        vocab_size=spec.vocab_size)
+                                        vocab_size=spec.vocab_size, weight=weight)
 
 
 def _causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
@@ -202,8 +204,9 @@ def loss_parallel(group: GroupLike = None, *, hidden_mesh_dim: Optional[str] = N
     Placement: ``logits S(class dim)`` (this rank's ``tpx.shard_range(V)`` block), ``target
     R`` -> ``loss R``, for ``F.cross_entropy``, ``nn.CrossEntropyLoss`` and the causal-LM
     loss of Hugging Face models (``model(input_ids, labels=labels)``). Supports
-    ``ignore_index``, ``label_smoothing`` (over the full vocabulary) and every ``reduction``;
-    class weights and probability targets raise. The backward needs no context.
+    ``ignore_index``, ``label_smoothing`` (over the full vocabulary), class ``weight`` (the full
+    ``[V]`` vector on every rank; 1-D groups) and every ``reduction``; probability targets
+    raise. The backward needs no context.
 
     Beyond 1-D (``group`` a mesh from ``tpx.init_mesh("2d" | "2.5d" | "3d")``): the logits
     are the LM head's output in the layout's blocks (batch dim 0 split over the
