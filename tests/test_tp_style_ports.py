@@ -181,9 +181,8 @@ def _rowwise_embedding(rank, world, mesh):
     torch.testing.assert_close(out, ref)
     _check_params(model, mod, "rowwise embedding", grad=True)
 
-    # Sharded output along the sequence of [batch, seq] ids (PyTorch shards [8, 16]
-    # along dim 1, its hidden dim; tpx's vocab-parallel embedding reduce-scatters along a
-    # sequence dim, so the ids carry one: [2, 12] -> out [2, 12 / world, 16]).
+    # Sharded output along the sequence of [batch, seq] ids: [2, 12] -> out [2, 12 / world,
+    # 16] (output dim 1; with 1-D ids, Shard(1) splits the features: test_pytorch_tools.py).
     ids = torch.randint(0, 16, (2, 12))
     mod = tpx.parallelize_module(copy.deepcopy(model), mesh,
                                  tpx.RowwiseParallel(input_layouts=Replicate(),

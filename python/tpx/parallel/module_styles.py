@@ -47,10 +47,17 @@ class PrepareModuleInput(ParallelStyle):
         self.input_layouts = _as_tuple(input_layouts)
         self.desired_input_layouts = _as_tuple(desired_input_layouts)
         if len(self.input_layouts) != len(self.desired_input_layouts):
-            raise LayoutsLengthError("tpx.PrepareModuleInput: input_layouts and "
-                                     "desired_input_layouts must have the same length")
+            raise LayoutsLengthError(
+                "tpx.PrepareModuleInput: input_layouts and desired_input_layouts should have same "
+                f"length! (got {len(self.input_layouts)} and {len(self.desired_input_layouts)}; "
+                "give one desired layout per input layout, None for an input to leave alone)")
         self.kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        if len(self.kwarg_layouts) != len(self.desired_kwarg_layouts):
+            raise LayoutsLengthError(
+                "tpx.PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts "
+                f"should have same length! (got {len(self.kwarg_layouts)} and "
+                f"{len(self.desired_kwarg_layouts)}; give one desired layout per keyword)")
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
@@ -86,8 +93,10 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts = _as_tuple(output_layouts)
         self.desired_output_layouts = _as_tuple(desired_output_layouts)
         if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise LayoutsLengthError("tpx.PrepareModuleOutput: output_layouts and "
-                                     "desired_output_layouts must have the same length")
+            raise LayoutsLengthError(
+                "tpx.PrepareModuleOutput: output_layouts and desired_output_layouts should have "
+                f"same length! (got {len(self.output_layouts)} and "
+                f"{len(self.desired_output_layouts)}; give one desired layout per output)")
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
