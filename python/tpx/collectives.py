@@ -124,9 +124,16 @@ def all_gather(outputs: List[Tensor], tensor: Tensor, pg: dist.ProcessGroup) -> 
 
 
 def all_gather_object(outputs: List[Any], obj: Any, pg: dist.ProcessGroup) -> None:
-    """``outputs[r]`` <- rank ``r``'s picklable ``obj``."""
+    """``outputs[r]`` <- rank ``r``'s picklable ``obj``. tpx's agreement checks, not a
+    collective of the model's layout: hidden from the modes of :func:`watched`."""
     wire = _wire(pg)
     count_collective(pg, "all_gather", len(pickle.dumps(obj)))
+    if watched():
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            _run(dist.all_gather_object, outputs, obj, group=wire)
+        return
     _run(dist.all_gather_object, outputs, obj, group=wire)
 
 

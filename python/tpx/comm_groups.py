@@ -142,7 +142,10 @@ def own(pg: dist.ProcessGroup) -> None:
                            group_desc=f"tpx:{name}")
     threads = _gloo_loop_threads() - before
     everyone = [None] * pg.size()
-    with torch.inference_mode(False):
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # Not a collective of the model's layout: no dispatch mode (CommDebugMode) sees it.
+    with torch.inference_mode(False), _disable_current_modes():
         dist.all_gather_object(everyone, dict(mine, id=mine_id), group=owned)
     group_id = everyone[0].pop("id")
     for s in everyone[1:]:

@@ -4,6 +4,8 @@ ranks on the way (:func:`load_initial`)."""
 
 from __future__ import annotations
 
+import warnings
+
 import hashlib
 import math
 from dataclasses import dataclass
@@ -289,8 +291,21 @@ def load_initial(pg: dist.ProcessGroup, what: str, config: dict, specs: Sequence
         fulls = None if meta else list(full_fn())
         if fulls is not None:
             keep_local(fulls)
-        check_same_on_ranks(pg, what, dict(
-            config, initial_weights=tensor_checksum(fulls[0]) if fulls else None))
+        checksum = tensor_checksum(fulls[0]) if fulls else None
+        if drawn:
+            check_same_on_ranks(pg, what, dict(config, initial_weights=checksum))
+            return
+        # An existing module (PyTorch's src_data_rank=None): each rank keeps its slice of its
+        # own module, as asked; ranks whose modules differ are told, not stopped (a checkpoint
+        # loaded next makes the initial values moot).
+        sums = check_same_on_ranks(pg, what, config, extra=checksum)
+        if sums and any(c != sums[0] for c in sums):
+            warnings.warn(
+                f"tpx: {what}: src_rank=None keeps each rank's slice of its own module, and the "
+                f"ranks' modules differ (weight checksums by rank: {sums}), so the sharded "
+                "module is made of different ranks' weights. Seed every rank alike before "
+                "building the model, load a checkpoint next, or pass src_rank=0 to take one "
+                "rank's weights.", stacklevel=2)
         return
     device = specs[0].out.device
     share_rng = drawn and not meta and world > 1

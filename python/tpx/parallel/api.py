@@ -15,6 +15,7 @@ from ..agree import check_same_on_ranks
 from ..group import DeviceMesh, GroupLike, resolve_group
 from ..initial import broadcast_, check_src_rank
 from ..nn.dtensor_io import DTensor
+from . import simulated
 from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
@@ -113,6 +114,10 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
                             f"src_data_rank={src_data_rank} disagree; pass one of them (they "
                             "are the same argument: PyTorch's name and tpx's)")
         src_rank = src_data_rank
+    if simulated.active():
+        # PyTorch's simulated ranks: PyTorch's implementation of the same styles
+        # (tpx.parallel.simulated); tpx's engine needs real process groups.
+        return simulated.parallelize_module(module, device_mesh, parallelize_plan, src_rank)
     target = device_mesh if tp_mesh_dim is None else _tp_group(device_mesh, tp_mesh_dim)
     ctx = TPContext.of(target, src_rank)
     pg = ctx.group  # an unusable group or mesh is the first error

@@ -26,6 +26,7 @@ from ..group import GroupLike, resolve_group
 from ..mesh import mesh_layout
 from ..nn.dtensor_io import DTensor
 from ..nn.functional import vocab_parallel_cross_entropy
+from . import simulated
 
 __all__ = ["loss_parallel"]
 
@@ -229,7 +230,16 @@ def loss_parallel(group: GroupLike = None, *, hidden_mesh_dim: Optional[str] = N
             them on the host (on a GPU, a synchronisation per call). Hugging Face's causal-LM
             loss passes the model's vocabulary size itself; the multi-dimensional layouts
             need no exchange.
+
+    Under PyTorch's simulated ranks (``LocalTensorMode``) this is PyTorch's own
+    ``loss_parallel()`` (``tpx.parallel.simulated``).
     """
+    if simulated.active():
+        from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+
+        with torch_loss_parallel():
+            yield
+        return
     if mesh_layout(group) in ("2d", "2.5d", "3d"):
         if vocab_size is not None:
             raise ValueError("tpx.loss_parallel: `vocab_size` is for 1-D groups; a 2-D / 2.5-D "
