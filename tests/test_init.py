@@ -220,13 +220,17 @@ def _check_opt_out_and_errors(rank, world):
     for build in (lambda: tpx.ColumnParallelLinear(8, 6, src_rank=None),
                   lambda: tpx.RowParallelLinear(8, 6, src_rank=None),
                   lambda: tpx.VocabParallelEmbedding(9, 4, src_rank=None),
-                  lambda: tpx.ColumnParallelEmbedding(9, 4, src_rank=None),
-                  lambda: tpx.ColumnParallelLinear.from_linear(nn.Linear(8, 6), src_rank=None),
-                  lambda: tpx.VocabParallelEmbedding.from_embedding(nn.Embedding(9, 4),
-                                                                    src_rank=None)):
+                  lambda: tpx.ColumnParallelEmbedding(9, 4, src_rank=None)):
         _raises(ValueError, "initial_weights", build)
-    _raises(ValueError, "initial_weights", tpx.parallelize_module,
-            nn.Sequential(nn.Linear(4, 6)), None, {"0": tpx.ColwiseParallel()}, src_rank=None)
+    # An existing module under src_rank=None (PyTorch's src_data_rank=None): each rank keeps
+    # its slice of its own module, as asked, with a warning that the ranks' modules differ.
+    for build in (lambda: tpx.ColumnParallelLinear.from_linear(nn.Linear(8, 6), src_rank=None),
+                  lambda: tpx.VocabParallelEmbedding.from_embedding(nn.Embedding(9, 4),
+                                                                    src_rank=None),
+                  lambda: tpx.parallelize_module(nn.Sequential(nn.Linear(4, 6)), None,
+                                                 {"0": tpx.ColwiseParallel()}, src_rank=None)):
+        with pytest.warns(UserWarning, match="ranks' modules differ"):
+            build()
     # The same seed with src_rank=None: no error, and the slices of nn.Linear.
     torch.manual_seed(5)
     ref = nn.Linear(8, 7)

@@ -5,6 +5,11 @@
   those outside it and the unsharded module's.
 * A row-wise embedding's ``output_layouts=Shard(d)`` names a dimension of the OUTPUT
   (``[*ids.shape, D]``), as in PyTorch: with 1-D ids ``Shard(1)`` splits the features.
+* ``parallelize_module(..., src_data_rank=None)`` on an existing module communicates nothing
+  that ``CommDebugMode`` sees and keeps each rank's slice of its own module (warning when the
+  ranks' modules differ); ``src_data_rank=1`` takes rank 1's weights.
+* Under PyTorch's simulated ranks (``LocalTensorMode``, one process) tpx's plans and
+  ``loss_parallel`` run through PyTorch's implementation of the same styles.
 * ``loss_parallel`` takes class weights (``F.cross_entropy(..., weight=)``), equal to
   ``F.cross_entropy`` on the full logits, with label smoothing, ``ignore_index`` and every
   reduction, at uneven vocabulary splits.
@@ -13,6 +18,10 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import textwrap
+import warnings
 
 import pytest
 import torch
@@ -200,13 +209,121 @@ def _class_weights(rank, world, mesh):
             F.cross_entropy(x[:, start:end], target, weight=class_weight[start:end])
 
 
+def _src_data_rank(rank, world, mesh):
+    torch.manual_seed(rank)  # every rank's module differs
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 10))
+    plan = {"0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel()}
+    with CommDebugMode() as mode, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharded = tpx.parallelize_module(copy.deepcopy(model), mesh, plan, src_data_rank=None)
+    assert mode.get_total_counts() == 0
+    assert any("ranks' modules differ" in str(w.message) for w in caught)
+    start, end = tpx.shard_range(16)
+    torch.testing.assert_close(sharded[0].weight.to_local(), model[0].weight[start:end])
+    torch.testing.assert_close(sharded[2].weight.to_local(), model[2].weight[:, start:end])
+    with CommDebugMode() as mode:
+        sharded = tpx.parallelize_module(copy.deepcopy(model), mesh, plan, src_data_rank=1)
+    assert mode.get_total_counts() > 0
+    full = [p.full_tensor() for p in sharded.parameters()]
+    mine = [p.detach() for p in model.parameters()]
+    if rank == 1:
+        for got, exp in zip(full, mine):
+            torch.testing.assert_close(got, exp)
+
+
+def _layout_length_errors(rank, world, mesh):
+    """The messages PyTorch's tests match, in an error that is both ValueError and
+    AssertionError."""
+    with pytest.raises(AssertionError, match="input_layouts and desired_input_layouts should "
+                                             "have same length!"):
+        tpx.PrepareModuleInput(input_layouts=(Shard(0), None),
+                               desired_input_layouts=(Replicate(),))
+    with pytest.raises(ValueError, match="input_kwarg_layouts and desired_input_kwarg_layouts "
+                                         "should have same length!"):
+        tpx.PrepareModuleInput(input_kwarg_layouts={"x": Shard(0)},
+                               desired_input_kwarg_layouts={})
+    with pytest.raises(AssertionError, match="output_layouts and desired_output_layouts should "
+                                             "have same length!"):
+        tpx.PrepareModuleOutput(output_layouts=(Shard(0), None),
+                                desired_output_layouts=(Replicate(),))
+
+    class Two(nn.Module):
+        def forward(self, a, b):
+            return a, b
+
+    x = torch.randn(4, 6)
+    inputs = tpx.parallelize_module(Two(), mesh, tpx.PrepareModuleInput(
+        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)))
+    with pytest.raises(ValueError, match="module inputs and input_layouts should have same "
+                                         "length!"):
+        inputs(x, x)
+    outputs = tpx.parallelize_module(Two(), mesh, tpx.PrepareModuleOutput(
+        output_layouts=(Shard(0),), desired_output_layouts=(Replicate(),)))
+    with pytest.raises(ValueError, match="module outputs and output_layouts should have same "
+                                         "length!"):
+        outputs(x, x)
+
+
 def _cases(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     run_cases([(f.__name__, lambda f=f: f(rank, world, mesh)) for f in (
         _linear_counts, _module_counts, _embedding_and_loss_counts, _embedding_output_dims,
-        _class_weights)])
+        _class_weights, _src_data_rank, _layout_length_errors)])
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_pytorch_tools(world):
     run_ranks(_cases, world)
+
+
+_SIMULATED = """
+import copy, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+import tpx
+
+world = 3
+dist.init_process_group("fake", rank=0, world_size=world)
+mesh = init_device_mesh("cpu", (world,))
+torch.manual_seed(0)
+ref = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+x = torch.randn(5, 8)
+expected = ref(x)
+expected.sum().backward()
+logits, target = torch.randn(6, 9), torch.randint(0, 9, (6,))
+
+
+def each(t):  # every simulated rank's value
+    values = list(t._local_tensors.values()) if isinstance(t, LocalTensor) else [t]
+    assert values
+    return values
+
+
+with LocalTensorMode(world):
+    model = tpx.parallelize_module(copy.deepcopy(ref), mesh,
+                                   {"0": tpx.ColwiseParallel(), "2": tpx.RowwiseParallel()})
+    out = model(x)
+    out.sum().backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    with tpx.loss_parallel():
+        loss = F.cross_entropy(distribute_tensor(logits, mesh, [Shard(1)]), target)
+    loss = loss.full_tensor()
+for value in each(out):
+    torch.testing.assert_close(value, expected)
+for name, p in ref.named_parameters():
+    for value in each(grads[name]):
+        torch.testing.assert_close(value, p.grad)
+for value in each(loss):
+    torch.testing.assert_close(value, F.cross_entropy(logits, target))
+dist.destroy_process_group()
+print("simulated ranks: ok")
+"""
+
+
+def test_simulated_ranks():
+    """PyTorch's LocalTensorMode (one process, a fake group of 3 ranks): a tpx plan and
+    tpx.loss_parallel equal the unsharded module on every simulated rank."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIMULATED)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "simulated ranks: ok" in done.stdout

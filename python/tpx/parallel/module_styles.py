@@ -66,9 +66,10 @@ class PrepareModuleInput(ParallelStyle):
         def hook(mod, args, kwargs):
             if self.input_layouts and len(args) != len(self.input_layouts):
                 raise ValueError(
-                    f"tpx.PrepareModuleInput: {type(mod).__name__} was called with {len(args)} "
-                    f"positional inputs, but input_layouts names {len(self.input_layouts)}; give "
-                    "one layout per positional input (None for an input to leave alone)")
+                    "tpx.PrepareModuleInput: module inputs and input_layouts should have same "
+                    f"length! ({type(mod).__name__} was called with {len(args)} positional "
+                    f"inputs, but input_layouts names {len(self.input_layouts)}; give one layout "
+                    "per positional input, None for an input to leave alone)")
             args = list(args)
             for i, (src, dst) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
                 if src is not None or dst is not None:
@@ -105,12 +106,15 @@ class PrepareModuleOutput(ParallelStyle):
         def hook(mod, args, output):
             single = not isinstance(output, tuple)
             outs = (output,) if single else list(output)
+            if len(outs) != len(self.output_layouts):
+                raise ValueError(
+                    "tpx.PrepareModuleOutput: module outputs and output_layouts should have same "
+                    f"length! ({type(mod).__name__} returned {len(outs)} outputs, but "
+                    f"output_layouts names {len(self.output_layouts)}; give one layout per "
+                    "output, None for an output to leave alone)")
             outs = [redistribute(o, src, dst, pg, local=local)
-                    if i < len(self.output_layouts)
-                    else o
-                    for i, (o, src, dst) in enumerate(zip(
-                        outs, self.output_layouts + (None,) * len(outs),
-                        self.desired_output_layouts + (None,) * len(outs)))]
+                    for o, src, dst in zip(outs, self.output_layouts,
+                                           self.desired_output_layouts)]
             return outs[0] if single else tuple(outs)
 
         module.register_forward_hook(hook)
