@@ -12,6 +12,8 @@ import pathlib
 import re
 from typing import Dict, Iterator, List, Set, Tuple
 
+import pytest
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "python" / "tpx"
@@ -53,7 +55,10 @@ def _imported(name: str, node: ast.ImportFrom) -> Tuple[str, List[str]]:
 
 def _edges() -> Dict[str, Set[str]]:
     """Module -> the tpx modules it imports, anywhere in it (function bodies included). Taking
-    a submodule from its package (``from . import ops``) is an edge to the submodule only."""
+    a submodule from its package (``from . import ops``) is an edge to the submodule; importing
+    a module of another package (``tpx.nn.linear`` from ``tpx.sharding``) is also an edge to
+    that package's ``__init__``, which Python runs first (the root package ``tpx`` aside:
+    importing any module runs it, and it imports everything)."""
     graph: Dict[str, Set[str]] = {}
     for name, _, tree in _trees():
         out = set()
@@ -67,6 +72,13 @@ def _edges() -> Dict[str, Set[str]]:
                         out.add(target)
             elif isinstance(node, ast.Import):
                 out.update(a.name for a in node.names if a.name in MODULES)
+        for target in list(out):
+            parts = target.split(".")
+            for i in range(2, len(parts)):
+                package = ".".join(parts[:i])
+                if package in MODULES and not (name == package or
+                                               name.startswith(package + ".")):
+                    out.add(package)
         out.discard(name)
         graph[name] = out
     return graph
@@ -119,6 +131,58 @@ def test_the_rule_checks_see_the_package():
 
 def test_no_import_cycle():
     assert _cycles(_edges()) == []
+
+
+@pytest.mark.slow
+def test_every_module_imports_first_and_alone():
+    """Each module of the package imported first, as if ``tpx/__init__.py`` imported it before
+    anything else (the package is registered without running its ``__init__``; subpackages
+    run theirs): no import order of ``__init__`` hides a cycle."""
+    import subprocess
+    import sys
+
+    # torch is imported once; each module is then imported in a forked child, in which no
+    # tpx module was imported before (a fresh interpreter per module would take minutes).
+    script = (
+        "import importlib, os, sys, traceback\n"
+        "import torch, torch.distributed\n"
+        "failed = []\n"
+        "for name in sys.argv[2:]:\n"
+        "    r, w = os.pipe()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.close(r)\n"
+        "        try:\n"
+        "            import importlib.util\n"
+        "            spec = importlib.util.spec_from_file_location(\n"
+        "                'tpx', os.path.join(sys.argv[1], '__init__.py'),\n"
+        "                submodule_search_locations=[sys.argv[1]])\n"
+        "            sys.modules['tpx'] = importlib.util.module_from_spec(spec)\n"
+        "            importlib.import_module(name)\n"
+        "            os._exit(0)\n"
+        "        except BaseException as e:\n"
+        "            os.write(w, f'{type(e).__name__}: {e}'.encode()[:2000])\n"
+        "            os._exit(1)\n"
+        "    os.close(w)\n"
+        "    with os.fdopen(r) as f:\n"
+        "        message = f.read()\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "    if status:\n"
+        "        failed.append(f'{name}: {message}')\n"
+        "print('\\n'.join(failed))\n")
+    names = sorted(n for n in MODULES if n != "tpx" and not n.endswith("__main__"))
+    done = subprocess.run([sys.executable, "-c", script, str(PACKAGE), *names],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "", done.stdout
+
+
+def test_the_top_of_the_package_is_small_and_holds_no_alias_files():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+    aliases = [str(path.relative_to(ROOT)) for path, _ in MODULES.values()
+               if "sys.modules[__name__]" in path.read_text()]
+    assert aliases == []
 
 
 def _is_torch_ops_tpx(node: ast.AST) -> bool:

@@ -5,37 +5,63 @@ column/row-parallel linear layers built on them. Placements are written R (repli
 S(d) (sharded on dim d) and P (partial sums).
 """
 
-from . import autograd, mappings, ops, random
-from .comm import CommStats, comm_stats
-from .group import resolve_group, shard_range
-from .parallel import (MeshAttention, MeshInput, MeshParallel)
-from .parallel import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel,
-                       GroupedExpertsTensorParallel, MoEIdentityExpert)
-from .parallel import (ColwiseParallel, NoParallel, PairwiseParallel, ParallelStyle,
-                       PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-                       Replicate,
-                       ReplicatedWithGradAllReduce, RowwiseParallel, SequenceParallel, Shard,
-                       ShardedAttention, loss_parallel, parallelize_module, plans)
+from . import mappings, ops, random
+from .comm.stats import CommStats, comm_stats
+from .comm.groups import resolve_group, shard_range
+from .parallel import MeshAttention, MeshInput, MeshParallel
+from .parallel import (
+    ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel, GroupedExpertsTensorParallel,
+    MoEIdentityExpert)
+from .parallel import (
+    ColwiseParallel, NoParallel, PairwiseParallel, ParallelStyle, PrepareModuleInput,
+    PrepareModuleInputOutput, PrepareModuleOutput, Replicate, ReplicatedWithGradAllReduce,
+    RowwiseParallel, SequenceParallel, Shard, ShardedAttention, loss_parallel, parallelize_module,
+    plans)
 from .replicas import ReplicaMismatch, check_replicas
 from .run import end_run
-from .nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
-                 VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
-                 vocab_parallel_cross_entropy)
+from .nn import (
+    ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
+    VocabParallelCrossEntropyLoss, VocabParallelEmbedding, linear_cross_entropy,
+    vocab_parallel_cross_entropy)
 from . import checkpoint, memory
 from .checkpoint import from_pretrained
-from .sharding import register_sharded_save as _register_sharded_save
+from .layout.sharding import register_sharded_save as _register_sharded_save
 
 # save_pretrained of a sharded model, and peft's of its adapters: every rank writes its part
 _register_sharded_save("model", checkpoint.save_pretrained)
 _register_sharded_save("adapters", checkpoint.save_adapters)
 from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
-from . import autograd_multidim, mesh  # noqa: F401  (old import path)
+from . import mesh
 from .mesh import init_mesh
-from .nn.multidim import (Embedding2D, Embedding2p5D, Embedding3D, LayerNorm2D, LayerNorm2p5D, LayerNorm3D, Linear2D, Linear2p5D,
-                          Linear3D, RMSNorm2D, RMSNorm2p5D, RMSNorm3D, gather_output,
-                          split_input)
+from .nn.multidim import (
+    Embedding2D, Embedding2p5D, Embedding3D, LayerNorm2D, LayerNorm2p5D, LayerNorm3D, Linear2D,
+    Linear2p5D, Linear3D, RMSNorm2D, RMSNorm2p5D, RMSNorm3D, gather_output, split_input)
 
 __version__ = "0.1.0"
+
+
+def _alias_old_paths() -> None:
+    """Earlier module paths of tpx, still importable (``import tpx.group``,
+    ``from tpx.sharding import ...``, ``tpx.collectives.all_reduce``): each names the module
+    that holds the code now."""
+    import importlib
+    import sys
+
+    moved = {
+        "group": "comm.groups", "comm_groups": "comm.owned", "collectives": "comm.collectives",
+        "agree": "comm.agree", "checks": "comm.checks",
+        "sharding": "layout.sharding", "param_dtensors": "layout.param_dtensors",
+        "initial": "layout.initial", "nn.dtensor_io": "layout.dtensor_io",
+        "amp": "ops.amp", "autograd": "mappings", "autograd_multidim": "ops.multidim",
+    }
+    for old, new in moved.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules[f"{__name__}.{old}"] = module
+        parent, _, leaf = f"{__name__}.{old}".rpartition(".")
+        setattr(sys.modules[parent], leaf, module)
+
+
+_alias_old_paths()
 
 __all__ = [
     "ColwiseParallel",

@@ -4,9 +4,10 @@ plain functions through this module; ``direct`` holds the kernels of the layers'
 callable without the dispatcher (used by :mod:`tpx.ops` only, see
 :func:`tpx.ops.core.lean_mode`)."""
 
-from ._C import (build_info, direct, comm_counters, count_collective, cpu_memory_stats,  # noqa: F401
-                 enable_cpu_memory_stats, group_broken_reason, mark_group_broken, pipeline_depth,
-                 register_owned_group, reset_cpu_memory_peak)
+from ._C import (
+    build_info, direct, comm_counters, count_collective, cpu_memory_stats, enable_cpu_memory_stats,
+    group_broken_reason, mark_group_broken, pipeline_depth, register_owned_group,
+    reset_cpu_memory_peak)
 
 __all__ = ["build_info", "direct", "comm_counters", "count_collective", "cpu_memory_stats",
            "enable_cpu_memory_stats", "group_broken_reason", "mark_group_broken",

@@ -38,9 +38,9 @@ from torch.utils._foreach_utils import (_device_has_foreach_support,
                                         _group_tensors_by_device_and_dtype,
                                         _has_foreach_support)
 
-from . import collectives
-from .initial import comm_device
-from .sharding import GroupSharding, MeshSharding, sharding_of
+from .comm import collectives
+from .layout.initial import comm_device
+from .layout.sharding import GroupSharding, MeshSharding, sharding_of
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 

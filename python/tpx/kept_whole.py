@@ -25,9 +25,9 @@ from typing import Dict
 
 from torch import nn
 
-from .nn.dtensor_io import DTensor
-from .param_dtensors import REPLICATED, compute_on_locals, replicate_params_of
-from .sharding import guard_state_dict, lays_out_params
+from .layout.dtensor_io import DTensor
+from .layout.param_dtensors import REPLICATED, compute_on_locals, replicate_params_of
+from .layout.sharding import guard_state_dict, lays_out_params
 
 __all__ = ["is_default_replica", "planned_owners", "replicate_kept_whole",
            "unreplicate_kept_whole"]

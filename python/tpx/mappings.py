@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import collectives
-from .comm_groups import guarded
+from .comm import collectives
+from .comm.guard import guarded
 from .ops import mesh_all_gather, mesh_all_reduce, sum_by_name
 from .run import run_cache
 

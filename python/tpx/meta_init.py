@@ -18,7 +18,7 @@ from typing import Iterator, List, Tuple
 import torch
 from torch import nn
 
-from .param_dtensors import local_of
+from .layout.param_dtensors import local_of
 
 _MARK = "_tpx_from_empty"   # on a tensor ``to_empty`` made from a meta one
 _HOOK = "_tpx_meta_hook"    # on a watched module: the id of its forward pre-hook

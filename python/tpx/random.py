@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from .group import GroupLike, resolve_group
+from .comm.groups import GroupLike, resolve_group
 
 __all__ = ["manual_seed", "fork", "is_seeded", "get_states", "set_states",
            "TENSOR_PARALLEL_SEED_OFFSET"]

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives
-from .agree import tensor_checksum
-from .checkpoint.full import mesh_params, sharded_params
-from .group import GroupLike, resolve_group
-from .param_dtensors import local_of
+from .comm import collectives
+from .comm.agree import tensor_checksum
+from .layout.sharded import mesh_params, sharded_params
+from .comm.groups import GroupLike, resolve_group
+from .layout.param_dtensors import local_of
 
 __all__ = ["check_replicas", "ReplicaMismatch", "watch_replicas"]
 

@@ -27,8 +27,9 @@ from .hf import HFLoadResult, init_unsaved_buffers, load_hf_checkpoint
 from .pretrained import from_pretrained
 from .hf_write import save_pretrained
 from .adapters import save_adapters
-from .optim import (ParamSet, full_optimizer_state_dict, get_optimizer_state_dict,  # noqa: F401
-                    load_full_optimizer_state_dict, set_optimizer_state_dict)
+from .optim import (
+    ParamSet, full_optimizer_state_dict, get_optimizer_state_dict, load_full_optimizer_state_dict,
+    set_optimizer_state_dict)
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_hf_checkpoint", "save", "load",
            "is_complete",

@@ -22,7 +22,7 @@ from torch import nn
 
 from .hf import local_reads
 from .hf_write import Placeholder, SavedFiles, model_tensors, sync_errors, write_files
-from ..group import resolve_group
+from ..comm.groups import resolve_group
 
 _WHO = "tpx.checkpoint.save_adapters"
 

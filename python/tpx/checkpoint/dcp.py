@@ -12,15 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .full import (OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_dtensor,
-                   mesh_params, sharded_params)
+from .full import (
+    OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_dtensor, mesh_params,
+    sharded_params)
 from .optim import get_optimizer_state_dict, load_optimizer_part
-from ..nn.dtensor_io import DTensor
-from ..sharding import GroupSharding, collect_unstated, raw_state_dict
-from ..group import shard_bounds
-from ..nn.dtensor_io import Shard
-from ..param_dtensors import (local_of, read_back, read_back_blocks, savable, sharded_blocks,
-                              strided)
+from ..layout.dtensor_io import DTensor
+from ..layout.sharding import GroupSharding, collect_unstated, raw_state_dict
+from ..comm.groups import shard_bounds
+from ..layout.dtensor_io import Shard
+from ..layout.param_dtensors import (
+    local_of, read_back, read_back_blocks, savable, sharded_blocks, strided)
 
 
 # ---------------------------------------------------------------------------------------------

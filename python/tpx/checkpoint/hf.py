@@ -19,9 +19,9 @@ from torch import nn
 
 from .full import mesh_params, sharded_params
 from .lazy import Lazy, NotSliceable, Source, map_safetensors
-from ..nn.dtensor_io import DTensor
-from ..param_dtensors import local_ranges
-from ..sharding import raw_state_dict
+from ..layout.dtensor_io import DTensor
+from ..layout.param_dtensors import local_ranges
+from ..layout.sharding import raw_state_dict
 
 Ranges = List[List[Tuple[int, int]]]
 

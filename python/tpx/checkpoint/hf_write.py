@@ -27,12 +27,11 @@ from torch import nn
 
 from .full import fsdp_managed, mesh_params, sharded_params
 from .hf import local_reads
-from .lazy import (SAFETENSORS_DTYPES, Cast, Cat, Lazy, Narrow, NotSliceable, Stack, Transpose,
-                   Unit)
-from ..collectives import all_reduce
-from ..group import resolve_group
-from ..nn.dtensor_io import DTensor
-from ..sharding import raw_state_dict, unstated_layouts
+from .lazy import SAFETENSORS_DTYPES, Cast, Cat, Lazy, Narrow, NotSliceable, Stack, Transpose, Unit
+from ..comm.collectives import all_reduce
+from ..comm.groups import resolve_group
+from ..layout.dtensor_io import DTensor
+from ..layout.sharding import raw_state_dict, unstated_layouts
 
 _NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items() if v is not None}
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
@@ -255,7 +254,7 @@ def _one_host(pg: dist.ProcessGroup) -> bool:
     """Whether every rank of ``pg`` runs on this host."""
     import socket
 
-    from ..collectives import all_gather_object
+    from ..comm.collectives import all_gather_object
 
     names: List[Optional[str]] = [None] * dist.get_world_size(pg)
     all_gather_object(names, socket.gethostname(), pg)

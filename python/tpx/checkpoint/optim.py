@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .full import (OPTIM_KEY, MeshSharded, Sharded, as_stored, chunked_dtensor, fsdp_managed, gather_full,
-                   mesh_dtensor, mesh_params, sharded_params)
-from ..nn.dtensor_io import DTensor
-from ..param_dtensors import local_of
-from ..sharding import unstated_layouts
+from .full import (
+    OPTIM_KEY, MeshSharded, Sharded, as_stored, chunked_dtensor, fsdp_managed, gather_full,
+    mesh_dtensor, mesh_params, sharded_params)
+from ..layout.dtensor_io import DTensor
+from ..layout.param_dtensors import local_of
+from ..layout.sharding import unstated_layouts
 
 
 # ---------------------------------------------------------------------------------------------

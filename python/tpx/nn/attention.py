@@ -15,11 +15,11 @@ from torch import Tensor, nn
 
 from .. import mappings, ops
 from .. import random as tpx_random
-from ..comm_groups import guarded
-from ..group import head_rows, resolve_group, shard_bounds, SharesGroupOnCopy
-from ..initial import load_initial, ShardSpec
-from ..sharding import KeepsParamSharding, describe_params
-from .dtensor_io import Replicate, local_input
+from ..comm.guard import guarded
+from ..comm.groups import head_rows, resolve_group, shard_bounds, SharesGroupOnCopy
+from ..layout.initial import load_initial, ShardSpec
+from ..layout.sharding import KeepsParamSharding, describe_params
+from ..layout.dtensor_io import Replicate, local_input
 from .linear import RowParallelLinear
 
 __all__ = ["ParallelMultiheadAttention", "check_mha"]

@@ -9,13 +9,13 @@ from torch import Tensor, nn
 
 from .. import config, mappings
 from .. import ops
-from ..comm_groups import guarded
-from ..checks import check_values
-from .dtensor_io import Replicate, local_input
-from ..sharding import KeepsParamSharding, describe_params
-from ..param_dtensors import local_of, local_params
-from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
-from ..initial import load_initial, ShardSpec
+from ..comm.guard import guarded
+from ..comm.checks import check_values
+from ..layout.dtensor_io import Replicate, local_input
+from ..layout.sharding import KeepsParamSharding, describe_params
+from ..layout.param_dtensors import local_of, local_params
+from ..comm.groups import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
+from ..layout.initial import load_initial, ShardSpec
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 

@@ -8,13 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import collectives, mappings, ops
-from ..checks import check_values
-from ..comm_groups import guarded
+from ..comm import collectives
+from .. import mappings, ops
+from ..comm.checks import check_values
+from ..comm.guard import guarded
 from ..ops.amp import loss_dtype
-from ..group import GroupLike, resolve_group, shard_bounds
-from .dtensor_io import DTensor, Replicate, Shard
-from ..param_dtensors import local_params, read_for_input_grad, watch_params
+from ..comm.groups import GroupLike, resolve_group, shard_bounds
+from ..layout.dtensor_io import DTensor, Replicate, Shard
+from ..layout.param_dtensors import local_params, read_for_input_grad, watch_params
 
 __all__ = ["vocab_parallel_cross_entropy", "linear_cross_entropy", "default_chunk_size"]
 

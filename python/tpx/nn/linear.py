@@ -31,13 +31,13 @@ from torch import Tensor, nn
 
 from .. import mappings
 from .. import ops
-from ..comm_groups import guarded
+from ..comm.guard import guarded
 from ..ops.amp import autocast_casts
-from ..group import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
-from ..initial import load_initial, ShardSpec
-from .dtensor_io import Replicate, Shard, local_input
-from ..sharding import KeepsParamSharding, describe_params
-from ..param_dtensors import local_of, local_params, read_for_input_grad, watch_params
+from ..comm.groups import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
+from ..layout.initial import load_initial, ShardSpec
+from ..layout.dtensor_io import Replicate, Shard, local_input
+from ..layout.sharding import KeepsParamSharding, describe_params
+from ..layout.param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

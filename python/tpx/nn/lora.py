@@ -64,13 +64,13 @@ except ImportError as e:  # pragma: no cover - only imported when peft is in use
 from .. import mappings
 from .. import ops
 from .. import random as tpx_random
-from ..comm_groups import guarded
-from ..group import shard_bounds, SharesGroupOnCopy
-from ..initial import load_initial, ShardSpec
+from ..comm.guard import guarded
+from ..comm.groups import shard_bounds, SharesGroupOnCopy
+from ..layout.initial import load_initial, ShardSpec
 from ..kept_whole import is_default_replica, replicate_kept_whole
-from ..sharding import KeepsParamSharding, describe_params, sharded_by_tpx, sharded_save
-from ..param_dtensors import local_of, local_params, read_for_input_grad, watch_params
-from .dtensor_io import DTensor, Replicate, Shard, local_input
+from ..layout.sharding import KeepsParamSharding, describe_params, sharded_by_tpx, sharded_save
+from ..layout.param_dtensors import local_of, local_params, read_for_input_grad, watch_params
+from ..layout.dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear", "register", "shard_lora_layer",

@@ -6,8 +6,8 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ..group import GroupLike, SharesGroupOnCopy, resolve_group
-from ..comm_groups import guarded
+from ..comm.groups import GroupLike, SharesGroupOnCopy, resolve_group
+from ..comm.guard import guarded
 from .functional import vocab_parallel_cross_entropy
 
 __all__ = ["VocabParallelCrossEntropyLoss"]

@@ -35,14 +35,16 @@ kernels and :mod:`tpx.ops.reference` their decomposition into PyTorch's function
 """
 
 from . import amp
-from .core import (ON_PARAMS, PLAIN, lean_mode, params_path, plain_group_name,
-                   register_eager_function)
-from .matmul import (all_gather_matmul, cpu_gemm_backend, default_chunks, local_matmul,
-                     linear_on_params, matmul_all_reduce, matmul_reduce_scatter, plain_linear,
-                     plain_linear_all_reduce, replicated_matmul)
+from .core import (
+    ON_PARAMS, PLAIN, lean_mode, params_path, plain_group_name, register_eager_function)
+from .matmul import (
+    all_gather_matmul, cpu_gemm_backend, default_chunks, local_matmul, linear_on_params,
+    matmul_all_reduce, matmul_reduce_scatter, plain_linear, plain_linear_all_reduce,
+    replicated_matmul)
 from .multidim import linear_2d, linear_3d, mesh_all_gather, mesh_all_reduce, sum_by_name
-from .vocab import (linear_cross_entropy_rows, plain_embedding,
-                    vocab_parallel_cross_entropy_rows, vocab_parallel_embedding)
+from .vocab import (
+    linear_cross_entropy_rows, plain_embedding, vocab_parallel_cross_entropy_rows,
+    vocab_parallel_embedding)
 from . import reference
 
 reference.install()

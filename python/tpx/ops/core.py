@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..comm_groups import guarded, own, own_by_name
-from ..agree import check_same_on_ranks
-from ..group import GroupLike, resolve_group
+from ..comm.guard import guarded
+from ..comm.owned import own, own_by_name
+from ..comm.agree import check_same_on_ranks
+from ..comm.groups import GroupLike, resolve_group
 from . import amp
 
 # Eager calls of the differentiable operators go through a plain ``torch.autograd.Function``

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from .. import _ext
-from ..comm_groups import guarded
-from ..group import GroupLike
-from .core import (call, call_on_params, check_watched, dim_first_shape, dtensor_of, group_name,
-                   register, world)
+from ..comm.guard import guarded
+from ..comm.groups import GroupLike
+from .core import (
+    call, call_on_params, check_watched, dim_first_shape, dtensor_of, group_name, register, world)
 
 
 @guarded

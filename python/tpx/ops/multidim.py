@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..comm_groups import guarded
+from ..comm.guard import guarded
 from .core import call, mesh_groups, register, world
 
 

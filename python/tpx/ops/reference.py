@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from .. import _ext
-from ..collectives import (WATCHING_MODES, functional_all_gather, functional_all_reduce,
-                           functional_reduce_scatter)
+from ..comm.collectives import (
+    WATCHING_MODES, functional_all_gather, functional_all_reduce, functional_reduce_scatter)
 
 _KERNELS: Dict[str, Callable] = {}
 

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from .. import _ext
-from ..comm_groups import guarded
-from ..group import GroupLike
+from ..comm.guard import guarded
+from ..comm.groups import GroupLike
 from .core import call, dim_first_shape, group_name, register, world
 
 

@@ -9,13 +9,15 @@ from . import compat
 from .compat import PairwiseParallel
 from .loss_parallel import loss_parallel
 from . import moe
-from .moe import (ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel,
-                  GroupedExpertsTensorParallel, MoEIdentityExpert)
+from .moe import (
+    ExpertsParallel, ExpertsTensorParallel, GroupedExpertsParallel, GroupedExpertsTensorParallel,
+    MoEIdentityExpert)
 from . import mesh_styles
 from .mesh_styles import MeshAttention, MeshInput, MeshParallel
-from .style import (ColwiseParallel, NoParallel, ParallelStyle, PrepareModuleInput,
-                    PrepareModuleInputOutput, PrepareModuleOutput, ReplicatedWithGradAllReduce, Replicate, RowwiseParallel,
-                    SequenceParallel, Shard, ShardedAttention, TPContext)
+from .style import (
+    ColwiseParallel, NoParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+    PrepareModuleOutput, ReplicatedWithGradAllReduce, Replicate, RowwiseParallel, SequenceParallel,
+    Shard, ShardedAttention, TPContext)
 
 __all__ = ["parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput", "ParallelStyle", "TPContext", "Replicate", "Shard",

@@ -11,20 +11,20 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..agree import check_same_on_ranks
-from ..group import DeviceMesh, GroupLike, resolve_group
-from ..initial import broadcast_, check_src_rank
-from ..nn.dtensor_io import DTensor
+from ..comm.agree import check_same_on_ranks
+from ..comm.groups import DeviceMesh, GroupLike, resolve_group
+from ..layout.initial import broadcast_, check_src_rank
+from ..layout.dtensor_io import DTensor
 from . import simulated
 from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
 from ..meta_init import watch as watch_meta
-from ..sharding import lays_out_params, params_laid_out_by
-from ..param_dtensors import REPLICATED
+from ..layout.sharding import lays_out_params, params_laid_out_by
+from ..layout.param_dtensors import REPLICATED
 from .integrations import guard_save_pretrained, offer_lora_layers
-from ..kept_whole import (is_default_replica, planned_owners, replicate_kept_whole,
-                          unreplicate_kept_whole)
+from ..kept_whole import (
+    is_default_replica, planned_owners, replicate_kept_whole, unreplicate_kept_whole)
 from .base import check_layout
 from .style import ParallelStyle, TPContext, apply_style
 

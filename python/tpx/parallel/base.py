@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
-from ..comm_groups import guarded
-from ..group import mesh_for_group, resolve_group, shard_bounds, shard_sizes
+from ..comm.guard import guarded
+from ..comm.groups import mesh_for_group, resolve_group, shard_bounds, shard_sizes
 from ..mesh import check_mesh, mesh_layout
-from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, gathered_local, wrap_output
+from ..layout.dtensor_io import DTensor, Partial, Replicate, Shard, gathered_local, wrap_output
 
 __all__ = ["ParallelStyle", "TPContext", "apply_style", "check_placement", "is_style",
            "redistribute", "torch_style"]

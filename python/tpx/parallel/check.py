@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import collectives
-from ..checkpoint.full import mesh_params, sharded_params
+from ..comm import collectives
+from ..layout.sharded import mesh_params, sharded_params
 from ..mesh import mesh_layout
 from ..replicas import check_replicas
 from .api import parallelize_module

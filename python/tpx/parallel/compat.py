@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import random as tpx_random
-from ..group import DeviceMesh, resolve_group
+from ..comm.groups import DeviceMesh, resolve_group
 from ..nn.attention import ParallelMultiheadAttention, check_mha
 from .api import become_module, check_can_become_module, parallelize_module
 from .style import ColwiseParallel as _Colwise

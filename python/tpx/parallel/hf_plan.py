@@ -41,13 +41,13 @@ import torch
 from torch import nn
 
 from .generate import with_generate
-from .hf_styles import (HF_STYLES, AllReduceOutput, HeadParams, HFStyle,  # noqa: F401
-                        KeepWhole, PartialGradParams, SplitRopeGrad, VocabParallelEmbeddingStyle,
-                        packed_colwise, style, text_config)
+from .hf_styles import (
+    HF_STYLES, AllReduceOutput, HeadParams, HFStyle, KeepWhole, PartialGradParams, SplitRopeGrad,
+    VocabParallelEmbeddingStyle, packed_colwise, style, text_config)
 from .hf_sequence import sequence_parallel_plan
 from .sequence import Chain
-from .style import (ColwiseParallel, ParallelStyle, Replicate, RowwiseParallel, Shard,
-                    ShardedAttention)
+from .style import (
+    ColwiseParallel, ParallelStyle, Replicate, RowwiseParallel, Shard, ShardedAttention)
 
 __all__ = ["HF_STYLES", "HFStyle", "style", "translate", "has_plan", "hf_tp_plan"]
 

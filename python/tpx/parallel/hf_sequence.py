@@ -9,11 +9,12 @@ from typing import Dict, List, Tuple
 
 from torch import nn
 
-from ..nn.dtensor_io import Partial
-from .sequence import (Chain, ExpertsBlockSequence, GatherSequence, PadSequence, SeqLength,
-                       SplitSequence, WholeOnSequence, find_module)
-from .style import (ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
-                    SequenceParallel, Shard)
+from ..layout.dtensor_io import Partial
+from .sequence import (
+    Chain, ExpertsBlockSequence, GatherSequence, PadSequence, SeqLength, SplitSequence,
+    WholeOnSequence, find_module)
+from .style import (
+    ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel, SequenceParallel, Shard)
 
 __all__ = ["sequence_parallel_plan"]
 

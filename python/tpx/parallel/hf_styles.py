@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
-from ..param_dtensors import compute_on_locals, replicate_params, sum_partial_grads
+from ..layout.param_dtensors import compute_on_locals, replicate_params, sum_partial_grads
 from .moe import MoEIdentityExpert
-from .style import (ColwiseParallel, ParallelStyle, Replicate, ReplicatedWithGradAllReduce,
-                    RowwiseParallel, SequenceParallel, TPContext)
+from .style import (
+    ColwiseParallel, ParallelStyle, Replicate, ReplicatedWithGradAllReduce, RowwiseParallel,
+    SequenceParallel, TPContext)
 
 __all__ = ["HF_STYLES", "HFStyle", "HeadParams", "PartialGradParams", "style"]
 
@@ -398,8 +399,8 @@ class HeadParams(ParallelStyle):
         pg, src_rank = ctx.group, ctx.src_rank
         from torch.distributed.tensor import DTensor
 
-        from ..initial import broadcast_
-        from ..sharding import describe_params
+        from ..layout.initial import broadcast_
+        from ..layout.sharding import describe_params
 
         world, rank = pg.size(), dist.get_rank(pg)
         if self.num_heads % world:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..sharding import sharded_by_tpx, sharded_save
+from ..layout.sharding import sharded_by_tpx, sharded_save
 
 __all__ = ["guard_save_pretrained", "offer_lora_layers"]
 

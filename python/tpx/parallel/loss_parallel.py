@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..group import GroupLike, resolve_group
+from ..comm.groups import GroupLike, resolve_group
 from ..mesh import mesh_layout
-from ..nn.dtensor_io import DTensor
+from ..layout.dtensor_io import DTensor
 from ..nn.functional import vocab_parallel_cross_entropy
 from . import simulated
 

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from ..param_dtensors import compute_on_locals, replicate_params
+from ..layout.param_dtensors import compute_on_locals, replicate_params
 from .base import ParallelStyle, TPContext, redistribute
 
 __all__ = ["NoParallel", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",

@@ -44,11 +44,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
-from ..group import shard_bounds
-from ..initial import load_initial, ShardSpec
-from ..nn.dtensor_io import DTensor, Partial, Replicate
-from ..param_dtensors import compute_on_locals
-from ..sharding import describe_params, guard_state_dict
+from ..comm.groups import shard_bounds
+from ..layout.initial import load_initial, ShardSpec
+from ..layout.dtensor_io import DTensor, Partial, Replicate
+from ..layout.param_dtensors import compute_on_locals
+from ..layout.sharding import describe_params, guard_state_dict
 from .style import ParallelStyle, TPContext
 
 __all__ = ["ExpertsTensorParallel", "ExpertsParallel", "GroupedExpertsParallel",

@@ -35,8 +35,9 @@ from . import hf_plan
 from .generate import MeshInputFullLogits, with_generate
 from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
 from .sequence import Chain, find_module
-from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate,
-                    RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
+from .style import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
+    SequenceParallel, Shard, ShardedAttention)
 
 __all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder", "check", "PlanReport"]
 

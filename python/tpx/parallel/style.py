@@ -12,17 +12,18 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..group import head_rows, shard_bounds
-from ..nn import (ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
-                  VocabParallelEmbedding)
-from ..nn.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
-from ..param_dtensors import compute_on_locals, replicate_params
-from ..sharding import mark_transposed_weight
-from .base import (ParallelStyle, TPContext, apply_style, apply_with_pytorch,  # noqa: F401
-                   check_placement, is_style, redistribute, torch_style)
-from .module_styles import (NoParallel, PrepareModuleInput, PrepareModuleInputOutput,  # noqa: F401
-                            PrepareModuleOutput,
-                            ReplicatedWithGradAllReduce, ShardedAttention)
+from ..comm.groups import head_rows, shard_bounds
+from ..nn import (
+    ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+from ..layout.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
+from ..layout.param_dtensors import compute_on_locals, replicate_params
+from ..layout.sharding import mark_transposed_weight
+from .base import (
+    ParallelStyle, TPContext, apply_style, apply_with_pytorch, check_placement, is_style,
+    redistribute, torch_style)
+from .module_styles import (
+    NoParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+    ReplicatedWithGradAllReduce, ShardedAttention)
 
 __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
            "SequenceParallel", "PrepareModuleInput", "PrepareModuleInputOutput",

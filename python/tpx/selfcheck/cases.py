@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpx
-from tpx.param_dtensors import local_of
+from ..layout.param_dtensors import local_of
 
 
 NO_GPU = "no GPU found: CUDA kernels not checked"

@@ -57,8 +57,7 @@ from .blocks import BlockSpec, block_of, block_specs, mesh_splits
 from .embedding import Embedding2D, Embedding2p5D, Embedding3D
 from .layout import gather_output, split_input
 from .linear import Linear2D, Linear2p5D, Linear3D
-from .norm import (LayerNorm2D, LayerNorm2p5D, LayerNorm3D, RMSNorm2D, RMSNorm2p5D,
-                   RMSNorm3D)
+from .norm import LayerNorm2D, LayerNorm2p5D, LayerNorm3D, RMSNorm2D, RMSNorm2p5D, RMSNorm3D
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_input", "gather_output",
            "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D", "RMSNorm2D", "RMSNorm2p5D",

@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ... import ops
-from ...agree import check_same_on_ranks
-from ...initial import load_initial, ShardSpec
+from ...comm.agree import check_same_on_ranks
+from ...layout.initial import load_initial, ShardSpec
 from ...mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
 from ...run import run_cache
-from ...sharding import KeepsParamSharding, describe_params
-from ...param_dtensors import local_of
+from ...layout.sharding import KeepsParamSharding, describe_params
+from ...layout.param_dtensors import local_of
 
 
 HIDDEN_3D = ("output", "weight")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-from ...comm_groups import guarded
-from ...param_dtensors import local_params
+from ...comm.guard import guarded
+from ...layout.param_dtensors import local_params
 from torch import Tensor, nn
 
 from ...mesh import check_mesh

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-from ...comm_groups import guarded
+from ...comm.guard import guarded
 from torch import Tensor
 
 from ...mesh import MeshInfo
-from .blocks import (HIDDEN_3D, block_of, check_divides, check_hidden_dim, gather_block_dim,
-                     block_mesh_info, mesh_splits)
+from .blocks import (
+    HIDDEN_3D, block_of, check_divides, check_hidden_dim, gather_block_dim, block_mesh_info,
+    mesh_splits)
 
 __all__ = ["split_input", "gather_output"]
 

@@ -7,12 +7,12 @@ from typing import List, Optional
 from torch import Tensor, nn
 
 from ... import ops
-from ...comm_groups import guarded
+from ...comm.guard import guarded
 from ...ops.amp import autocast_casts
 from ...mesh import check_mesh
-from ...param_dtensors import local_of, local_params, read_for_input_grad, watch_params
+from ...layout.param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from ..linear import full_linear_init
-from .blocks import (BlockSpec, MeshParams, check_divides, check_hidden_dim, other_3d)
+from .blocks import BlockSpec, MeshParams, check_divides, check_hidden_dim, other_3d
 from .layout import check_layout, layout_of, mark_layout
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D"]

@@ -9,12 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from ... import ops
-from ...comm_groups import guarded
+from ...comm.guard import guarded
 from ...ops.amp import norm_input
 from ...mesh import MeshInfo, check_mesh
-from ...param_dtensors import local_params, watch_params
-from .blocks import (BlockSpec, MeshParams, block_of, check_divides, check_hidden_dim,
-                     mesh_splits)
+from ...layout.param_dtensors import local_params, watch_params
+from .blocks import BlockSpec, MeshParams, block_of, check_divides, check_hidden_dim, mesh_splits
 from .layout import check_layout, layout_of, mark_layout
 from .linear import check_positive
 

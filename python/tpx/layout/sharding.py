@@ -35,11 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .mappings import gather_dim
-from .param_dtensors import (as_dtensor, cut, local_of, replace_param,
-                             strided_placement)
-from .nn.dtensor_io import DTensor, Replicate, Shard
-from .run import run_cache
+from ..mappings import gather_dim
+from .param_dtensors import as_dtensor, cut, local_of, replace_param, strided_placement
+from .dtensor_io import DTensor, Replicate, Shard
+from ..run import run_cache
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
            "KeepsParamSharding", "collect_unstated", "raw_state_dict", "unstated_layouts"]

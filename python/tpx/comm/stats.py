@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _ext
+from .. import _ext
 
 __all__ = ["CommStats", "comm_stats", "count_collective", "KINDS"]
 
@@ -100,7 +100,7 @@ class CommStats:
 
 
 def _name(group) -> str:
-    from .group import resolve_group
+    from .groups import resolve_group
 
     return resolve_group(group).group_name
 

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .run import run_cache
+from ..run import run_cache
 
 try:  # DeviceMesh is importable on every supported torch, but keep the import soft.
     from torch.distributed.device_mesh import DeviceMesh

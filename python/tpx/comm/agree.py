@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .config import rank_checks
+from ..config import rank_checks
 
 __all__ = ["check_same_on_ranks", "tensor_checksum"]
 

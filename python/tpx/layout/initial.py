@@ -14,9 +14,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .config import init_chunk_bytes
-from .agree import check_same_on_ranks, tensor_checksum
+from ..comm import collectives
+from ..config import init_chunk_bytes
+from ..comm.agree import check_same_on_ranks, tensor_checksum
 
 __all__ = ["ShardSpec", "broadcast_", "check_src_rank", "comm_device", "init_chunk_bytes",
            "load_initial", "scatter_blocks", "scatter_shard"]

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import count_collective
-from .comm_groups import own, wire_group
+from .stats import count_collective
+from .owned import own, wire_group
 
 __all__ = ["all_gather", "all_gather_object", "all_reduce", "broadcast", "reduce_scatter",
            "scatter", "watched", "functional_all_gather", "functional_all_reduce",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..group import group_ranks, mesh_for_group, remember_mesh  # noqa: F401  (re-exported)
+from ..comm.groups import group_ranks, mesh_for_group, remember_mesh  # noqa: F401  (re-exported)
 
 try:  # public since torch 2.5
     from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard

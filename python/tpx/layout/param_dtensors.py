@@ -11,10 +11,10 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from .group import shard_bounds
-from .nn.dtensor_io import DTensor, Replicate
-from .ops import amp
-from .ops.core import check_watched, dtensor_of
+from ..comm.groups import shard_bounds
+from .dtensor_io import DTensor, Replicate
+from ..ops import amp
+from ..ops.core import check_watched, dtensor_of
 
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
            "read_for_input_grad", "replace_param", "replicate_params", "replicate_params_of",
@@ -114,7 +114,7 @@ def sum_partial_grads(tensors: list, pg) -> None:
         return
     idx = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if idx:
-        from .mappings import all_reduce_grads
+        from ..mappings import all_reduce_grads
 
         for i, t in zip(idx, all_reduce_grads([tensors[i] for i in idx], pg)):
             tensors[i] = t
@@ -140,7 +140,7 @@ def replace_param(module: nn.Module, name: str, dt: "DTensor") -> nn.Parameter:
 def as_dtensor(local: torch.Tensor, group, placement, full_shape) -> "DTensor":
     """``local`` (this rank's part, a plain tensor) as a ``DTensor`` of ``full_shape`` with
     ``placement`` on the 1-D mesh over ``group``, sharing ``local``'s storage (no copy)."""
-    from .nn.dtensor_io import mesh_for_group
+    from .dtensor_io import mesh_for_group
 
     local = local_of(local).detach()
     shape = torch.Size(full_shape)

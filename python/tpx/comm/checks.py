@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import config
+from .. import config
 
 __all__ = ["check_values"]
 
