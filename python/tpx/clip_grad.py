@@ -7,7 +7,7 @@ row-parallel bias, norm weights) drift apart. :func:`clip_grad_norm_` here has t
 signature and return value but computes the norm of the full model, the same on every rank
 and equal to one device's, and scales every rank by the same factor.
 
-How each gradient counts is read from its parameter's description (:mod:`tpx.sharding`):
+How each gradient counts is read from its parameter's description (:mod:`tpx.layout.sharding`):
 
 - a sharded parameter of a 1-D layer: its shards add up over the layer's group; rows held by
   several ranks (replicated KV heads) count once;
@@ -130,14 +130,14 @@ def _pieces(tensors: Sequence[Tensor], descs: Sequence[object], who: str) -> Lis
             if tuple(t.shape) != tuple(desc.full_shape):
                 raise ValueError(
                     f"tpx.{who}: tensor {i} has global shape {tuple(t.shape)}, but its parameter "
-                    f"is described as a tensor of {tuple(desc.full_shape)} (tpx.sharding); pass "
+                    f"is described as a tensor of {tuple(desc.full_shape)} (tpx.layout.sharding); pass "
                     "the parameters in the same order as their gradients")
             desc = None  # a DTensor parameter of a tpx layer: its placements say it all
         elif isinstance(desc, MeshSharding) and DTensor is not None and isinstance(t, DTensor):
             if tuple(t.shape) != tuple(desc.full_shape):
                 raise ValueError(
                     f"tpx.{who}: tensor {i} has global shape {tuple(t.shape)}, but its parameter "
-                    f"is described as a tensor of {tuple(desc.full_shape)} (tpx.sharding); pass "
+                    f"is described as a tensor of {tuple(desc.full_shape)} (tpx.layout.sharding); pass "
                     "the parameters in the same order as their gradients")
             desc = None  # a block of a multi-dimensional layer, as a DTensor over its mesh
         if desc is not None:
@@ -146,7 +146,7 @@ def _pieces(tensors: Sequence[Tensor], descs: Sequence[object], who: str) -> Lis
                 raise ValueError(
                     f"tpx.{who}: tensor {i} has shape {tuple(t.shape)}, but its parameter is "
                     f"described as this rank's part {tuple(desc.local_shape)} of a tensor of "
-                    f"{tuple(desc.full_shape)} (tpx.sharding); pass the parameters in the same "
+                    f"{tuple(desc.full_shape)} (tpx.layout.sharding); pass the parameters in the same "
                     "order as their gradients, or the gradients of tpx's own parameters")
         if DTensor is not None and isinstance(t, DTensor):
             dgroups, offset = _dtensor_layout(t, who, i)
@@ -317,7 +317,7 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
     1)``.
 
     Sharded parameters' gradients count over their groups (their descriptions, see
-    :mod:`tpx.sharding`; ``DTensor`` gradients by their placements); rows or blocks held by
+    :mod:`tpx.layout.sharding`; ``DTensor`` gradients by their placements); rows or blocks held by
     several ranks and parameters without a description (replicated: a row-parallel bias,
     ``SequenceParallel`` norm weights) count once.
 

@@ -135,7 +135,7 @@ def _hook(module: nn.Module, owned, watch: bool = True) -> None:
     ``owned`` names (a replica, or FSDP2's unsharded parameter in its place at the call). A
     later call that makes an owner's parameters plain again takes the owner out of every
     such list (:func:`unreplicate_kept_whole`), so a parameter it then shards computes as its
-    layer was written. ``watch``: as :func:`~tpx.param_dtensors.compute_on_locals`'s."""
+    layer was written. ``watch``: as :func:`~tpx.layout.param_dtensors.compute_on_locals`'s."""
     for o in {id(o): o for o, _ in owned}.values():
         _LISTS.setdefault(o, []).append(owned)
     module.__dict__.setdefault(_HOOKS, []).extend(

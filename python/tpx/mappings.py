@@ -3,12 +3,12 @@ edges of the parallel layers (gather / split along one dimension, with uneven sh
 all-reduces of gradients and of partial sums; the shared reduce-scatter of partial input
 gradients). Each is ``S(d) -> R``, ``R -> S(d)``, ``P -> R`` or an identity whose backward
 sums over the group, and each says so. The collectives run on tpx's own copy of the group
-(:mod:`tpx.comm_groups`) and are counted by :func:`tpx.comm_stats`.
+(:mod:`tpx.comm.owned`) and are counted by :func:`tpx.comm_stats`.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,8 @@ from .comm.guard import guarded
 from .ops import mesh_all_gather, mesh_all_reduce, sum_by_name
 from .run import run_cache
 
-__all__ = ["all_reduce_grad", "all_reduce_grads", "all_reduce_sum",
+__all__ = ["all_reduce_grad", "all_reduce_grad_over", "all_reduce_grads", "all_reduce_sum",
+           "all_reduce_sum_over", "sum_over_names",
            "depend_on", "gather_dim", "gather_dim_for_partial_grads", "gather_last_dim", "partial_grad_input",
            "reduce_scatter_dim", "scale_forward", "split_dim", "split_last_dim",
            "sum_grad_over_holders", "sum_over_group"]
@@ -219,26 +220,43 @@ def sum_over_group(t: Tensor, pg: dist.ProcessGroup) -> Tensor:
 
 
 class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group (a replicated tensor whose
-    consumers each saw only part of the data, e.g. under sequence parallelism)."""
+    """Identity forward; backward sums the gradient over each of the groups named (a
+    replicated tensor whose consumers each saw only part of the data: sequence parallelism,
+    a parameter replicated over the batch-splitting groups of a 2-D / 2.5-D / 3-D layout)."""
 
     @staticmethod
     @guarded
-    def forward(ctx, x, pg):
-        ctx.pg = pg
+    def forward(ctx, x, names):
+        ctx.names = names
         return x.view_as(x)
 
     @staticmethod
     @guarded
     def backward(ctx, grad):
-        return sum_by_name(grad, ctx.pg.group_name), None
+        return sum_over_names(grad.contiguous(), ctx.names), None
 
 
 def all_reduce_grad(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
     """Identity whose backward all-reduces the gradient over ``pg``."""
     if pg.size() == 1:
         return x
-    return _AllReduceGrad.apply(x, pg)
+    return _AllReduceGrad.apply(x, (pg.group_name,))
+
+
+def all_reduce_grad_over(x: Tensor, names: Sequence[str]) -> Tensor:
+    """Identity whose backward sums the gradient over each group of ``names`` in turn (group
+    names, as the multi-dimensional layers hold them): ``R -> R`` forward, ``P -> R``
+    backward."""
+    if not names:
+        return x
+    return _AllReduceGrad.apply(x, tuple(names))
+
+
+def sum_over_names(t: Tensor, names: Sequence[str]) -> Tensor:
+    """``t`` summed over each group of ``names`` in turn (out of place, no autograd)."""
+    for name in names:
+        t = sum_by_name(t, name)
+    return t
 
 
 class _AllReduceGrads(torch.autograd.Function):
@@ -281,12 +299,13 @@ def all_reduce_grads(xs: List[Tensor], pg: dist.ProcessGroup) -> Tuple[Tensor, .
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """``P -> R`` forward (all-reduce); backward passes the replicated gradient through."""
+    """``P -> R`` forward (all-reduce over each group named); backward passes the replicated
+    gradient through."""
 
     @staticmethod
     @guarded
-    def forward(ctx, x, pg):
-        return sum_by_name(x.contiguous(), pg.group_name)
+    def forward(ctx, x, names):
+        return sum_over_names(x.contiguous(), names)
 
     @staticmethod
     @guarded
@@ -301,7 +320,16 @@ def all_reduce_sum(x: Tensor, pg: dist.ProcessGroup) -> Tensor:
         return x
     if not (x.requires_grad and torch.is_grad_enabled()):
         return sum_over_group(x, pg)
-    return _AllReduceSum.apply(x, pg)
+    return _AllReduceSum.apply(x, (pg.group_name,))
+
+
+def all_reduce_sum_over(x: Tensor, names: Sequence[str]) -> Tensor:
+    """:func:`all_reduce_sum` over each group of ``names`` in turn (the batch-splitting groups
+    of a multi-dimensional layout): the same value on every rank, each partial's gradient the
+    gradient of the sum."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return sum_over_names(x.contiguous(), names)
+    return _AllReduceSum.apply(x, tuple(names))
 
 
 class _ScaleForward(torch.autograd.Function):

@@ -5,12 +5,12 @@ model (same keys, same shapes: it loads straight into the unsharded model);
 ``load_full_state_dict`` slices a full state dict into a sharded model. Both are collective:
 every rank of each layer's group (or mesh) must call them.
 
-Each sharded parameter has one description, :mod:`tpx.sharding`'s, which these functions
-read. A 1-D tpx layer's parameter (:class:`tpx.sharding.GroupSharding`, from the layer's
+Each sharded parameter has one description, :mod:`tpx.layout.sharding`'s, which these functions
+read. A 1-D tpx layer's parameter (:class:`tpx.layout.sharding.GroupSharding`, from the layer's
 ``_shards()``: name, sharded dim, for each rank the ``(start, end)`` ranges of the full tensor
 along that dim it holds, concatenated) may be stored transposed by the original model (a layer
 made from a Hugging Face ``Conv1D``, weight ``[in, out]``, marked by
-``tpx.sharding.mark_transposed_weight``): its full weight is the transpose of the gathered one.
+``tpx.layout.sharding.mark_transposed_weight``): its full weight is the transpose of the gathered one.
 
 Every multi-dimensional layer (2-D, 2.5-D, 3-D: :mod:`tpx.nn.multidim`) describes its
 parameters with ``_param_splits()``: one :class:`tpx.nn.multidim.BlockSpec` per parameter,

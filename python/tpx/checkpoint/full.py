@@ -20,7 +20,7 @@ from ..layout.sharded import MeshSharded, Sharded, mesh_params, sharded_params  
 def mesh_dtensor(sh: MeshSharded, local: Optional[Tensor] = None) -> Tensor:
     """The block (``local``: a tensor of the block's shape in its place, by default the
     parameter itself) as a ``DTensor`` of the full shape over the layer's mesh
-    (:meth:`tpx.sharding.MeshSharding.dtensor`)."""
+    (:meth:`tpx.layout.sharding.MeshSharding.dtensor`)."""
     return sh.layout.dtensor(sh.local() if local is None else local)
 
 

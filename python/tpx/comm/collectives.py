@@ -3,8 +3,8 @@ layers' edges, the width exchange of a vocab-parallel loss, the norms of gradien
 the initial weights handed out by a source rank, and the cross-rank checks.
 
 Each function takes the user's group ``pg`` and runs on tpx's own copy of it (made on first
-use, :func:`tpx.comm_groups.own`; NCCL groups are used as they are), raising at once if tpx
-marked that group broken (:func:`tpx.comm_groups.wire_group`: ``torch.distributed.DistError``);
+use, :func:`tpx.comm.owned.own`; NCCL groups are used as they are), raising at once if tpx
+marked that group broken (:func:`tpx.comm.owned.wire_group`: ``torch.distributed.DistError``);
 a collective that fails raises ``torch.distributed.DistBackendError``. Each is counted by
 :func:`tpx.comm_stats` under the user's group with this rank's message size (an object
 collective with its pickled size). Ranks are ranks of ``pg`` (``src_rank``), as everywhere in

@@ -1,7 +1,7 @@
 """Process groups: what tpx accepts as ``group``, how a dimension is sharded over its ranks
 (:func:`shard_range`, :func:`shard_bounds`, :func:`head_rows`), and the 1-D ``DeviceMesh`` the
-``DTensor`` s of a group live on. (Agreement across ranks: :mod:`tpx.agree`; initial weights
-from a source rank: :mod:`tpx.initial`.)
+``DTensor`` s of a group live on. (Agreement across ranks: :mod:`tpx.comm.agree`; initial weights
+from a source rank: :mod:`tpx.layout.initial`.)
 
 ``group`` everywhere in tpx accepts ``None`` (the default group), a
 ``torch.distributed.ProcessGroup`` or a 1-D ``torch.distributed.device_mesh.DeviceMesh``.

@@ -1,7 +1,7 @@
 """Communication accounting: the collectives tpx's ops issue, counted per process group.
 
 Every collective of a tpx op (the C++ engine's, and those issued from Python, all through
-:mod:`tpx.collectives`) is counted with the size of this rank's message: its input for an
+:mod:`tpx.comm.collectives`) is counted with the size of this rank's message: its input for an
 all-gather, its output for a reduce-scatter or a scatter, the whole buffer for an all-reduce,
 a broadcast or a reduce to one rank (an object all-gather: its pickled size). Counting is
 always on; it costs one map update per collective. The C++ ops count in compiled graphs too;

@@ -24,7 +24,7 @@ __all__ = ["Sharded", "MeshSharded", "sharded_params", "mesh_params"]
 @dataclass
 class Sharded:
     """A parameter of a 1-D layer under its key in the original model's state dict, with its
-    layout (:class:`tpx.sharding.GroupSharding`, the one description of it)."""
+    layout (:class:`tpx.layout.sharding.GroupSharding`, the one description of it)."""
 
     key: str                      # key in the original model's state dict
     module: nn.Module
@@ -77,7 +77,7 @@ def sharded_params(model: nn.Module) -> Iterator[Sharded]:
 class MeshSharded:
     """A parameter of a multi-dimensional layer under its key in the original model's state
     dict: this rank holds one block of the full tensor, in the original orientation (its
-    layout, :class:`tpx.sharding.MeshSharding`, says which)."""
+    layout, :class:`tpx.layout.sharding.MeshSharding`, says which)."""
 
     key: str
     module: nn.Module

@@ -121,7 +121,7 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
                 self.num_embeddings, self.embedding_dim, self.padding_idx,
                 self.weight.device, self.weight.dtype)],
             src_rank=self.src_rank, drawn=full_weight is None)
-        describe_params(self)  # each parameter knows its layout (tpx.sharding)
+        describe_params(self)  # each parameter knows its layout (tpx.layout.sharding)
 
     @property
     def _local_padding_idx(self) -> int:
@@ -200,13 +200,13 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     def _check_ids(self, ids, weight: Tensor, values: bool = True) -> None:
         """Raises unless ``ids`` is an integer tensor on the table's device with (``values``)
         every id in ``[0, num_embeddings)`` (the value check without a host synchronisation:
-        tpx.checks)."""
+        tpx.comm.checks)."""
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError("tpx.VocabParallelEmbedding: ids must be an integer Tensor")
         if ids.device != weight.device:
             raise ValueError(f"tpx.VocabParallelEmbedding: ids are on {ids.device} but the table "
                              f"is on {weight.device}")
-        if values and ids.numel():  # one aminmax; no host synchronisation (tpx.checks)
+        if values and ids.numel():  # one aminmax; no host synchronisation (tpx.comm.checks)
             n = self.num_embeddings
 
             def in_range():
@@ -278,7 +278,7 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
                 self.num_embeddings, self.embedding_dim, self.padding_idx,
                 self.weight.device, self.weight.dtype)],
             src_rank=self.src_rank, drawn=full_weight is None)
-        describe_params(self)  # each parameter knows its layout (tpx.sharding)
+        describe_params(self)  # each parameter knows its layout (tpx.layout.sharding)
 
     def reset_parameters(self) -> None:
         """Draws the full table as ``nn.Embedding`` does and gives every rank its columns

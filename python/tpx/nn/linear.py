@@ -171,7 +171,7 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
             specs.append(ShardSpec(local_of(self.bias), *self._bias_layout()))
         load_initial(self.group, type(self).__name__, self._layer_config(), specs, full_fn,
                      src_rank=self.src_rank, drawn=full_weights is None)
-        describe_params(self)  # each parameter knows its layout (tpx.sharding)
+        describe_params(self)  # each parameter knows its layout (tpx.layout.sharding)
 
     def _config(self, **config) -> dict:
         # chunks decides how many collectives run, so it must agree too.

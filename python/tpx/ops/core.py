@@ -56,7 +56,7 @@ def call_on_params(op: str, args: tuple, transposed: tuple = ()):
     their gradients back as ``DTensor`` s of their placements (the layer's own local views
     and the operator's Function would be two autograd nodes). Elsewhere (no gradient wanted,
     ``torch.compile``, ``torch.autocast``) it is ``call`` on the local tensors, with the
-    parameters' gradients reaching them through ``tpx.param_dtensors.local_params``."""
+    parameters' gradients reaching them through ``tpx.layout.param_dtensors.local_params``."""
     DTensor = _dtensor_class()
     function = _EAGER_FUNCTIONS.get(op)
     if (function is None or torch.compiler.is_compiling() or not torch.is_grad_enabled()
@@ -130,7 +130,7 @@ def plain_group_name(pg) -> str:
 def params_path(*params) -> bool:
     """Whether a layer hands its ``DTensor`` parameters to the operator itself
     (:func:`call_on_params`: where autograd records in eager mode, a parameter needs a
-    gradient); otherwise it takes their local tensors (``tpx.param_dtensors.local_params``)."""
+    gradient); otherwise it takes their local tensors (``tpx.layout.param_dtensors.local_params``)."""
     return (torch.is_grad_enabled() and isinstance(params[0], _dtensor_class())
             and any_requires_grad(params) and not torch.compiler.is_compiling()
             and not torch._C._is_any_autocast_enabled())
@@ -224,7 +224,7 @@ def any_requires_grad(args) -> bool:
 
 def group_name(op: str, group: GroupLike, *tensors: Optional[Tensor], **same: object) -> str:
     """Resolves ``group`` and makes sure tpx has its own copy of it where it needs one
-    (:mod:`tpx.comm_groups`); with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
+    (:mod:`tpx.comm.owned`); with ``TPX_DEBUG_CHECKS=1`` also checks, with one extra small
     collective, that every rank calls ``op`` with the same shapes, dtypes and arguments that
     shape its collectives, so that a mismatch raises the same error on every rank instead of
     hanging one of them."""

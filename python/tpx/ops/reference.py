@@ -4,7 +4,7 @@ PyTorch's tools that watch collectives.
 ``torch.distributed.tensor.debug.CommDebugMode`` counts the collectives that go through
 PyTorch's dispatcher; tpx's C++ engine issues its own on the process group and the mode
 cannot see them. While such a mode is active (the classes in
-:data:`tpx.collectives.WATCHING_MODES`), every ``torch.ops.tpx`` operator that communicates
+:data:`tpx.comm.collectives.WATCHING_MODES`), every ``torch.ops.tpx`` operator that communicates
 runs the decomposition below instead (a ``torch.library.register_torch_dispatch`` rule for
 the mode's class): the same result (to rounding: the GEMMs are torch's), its collectives
 issued once each through ``torch.ops._c10d_functional`` with the mode watching, which is

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import ops
+from .. import mappings, ops
 from ..comm.groups import GroupLike, resolve_group
 from ..mesh import mesh_layout
 from ..layout.dtensor_io import DTensor
@@ -78,23 +78,7 @@ class _MeshLogits:
                          f"batch: pass the full target or this rank's block of it")
 
     def total(self, t: Tensor) -> Tensor:
-        return _SumReplicated.apply(t, self.batch_groups)
-
-
-class _SumReplicated(torch.autograd.Function):
-    """Sum of a per-rank partial over the batch-splitting groups, giving the same value on
-    every rank; every rank calls backward on it, so each partial's gradient is the gradient
-    of the sum (no communication)."""
-
-    @staticmethod
-    def forward(ctx, t, groups):
-        for g in groups:
-            t = ops.mesh_all_reduce(t, g)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        return mappings.all_reduce_sum_over(t, self.batch_groups)
 
 
 def _mesh_cross_entropy(spec: _MeshLogits, input: Tensor, target: Tensor, ignore_index: int,

@@ -143,7 +143,7 @@ class MeshParams(KeepsParamSharding):
     (one small collective, so that a mismatch raises the same error everywhere instead of
     hanging a later collective); ``_fill`` gives every rank its block of the full tensors of
     mesh rank ``src_rank`` (chunked scatters over a group of all the mesh's ranks, see
-    :func:`tpx.group.load_initial`), or with ``src_rank=None`` its block of its own full
+    :func:`tpx.layout.initial.load_initial`), or with ``src_rank=None`` its block of its own full
     tensors, with no communication of weights (the ranks' tensors must then agree: a checksum
     is compared)."""
 
@@ -190,7 +190,7 @@ class MeshParams(KeepsParamSharding):
 
     def _fill(self, who: str, config: dict,
               full_fn: Callable[[], Dict[str, Optional[Tensor]]], *, drawn: bool) -> None:
-        describe_params(self)  # each parameter knows its layout (tpx.sharding)
+        describe_params(self)  # each parameter knows its layout (tpx.layout.sharding)
         info = self.mesh_info
         pg = tp_mesh_group(info)
         specs = block_specs(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from ... import mappings
 from ...comm.guard import guarded
 from ...layout.param_dtensors import local_params
 from torch import Tensor, nn
@@ -12,25 +13,8 @@ from torch import Tensor, nn
 from ...mesh import check_mesh
 from .blocks import BlockSpec, MeshParams, check_divides, check_hidden_dim, mesh_splits
 from .layout import check_layout, layout_of, mark_layout
-from .norm import sum_over
 
 # Embedding ------------------------------------------------------------------------------------
-
-
-class _SumGradOver(torch.autograd.Function):
-    """Identity forward on a parameter replicated over the batch-splitting groups; backward
-    sums its gradient over them (each rank saw only its batch block)."""
-
-    @staticmethod
-    @guarded
-    def forward(ctx, w, groups):
-        ctx.groups = groups
-        return w.view_as(w)
-
-    @staticmethod
-    @guarded
-    def backward(ctx, grad):
-        return sum_over(grad.contiguous(), ctx.groups), None
 
 
 class Embedding2D(MeshParams, nn.Module):
@@ -123,7 +107,7 @@ class Embedding2D(MeshParams, nn.Module):
             raise TypeError(f"tpx.{type(self).__name__}: `ids` must be an integer Tensor")
         check_layout(type(self).__name__, ids, self._ids_layout)
         w, = local_params(self.weight)
-        w = _SumGradOver.apply(w, self._batch_groups) if w.requires_grad else w
+        w = mappings.all_reduce_grad_over(w, self._batch_groups) if w.requires_grad else w
         return mark_layout(nn.functional.embedding(ids, w, self.padding_idx), self._out_layout)
 
 

@@ -3,12 +3,12 @@ reduced over the mesh dim that splits the features."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ... import ops
+from ... import mappings, ops
 from ...comm.guard import guarded
 from ...ops.amp import norm_input
 from ...mesh import MeshInfo, check_mesh
@@ -24,12 +24,6 @@ def _norm_groups(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[str, L
     """(the group that splits the hidden features, the groups that split the batch)."""
     bdims, hdims = mesh_splits(info, hidden_mesh_dim)
     return info.group_name(hdims[0]), [info.group_name(d) for d in bdims]
-
-
-def sum_over(t: Tensor, groups: Sequence[str]) -> Tensor:
-    for g in groups:
-        t = ops.sum_by_name(t, g)
-    return t
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -82,7 +76,7 @@ class _LayerNormFn(torch.autograd.Function):
         if need_b and has_bias:
             parts.append(rows.sum(0))
         if parts:
-            summed = sum_over(torch.stack(parts), batch_groups)
+            summed = mappings.sum_over_names(torch.stack(parts), batch_groups)
             if need_w:
                 grad_w = summed[0].to(weight.dtype)
             if need_b and has_bias:
@@ -123,7 +117,7 @@ class _RMSNormFn(torch.autograd.Function):
             grad_x = (rstd * (g - xf * rstd.square() * s / features)).to(dy.dtype)
         if need_w and weight is not None:
             rows = (dyf * xf * rstd).reshape(-1, xf.shape[-1])
-            grad_w = sum_over(rows.sum(0), batch_groups).to(weight.dtype)
+            grad_w = mappings.sum_over_names(rows.sum(0), batch_groups).to(weight.dtype)
         return grad_x, grad_w, None, None, None, None
 
 
