@@ -87,7 +87,7 @@ def _check_module_errors(rank, world):
             chunks=0)
     _raises(TypeError, "expects an nn.Linear", tpx.ColumnParallelLinear.from_linear,
             nn.Conv1d(2, 2, 1))
-    _raises(ValueError, "`bias` is taken from the linear", tpx.RowParallelLinear.from_linear,
+    _raises(ValueError, "`bias` is taken from the nn.Linear", tpx.RowParallelLinear.from_linear,
             nn.Linear(4, 4), bias=False)
     torch.manual_seed(0)
     col = tpx.ColumnParallelLinear(8, 6, sequence_parallel=True)

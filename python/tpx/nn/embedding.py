@@ -16,6 +16,7 @@ from ..layout.sharding import KeepsParamSharding, describe_params
 from ..layout.param_dtensors import local_of, local_params
 from ..comm.groups import GroupLike, resolve_group, shard_bounds, shard_sizes, SharesGroupOnCopy
 from ..layout.initial import load_initial, ShardSpec
+from .sources import check_source
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 
@@ -48,13 +49,8 @@ def _full_embedding_init(num_embeddings: int, embedding_dim: int, padding_idx: O
 def _embedding_kwargs(cls, embedding: nn.Embedding, kwargs: dict) -> dict:
     """Checks an ``nn.Embedding`` passed to ``from_embedding`` and returns the constructor's
     arguments taken from it."""
-    if not isinstance(embedding, nn.Embedding):
-        raise TypeError(f"tpx.{cls.__name__}.from_embedding expects an nn.Embedding; got "
-                        f"{type(embedding).__name__}")
-    for key in ("device", "dtype", "padding_idx"):
-        if key in kwargs:
-            raise ValueError(f"tpx.{cls.__name__}.from_embedding: `{key}` is taken from the "
-                             "embedding; do not pass it")
+    check_source(cls, "from_embedding", embedding, nn.Embedding, kwargs,
+                 ("device", "dtype", "padding_idx"))
     for unsupported in ("max_norm", "sparse"):
         if getattr(embedding, unsupported, None):
             raise ValueError(f"tpx.{cls.__name__}: nn.Embedding({unsupported}=...) is not "

@@ -38,6 +38,7 @@ from ..layout.initial import load_initial, ShardSpec
 from ..layout.dtensor_io import Replicate, Shard, local_input
 from ..layout.sharding import KeepsParamSharding, describe_params
 from ..layout.param_dtensors import local_of, local_params, read_for_input_grad, watch_params
+from .sources import check_source
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -99,6 +100,14 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
 
     _tpx_dtensor_params = True  # parameters are DTensors where placements say the layout
 
+    def _short_call(self, x: Tensor) -> Optional[Tensor]:
+        """The layer's own short call (``_lean_forward``: the kernel without the op wrappers),
+        where it applies: a plain tensor input to a layer whose ``_plain`` says it may;
+        ``None`` otherwise, and the general path runs."""
+        if self._plain and type(x) is Tensor:
+            return self._lean_forward(x)
+        return None
+
     def _setup_group(self, group: GroupLike) -> None:
         pg = resolve_group(group)
         self.group = pg
@@ -145,13 +154,7 @@ class _ParallelLinear(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     @classmethod
     def _from_linear(cls, linear: nn.Linear, group: GroupLike, src_rank: Optional[int],
                      kwargs: dict):
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"tpx.{cls.__name__}.from_linear expects an nn.Linear; got "
-                            f"{type(linear).__name__}")
-        for key in ("device", "dtype", "bias"):
-            if key in kwargs:
-                raise ValueError(f"tpx.{cls.__name__}.from_linear: `{key}` is taken from the "
-                                 "linear layer; do not pass it")
+        check_source(cls, "from_linear", linear, nn.Linear, kwargs, ("device", "dtype", "bias"))
         return cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                    group=group, device=linear.weight.device, dtype=linear.weight.dtype,
                    src_rank=src_rank, _full_weights=(linear.weight, linear.bias), **kwargs)
@@ -315,10 +318,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @guarded
     def forward(self, x: Tensor) -> Tensor:
-        if self._plain and type(x) is Tensor:
-            y = self._lean_forward(x)
-            if y is not None:
-                return y
+        y = self._short_call(x)
+        if y is not None:
+            return y
         # A DTensor input is redistributed to R (S(sequence_dim) with sequence parallelism).
         x = local_input(x, Shard(self.sequence_dim) if self.sequence_parallel else Replicate(),
                         self.group, "ColumnParallelLinear")
@@ -477,10 +479,9 @@ class RowParallelLinear(_ParallelLinear):
 
     @guarded
     def forward(self, x: Tensor) -> Tensor:
-        if self._plain and type(x) is Tensor:
-            y = self._lean_forward(x)
-            if y is not None:
-                return y
+        y = self._short_call(x)
+        if y is not None:
+            return y
         x = self._local_columns(x, "RowParallelLinear")
         if (not self.sequence_parallel and self.reduce_output
                 and ops.params_path(self.weight, self.bias)):

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ...mesh import check_mesh
 from .blocks import BlockSpec, MeshParams, check_divides, check_hidden_dim, mesh_splits
 from .layout import check_layout, layout_of, mark_layout
+from ..sources import check_source
 
 # Embedding ------------------------------------------------------------------------------------
 
@@ -56,9 +57,7 @@ class Embedding2D(MeshParams, nn.Module):
                        hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0):
         """This rank's columns of rank ``src_rank``'s ``nn.Embedding`` (``None``: of its own,
         no communication; the tables must then be equal, which is checked)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"tpx.{cls.__name__}.from_embedding: expected an nn.Embedding; got "
-                            f"{type(embedding).__name__}")
+        check_source(cls, "from_embedding", embedding, nn.Embedding)
         unsupported = [a for a in ("max_norm", "sparse") if getattr(embedding, a)]
         if embedding.scale_grad_by_freq:
             unsupported.append("scale_grad_by_freq")

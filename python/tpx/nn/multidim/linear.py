@@ -14,6 +14,7 @@ from ...layout.param_dtensors import local_of, local_params, read_for_input_grad
 from ..linear import full_linear_init
 from .blocks import BlockSpec, MeshParams, check_divides, check_hidden_dim, other_3d
 from .layout import check_layout, layout_of, mark_layout
+from ..sources import check_source
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D"]
 
@@ -51,9 +52,7 @@ class _MultiDimLinear(MeshParams, nn.Module):
         receives its blocks of them). ``src_rank=None``: each rank copies its blocks of its
         own layer, with no communication of weights (the layers must be equal on every rank,
         which is checked). A collective over the mesh's ranks."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"tpx.{cls.__name__}.from_linear: expected an nn.Linear; got "
-                            f"{type(linear).__name__}")
+        check_source(cls, "from_linear", linear, nn.Linear)
         cls._check_kw(cls.__name__, kw)
         return cls._converted(
             mesh, src_rank, dict(in_features=linear.in_features,

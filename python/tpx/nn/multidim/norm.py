@@ -16,6 +16,7 @@ from ...layout.param_dtensors import local_params, watch_params
 from .blocks import BlockSpec, MeshParams, block_of, check_divides, check_hidden_dim, mesh_splits
 from .layout import check_layout, layout_of, mark_layout
 from .linear import check_positive
+from ..sources import check_source
 
 # Norms ------------------------------------------------------------------------------------------
 
@@ -213,9 +214,7 @@ class LayerNorm2D(_MultiDimNorm):
                        hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0):
         """This rank's block of rank ``src_rank``'s ``nn.LayerNorm`` (``None``: of its own,
         no communication; the modules must then be equal, which is checked)."""
-        if not isinstance(layernorm, nn.LayerNorm):
-            raise TypeError(f"tpx.{cls.__name__}.from_layernorm: expected an nn.LayerNorm; "
-                            f"got {type(layernorm).__name__}")
+        check_source(cls, "from_layernorm", layernorm, nn.LayerNorm)
         ln = layernorm
 
         def configure(self):
