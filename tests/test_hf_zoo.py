@@ -345,3 +345,16 @@ def test_unnamed_parameters_inside_split_attention_are_a_clear_error():
     with pytest.raises(ValueError, match=r"model\.layers\.\*\.self_attn\.q_norm \(CohereLayerNorm\)"
                                          r" has parameters.*the plan does not name it"):
         tpx.plans.auto(model)
+
+
+def test_a_style_that_sums_gradients_leaves_a_module_without_parameters_whole():
+    """transformers' plans name ``replicated_with_grad_allreduce`` on norms that may have no
+    parameters (Gemma 3n's ``with_scale=False`` norms): nothing to sum, so the module is kept
+    whole, where tpx's own style, asked for by name, refuses it."""
+    from torch import nn
+    from tpx.parallel import hf_plan
+    from tpx.parallel.hf_styles import KeepWhole
+
+    build = hf_plan.HF_STYLES["replicated_with_grad_allreduce"].build
+    assert isinstance(build(nn.Identity(), None), KeepWhole)
+    assert isinstance(build(nn.LayerNorm(4), None), tpx.ReplicatedWithGradAllReduce)

@@ -277,7 +277,11 @@ HF_STYLES: Dict[str, HFStyle] = {s.name: s for s in (
             _b(lambda: SequenceParallel(use_local_output=True))),
     HFStyle("replicated_with_grad_allreduce", "parameters R whose gradient is partial (a "
             "per-head norm after a column-parallel projection); gradient summed",
-            "ReplicatedWithGradAllReduce()", _b(ReplicatedWithGradAllReduce)),
+            "ReplicatedWithGradAllReduce() (a module without parameters: nothing to sum, kept "
+            "whole)", lambda module, ctx: (
+                ReplicatedWithGradAllReduce()
+                if module is None or next(module.parameters(), None) is not None
+                else KeepWhole("replicated_with_grad_allreduce"))),
     HFStyle("all_reduce", "the module's output P -> R (all-reduce), backward identity",
             "AllReduceOutput()", _b(AllReduceOutput)),
     HFStyle("mla_kv_a_proj", "output [pass | rope]: the rope part's gradient summed (it "
