@@ -130,7 +130,7 @@ def check_replicas(model: nn.Module, group: GroupLike = None, *, grads: bool = T
 
 def _sums(t: torch.Tensor):
     """Two float64 fingerprints of a tensor's values: their sum, and the sum of values plus
-    magnitudes (tpx.comm.groups.tensor_checksum); neither makes a full-size copy."""
+    magnitudes (tpx.comm.agree.tensor_checksum); neither makes a full-size copy."""
     t = local_of(t).detach()  # a replicated DTensor: its local tensor is all of it
     total = float(torch.sum(t, dtype=torch.float64)) if t.numel() else 0.0
     value = tensor_checksum(t)

@@ -20,8 +20,7 @@ from ..layout.dtensor_io import DTensor
 from ..layout.sharding import GroupSharding, collect_unstated, raw_state_dict
 from ..comm.groups import shard_bounds
 from ..layout.dtensor_io import Shard
-from ..layout.param_dtensors import (
-    local_of, read_back, read_back_blocks, savable, sharded_blocks, strided)
+from ..layout.param_dtensors import block_ranges, local_of, strided
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,3 +340,65 @@ def _load_fsdp(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
                          options=StateDictOptions(strict=not unstated))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Strided DTensors (fused segments split separately) saved as the blocks they hold.
+
+
+def _blocks(dt: "DTensor"):
+    """``(view, global offsets, sizes)`` of each contiguous block of the full tensor that the
+    local tensor of the strided ``DTensor`` ``dt`` holds, in one fixed order."""
+    import itertools
+
+    local = dt._local_tensor
+    ranges = block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
+                           tuple(dt.shape))
+    offsets = [[0] + list(itertools.accumulate(e - s for s, e in rs))[:-1] for rs in ranges]
+    out = []
+    for combo in itertools.product(*[range(len(rs)) for rs in ranges]):
+        view, start, size = local, [], []
+        for d, i in enumerate(combo):
+            s, e = ranges[d][i]
+            view = view.narrow(d, offsets[d][i], e - s)
+            start.append(s)
+            size.append(e - s)
+        if all(size):
+            out.append((view, start, size))
+    return out
+
+
+def savable(dt: "DTensor"):
+    """A strided ``DTensor`` as a ``ShardedTensor`` of its blocks (copies, contiguous), the form
+    ``torch.distributed.checkpoint`` saves as the blocks they are and loads resharded to any
+    layout; :func:`read_back` puts what a load wrote into it back into ``dt``. Collective over
+    the default group."""
+    return sharded_blocks(_blocks(dt), dt.shape)
+
+
+def read_back(st, dt: "DTensor") -> None:
+    """Copies the blocks of ``st`` (made by :func:`savable` from ``dt``) into ``dt``'s local
+    tensor."""
+    read_back_blocks(st, _blocks(dt))
+
+
+def sharded_blocks(blocks, shape):
+    """A ``ShardedTensor`` of global ``shape`` whose local shards are copies of ``blocks``
+    (``(view, global offsets, sizes)``, the views in their own order). Collective over the
+    default group."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard as Block, ShardedTensor
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    out = []
+    for view, start, size in blocks:
+        placement = f"rank:{dist.get_rank()}/{view.device}"
+        out.append(Block(view.contiguous(), ShardMetadata(list(start), list(size), placement)))
+    return ShardedTensor._init_from_local_shards(out, list(shape))
+
+
+def read_back_blocks(st, blocks) -> None:
+    """Copies the local shards of ``st`` (made by :func:`sharded_blocks` from ``blocks``) into
+    the views of ``blocks``."""
+    for (view, _, _), block in zip(blocks, st.local_shards()):
+        view.copy_(block.tensor)

@@ -19,7 +19,7 @@ from ..ops.core import check_watched, dtensor_of
 __all__ = ["REPLICATED", "as_dtensor", "compute_on_locals", "local_of", "local_params",
            "read_for_input_grad", "replace_param", "replicate_params", "replicate_params_of",
            "sum_partial_grads",
-           "watch_params", "with_local"]
+           "watch_params"]
 
 
 #: Marks a parameter :func:`replicate_params` made a ``Replicate()`` ``DTensor``: its value
@@ -118,11 +118,6 @@ def sum_partial_grads(tensors: list, pg) -> None:
 
         for i, t in zip(idx, all_reduce_grads([tensors[i] for i in idx], pg)):
             tensors[i] = t
-
-
-def with_local(like: "DTensor", local: torch.Tensor) -> "DTensor":
-    """A ``DTensor`` with ``like``'s mesh and placements whose local tensor is ``local``."""
-    return dtensor_of(local, like._spec)
 
 
 def replace_param(module: nn.Module, name: str, dt: "DTensor") -> nn.Parameter:
@@ -344,61 +339,3 @@ def cut(full: torch.Tensor, like: "DTensor") -> "DTensor":
         local = local.contiguous()
     return DTensor.from_local(local, like.device_mesh, like.placements,
                               run_check=False, shape=like.shape, stride=like.stride())
-
-
-def _blocks(dt: "DTensor"):
-    """``(view, global offsets, sizes)`` of each contiguous block of the full tensor that the
-    local tensor of the strided ``DTensor`` ``dt`` holds, in one fixed order."""
-    import itertools
-
-    local = dt._local_tensor
-    ranges = block_ranges(dt.placements, dt.device_mesh, dt.device_mesh.get_coordinate(),
-                           tuple(dt.shape))
-    offsets = [[0] + list(itertools.accumulate(e - s for s, e in rs))[:-1] for rs in ranges]
-    out = []
-    for combo in itertools.product(*[range(len(rs)) for rs in ranges]):
-        view, start, size = local, [], []
-        for d, i in enumerate(combo):
-            s, e = ranges[d][i]
-            view = view.narrow(d, offsets[d][i], e - s)
-            start.append(s)
-            size.append(e - s)
-        if all(size):
-            out.append((view, start, size))
-    return out
-
-
-def savable(dt: "DTensor"):
-    """A strided ``DTensor`` as a ``ShardedTensor`` of its blocks (copies, contiguous), the form
-    ``torch.distributed.checkpoint`` saves as the blocks they are and loads resharded to any
-    layout; :func:`read_back` puts what a load wrote into it back into ``dt``. Collective over
-    the default group."""
-    return sharded_blocks(_blocks(dt), dt.shape)
-
-
-def read_back(st, dt: "DTensor") -> None:
-    """Copies the blocks of ``st`` (made by :func:`savable` from ``dt``) into ``dt``'s local
-    tensor."""
-    read_back_blocks(st, _blocks(dt))
-
-
-def sharded_blocks(blocks, shape):
-    """A ``ShardedTensor`` of global ``shape`` whose local shards are copies of ``blocks``
-    (``(view, global offsets, sizes)``, the views in their own order). Collective over the
-    default group."""
-    import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import Shard as Block, ShardedTensor
-    from torch.distributed._shard.sharding_spec import ShardMetadata
-
-    out = []
-    for view, start, size in blocks:
-        placement = f"rank:{dist.get_rank()}/{view.device}"
-        out.append(Block(view.contiguous(), ShardMetadata(list(start), list(size), placement)))
-    return ShardedTensor._init_from_local_shards(out, list(shape))
-
-
-def read_back_blocks(st, blocks) -> None:
-    """Copies the local shards of ``st`` (made by :func:`sharded_blocks` from ``blocks``) into
-    the views of ``blocks``."""
-    for (view, _, _), block in zip(blocks, st.local_shards()):
-        view.copy_(block.tensor)
