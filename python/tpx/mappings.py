@@ -21,7 +21,8 @@ from .ops import mesh_all_gather, mesh_all_reduce, sum_by_name
 from .run import run_cache
 
 __all__ = ["all_reduce_grad", "all_reduce_grad_over", "all_reduce_grads", "all_reduce_sum",
-           "all_reduce_sum_over", "sum_over_names",
+           "all_reduce_sum_over", "sum_over_names", "gather_over_names", "split_blocks",
+           "gather_blocks",
            "depend_on", "gather_dim", "gather_dim_for_partial_grads", "gather_last_dim", "partial_grad_input",
            "reduce_scatter_dim", "scale_forward", "split_dim", "split_last_dim",
            "sum_grad_over_holders", "sum_over_group"]
@@ -399,3 +400,72 @@ def _holder_index(ranges, device: torch.device) -> Tensor:
                  else torch.zeros(0, dtype=torch.long)).to(device)
         _HOLDER_INDEX[key] = index
     return index
+
+
+# The blocks of a 2-D / 2.5-D / 3-D layout: the batch (dim 0) and the hidden features (the last
+# dim) each split over one or more mesh dims, given by their groups' names, outermost first.
+
+
+def gather_over_names(t: Tensor, dim: int, names: Sequence[str]) -> Tensor:
+    """The blocks of ``t`` along ``dim`` gathered over each group of ``names`` (outermost first;
+    the innermost is gathered first), in block order (no autograd)."""
+    for name in reversed(names):
+        stacked = mesh_all_gather(t, name)  # [W, *t.shape]
+        shape = list(t.shape)
+        shape[dim] *= stacked.shape[0]
+        t = stacked.movedim(0, dim).reshape(shape)
+    return t
+
+
+class _SplitBlocks(torch.autograd.Function):
+    """R -> this rank's block (batch block ``bi`` of ``bn``, hidden block ``hi`` of ``hn``);
+    backward all-gathers the gradient blocks back to R."""
+
+    @staticmethod
+    @guarded
+    def forward(ctx, x, blocks, batch_names, hidden_names):
+        ctx.names = (batch_names, hidden_names)
+        (bi, bn), (hi, hn) = blocks
+        b, h = x.shape[0] // bn, x.shape[-1] // hn
+        return x.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous()
+
+    @staticmethod
+    @guarded
+    def backward(ctx, grad):
+        batch_names, hidden_names = ctx.names
+        g = gather_over_names(grad.contiguous(), grad.dim() - 1, hidden_names)
+        return gather_over_names(g, 0, batch_names), None, None, None
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """Every rank's block -> R (the inverse of :class:`_SplitBlocks`); backward keeps this
+    rank's block of the replicated gradient."""
+
+    @staticmethod
+    @guarded
+    def forward(ctx, y, blocks, batch_names, hidden_names):
+        ctx.blocks, ctx.shape = blocks, y.shape
+        g = gather_over_names(y.contiguous(), y.dim() - 1, hidden_names)
+        return gather_over_names(g, 0, batch_names)
+
+    @staticmethod
+    @guarded
+    def backward(ctx, grad):
+        (bi, _), (hi, _) = ctx.blocks
+        b, h = ctx.shape[0], ctx.shape[-1]
+        return grad.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous(), None, None, None
+
+
+def split_blocks(x: Tensor, blocks, batch_names: Sequence[str],
+                 hidden_names: Sequence[str]) -> Tensor:
+    """``x R -> this rank's block``: ``blocks = ((bi, bn), (hi, hn))``, the batch (dim 0) in
+    ``bn`` blocks over the groups ``batch_names``, the features (last dim) in ``hn`` over
+    ``hidden_names``; the backward all-gathers the gradient."""
+    return _SplitBlocks.apply(x, blocks, tuple(batch_names), tuple(hidden_names))
+
+
+def gather_blocks(y: Tensor, blocks, batch_names: Sequence[str],
+                  hidden_names: Sequence[str]) -> Tensor:
+    """Every rank's block ``y`` -> the full tensor (R), the inverse of :func:`split_blocks`;
+    the backward keeps this rank's block of the gradient."""
+    return _GatherBlocks.apply(y, blocks, tuple(batch_names), tuple(hidden_names))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ... import ops
+from ... import mappings
 from ...comm.agree import check_same_on_ranks
 from ...layout.initial import load_initial, ShardSpec
 from ...mesh import LAYOUTS, MeshInfo, check_mesh, mesh_layout
@@ -230,10 +230,5 @@ def check_divides(who: str, what: str, size: int, parts: int, how: str) -> None:
 
 
 def gather_block_dim(t: Tensor, info: MeshInfo, dim: int, dims: Sequence[str]) -> Tensor:
-    for d in reversed(dims):  # innermost first
-        stacked = ops.mesh_all_gather(t, info.group_name(d))  # [W, *t.shape]
-        moved = stacked.movedim(0, dim)
-        shape = list(t.shape)
-        shape[dim] *= stacked.shape[0]
-        t = moved.reshape(shape)
-    return t
+    """The blocks of ``t`` along ``dim`` gathered over the mesh dims ``dims`` (no autograd)."""
+    return mappings.gather_over_names(t, dim, [info.group_name(d) for d in dims])

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from ... import mappings
 from ...comm.guard import guarded
 from torch import Tensor
 
 from ...mesh import MeshInfo
 from .blocks import (
-    HIDDEN_3D, block_of, check_divides, check_hidden_dim, gather_block_dim, block_mesh_info,
+    HIDDEN_3D, block_of, check_divides, check_hidden_dim, block_mesh_info,
     mesh_splits)
 
 __all__ = ["split_input", "gather_output"]
@@ -160,46 +161,6 @@ def check_layout(who: str, t: Tensor, want: _Layout, linear: bool = False) -> No
                      f"{want.describe()}: {_alternation_hint(got, want, linear)}.")
 
 
-class _SplitInput(torch.autograd.Function):
-    """R -> the layout's blocks; backward all-gathers the gradient blocks back to R."""
-
-    @staticmethod
-    @guarded
-    def forward(ctx, x, info, bdims, hdims):
-        ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
-        bi, bn = block_of(info, bdims)
-        hi, hn = block_of(info, hdims)
-        b, h = x.shape[0] // bn, x.shape[-1] // hn
-        return x.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous()
-
-    @staticmethod
-    @guarded
-    def backward(ctx, grad):
-        g = gather_block_dim(grad.contiguous(), ctx.info, grad.dim() - 1, ctx.hdims)
-        g = gather_block_dim(g, ctx.info, 0, ctx.bdims)
-        return g, None, None, None
-
-
-class _GatherOutput(torch.autograd.Function):
-    """The layout's blocks -> R; backward keeps this rank's block of the replicated gradient."""
-
-    @staticmethod
-    @guarded
-    def forward(ctx, y, info, bdims, hdims):
-        ctx.info, ctx.bdims, ctx.hdims = info, bdims, hdims
-        ctx.shape = y.shape
-        g = gather_block_dim(y.contiguous(), info, y.dim() - 1, hdims)
-        return gather_block_dim(g, info, 0, bdims)
-
-    @staticmethod
-    @guarded
-    def backward(ctx, grad):
-        bi, _ = block_of(ctx.info, ctx.bdims)
-        hi, _ = block_of(ctx.info, ctx.hdims)
-        b, h = ctx.shape[0], ctx.shape[-1]
-        return grad.narrow(0, bi * b, b).narrow(-1, hi * h, h).contiguous(), None, None, None
-
-
 @guarded
 def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Tensor:
     """This rank's block of a full (replicated) activation ``x [B, ..., H]`` in the input
@@ -247,7 +208,9 @@ def split_input(x: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> Te
                    f"split over mesh dims {bdims}")
     check_divides("split_input", "x.shape[-1] (hidden)", x.shape[-1], block_of(info, hdims)[1],
                    f"split over mesh dim {hdims}")
-    return mark_layout(_SplitInput.apply(x, info, bdims, hdims), layout_of(info, hidden_mesh_dim))
+    blocks = (block_of(info, bdims), block_of(info, hdims))
+    names = [info.group_name(d) for d in bdims], [info.group_name(d) for d in hdims]
+    return mark_layout(mappings.split_blocks(x, blocks, *names), layout_of(info, hidden_mesh_dim))
 
 
 @guarded
@@ -287,4 +250,6 @@ def gather_output(y: Tensor, mesh, *, hidden_mesh_dim: Optional[str] = None) -> 
                            and found[0].hidden[0] in HIDDEN_3D else "output")
     check_layout("gather_output", y, layout_of(info, hidden_mesh_dim))
     bdims, hdims = mesh_splits(info, hidden_mesh_dim)
-    return mark_layout(_GatherOutput.apply(y, info, bdims, hdims), layout_of(info, None, "full"))
+    blocks = (block_of(info, bdims), block_of(info, hdims))
+    names = [info.group_name(d) for d in bdims], [info.group_name(d) for d in hdims]
+    return mark_layout(mappings.gather_blocks(y, blocks, *names), layout_of(info, None, "full"))
