@@ -41,7 +41,8 @@ from .matmul import (
     all_gather_matmul, cpu_gemm_backend, default_chunks, local_matmul, linear_on_params,
     matmul_all_reduce, matmul_reduce_scatter, plain_linear, plain_linear_all_reduce,
     replicated_matmul)
-from .multidim import linear_2d, linear_3d, mesh_all_gather, mesh_all_reduce, sum_by_name
+from .multidim import (linear_2d, linear_3d, mesh_all_gather, mesh_all_reduce, mesh_layer_norm,
+                       mesh_rms_norm, sum_by_name)
 from .vocab import (
     linear_cross_entropy_rows, plain_embedding, vocab_parallel_cross_entropy_rows,
     vocab_parallel_embedding)
@@ -64,5 +65,7 @@ __all__ = [
     "linear_3d",
     "mesh_all_reduce",
     "mesh_all_gather",
+    "mesh_layer_norm",
+    "mesh_rms_norm",
     "params_path",
 ]

@@ -12,6 +12,11 @@ linear_2d          ``tpx::linear_2d_backward``: dX = dY A^T and dA = X^T dY as p
                    the weight and bias gradients are also summed over depth
 linear_3d          ``tpx::linear_3d_backward``: all-gather dY, reduce-scatter dX and dA
 mesh_all_reduce    all-reduce of the gradient (every rank's loss depends on the sum)
+mesh_layer_norm    LayerNorm of rows whose features are split over a group: the input gradient's
+                   two row means in one all-reduce; weight and bias gradients summed over the
+                   batch-splitting groups
+mesh_rms_norm      RMSNorm likewise: one all-reduce for the input gradient, the weight's
+                   gradient summed over the batch-splitting groups
 =================  ============================================================================
 
 Each backward is told which inputs need a gradient: a frozen weight costs no weight-gradient
@@ -191,3 +196,128 @@ def _mesh_all_reduce_backward(ctx, grad):
 
 
 register("mesh_all_reduce", _mesh_all_reduce_backward, _mesh_all_reduce_setup)
+
+
+# The norms of the multi-dimensional layouts (tpx.nn.multidim.norm): rows whose features are
+# split over ``hidden_group``; the parameters replicated over the batch-splitting groups.
+
+
+def _sum_over(t: Tensor, names) -> Tensor:
+    for name in names:
+        t = sum_by_name(t, name)
+    return t
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """LayerNorm of rows whose features are split over ``hidden_group``.
+
+    Forward: each rank's row mean and sum of squared deviations travel in ONE all-gather and
+    are merged exactly (Chan et al.'s parallel variance), so the variance is as accurate as a
+    two-pass one. Backward: the two row means the input gradient needs travel in ONE
+    all-reduce; the weight and bias gradients are summed over the batch-splitting groups."""
+
+    @staticmethod
+    @guarded
+    def forward(ctx, x, weight, bias, eps, features, hidden_group, batch_groups):
+        xf = x.float()
+        h = x.shape[-1]
+        mean_r = xf.mean(-1)
+        m2_r = (xf - mean_r.unsqueeze(-1)).square().sum(-1)
+        stats = mesh_all_gather(torch.stack([mean_r, m2_r], -1), hidden_group)
+        mean = stats[..., 0].mean(0)
+        m2 = stats[..., 1].sum(0) + h * (stats[..., 0] - mean).square().sum(0)
+        rstd = torch.rsqrt(m2 / features + eps)
+        xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+        y = xhat
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.args = (features, hidden_group, batch_groups, bias is not None)
+        return y.to(x.dtype)
+
+    @staticmethod
+    @guarded
+    def backward(ctx, dy):
+        xhat, rstd, weight = ctx.saved_tensors
+        features, hidden_group, batch_groups, has_bias = ctx.args
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dyf = dy.float()
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            g = dyf * weight.float() if weight is not None else dyf
+            sums = torch.stack([g.sum(-1), (g * xhat).sum(-1)], -1)
+            means = mesh_all_reduce(sums, hidden_group) / features
+            grad_x = (rstd.unsqueeze(-1) * (g - means[..., :1] - xhat * means[..., 1:])
+                      ).to(dy.dtype)
+        rows = dyf.reshape(-1, dyf.shape[-1])
+        parts = []
+        if need_w:
+            parts.append((rows * xhat.reshape(rows.shape)).sum(0))
+        if need_b and has_bias:
+            parts.append(rows.sum(0))
+        if parts:
+            summed = _sum_over(torch.stack(parts), batch_groups)
+            if need_w:
+                grad_w = summed[0].to(weight.dtype)
+            if need_b and has_bias:
+                grad_b = summed[-1].to(dy.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm of rows whose features are split over ``hidden_group``: the row sum of squares
+    in ONE all-reduce forward, the row sum of ``grad * weight * x`` in ONE backward; the
+    weight gradient is summed over the batch-splitting groups."""
+
+    @staticmethod
+    @guarded
+    def forward(ctx, x, weight, eps, features, hidden_group, batch_groups):
+        xf = x.float()
+        ss = mesh_all_reduce(xf.square().sum(-1, keepdim=True), hidden_group)
+        rstd = torch.rsqrt(ss / features + eps)
+        xn = xf * rstd
+        ctx.save_for_backward(xf, rstd, weight)
+        ctx.args = (features, hidden_group, batch_groups)
+        if weight is None:
+            return xn.to(x.dtype)
+        # As Hugging Face's LlamaRMSNorm: normalise in fp32, cast, then scale.
+        return weight * xn.to(x.dtype)
+
+    @staticmethod
+    @guarded
+    def backward(ctx, dy):
+        xf, rstd, weight = ctx.saved_tensors
+        features, hidden_group, batch_groups = ctx.args
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dyf = dy.float()
+        grad_x = grad_w = None
+        if need_x:
+            g = dyf * weight.float() if weight is not None else dyf
+            s = mesh_all_reduce((g * xf).sum(-1, keepdim=True), hidden_group)
+            grad_x = (rstd * (g - xf * rstd.square() * s / features)).to(dy.dtype)
+        if need_w and weight is not None:
+            rows = (dyf * xf * rstd).reshape(-1, xf.shape[-1])
+            grad_w = _sum_over(rows.sum(0), batch_groups).to(weight.dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+@guarded
+def mesh_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                    features: int, hidden_group: str, batch_groups) -> Tensor:
+    """LayerNorm over ``features`` of rows whose features are split over ``hidden_group``
+    (statistics merged across it exactly), with ``weight`` and ``bias`` this rank's block.
+
+    Placement: ``x`` and the result: this rank's block of the features (and of the batch);
+    ``weight``, ``bias``: the same features' block, replicated over ``batch_groups`` (their
+    gradients summed over them)."""
+    return _LayerNormFn.apply(x, weight, bias, eps, features, hidden_group, list(batch_groups))
+
+
+@guarded
+def mesh_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, features: int,
+                  hidden_group: str, batch_groups) -> Tensor:
+    """RMSNorm of rows whose features are split over ``hidden_group``; placements as
+    :func:`mesh_layer_norm`."""
+    return _RMSNormFn.apply(x, weight, eps, features, hidden_group, list(batch_groups))

@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ... import mappings, ops
+from ... import ops
 from ...comm.guard import guarded
 from ...ops.amp import norm_input
 from ...mesh import MeshInfo, check_mesh
@@ -25,101 +25,6 @@ def _norm_groups(info: MeshInfo, hidden_mesh_dim: Optional[str]) -> Tuple[str, L
     """(the group that splits the hidden features, the groups that split the batch)."""
     bdims, hdims = mesh_splits(info, hidden_mesh_dim)
     return info.group_name(hdims[0]), [info.group_name(d) for d in bdims]
-
-
-class _LayerNormFn(torch.autograd.Function):
-    """LayerNorm of rows whose features are split over ``hidden_group``.
-
-    Forward: each rank's row mean and sum of squared deviations travel in ONE all-gather and
-    are merged exactly (Chan et al.'s parallel variance), so the variance is as accurate as a
-    two-pass one. Backward: the two row means the input gradient needs travel in ONE
-    all-reduce; the weight and bias gradients are summed over the batch-splitting groups."""
-
-    @staticmethod
-    @guarded
-    def forward(ctx, x, weight, bias, eps, features, hidden_group, batch_groups):
-        xf = x.float()
-        h = x.shape[-1]
-        mean_r = xf.mean(-1)
-        m2_r = (xf - mean_r.unsqueeze(-1)).square().sum(-1)
-        stats = ops.mesh_all_gather(torch.stack([mean_r, m2_r], -1), hidden_group)
-        mean = stats[..., 0].mean(0)
-        m2 = stats[..., 1].sum(0) + h * (stats[..., 0] - mean).square().sum(0)
-        rstd = torch.rsqrt(m2 / features + eps)
-        xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-        y = xhat
-        if weight is not None:
-            y = y * weight.float()
-        if bias is not None:
-            y = y + bias.float()
-        ctx.save_for_backward(xhat, rstd, weight)
-        ctx.args = (features, hidden_group, batch_groups, bias is not None)
-        return y.to(x.dtype)
-
-    @staticmethod
-    @guarded
-    def backward(ctx, dy):
-        xhat, rstd, weight = ctx.saved_tensors
-        features, hidden_group, batch_groups, has_bias = ctx.args
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dyf = dy.float()
-        grad_x = grad_w = grad_b = None
-        if need_x:
-            g = dyf * weight.float() if weight is not None else dyf
-            sums = torch.stack([g.sum(-1), (g * xhat).sum(-1)], -1)
-            means = ops.mesh_all_reduce(sums, hidden_group) / features
-            grad_x = (rstd.unsqueeze(-1) * (g - means[..., :1] - xhat * means[..., 1:])
-                      ).to(dy.dtype)
-        rows = dyf.reshape(-1, dyf.shape[-1])
-        parts = []
-        if need_w:
-            parts.append((rows * xhat.reshape(rows.shape)).sum(0))
-        if need_b and has_bias:
-            parts.append(rows.sum(0))
-        if parts:
-            summed = mappings.sum_over_names(torch.stack(parts), batch_groups)
-            if need_w:
-                grad_w = summed[0].to(weight.dtype)
-            if need_b and has_bias:
-                grad_b = summed[-1].to(dy.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """RMSNorm of rows whose features are split over ``hidden_group``: the row sum of squares
-    in ONE all-reduce forward, the row sum of ``grad * weight * x`` in ONE backward; the
-    weight gradient is summed over the batch-splitting groups."""
-
-    @staticmethod
-    @guarded
-    def forward(ctx, x, weight, eps, features, hidden_group, batch_groups):
-        xf = x.float()
-        ss = ops.mesh_all_reduce(xf.square().sum(-1, keepdim=True), hidden_group)
-        rstd = torch.rsqrt(ss / features + eps)
-        xn = xf * rstd
-        ctx.save_for_backward(xf, rstd, weight)
-        ctx.args = (features, hidden_group, batch_groups)
-        if weight is None:
-            return xn.to(x.dtype)
-        # As Hugging Face's LlamaRMSNorm: normalise in fp32, cast, then scale.
-        return weight * xn.to(x.dtype)
-
-    @staticmethod
-    @guarded
-    def backward(ctx, dy):
-        xf, rstd, weight = ctx.saved_tensors
-        features, hidden_group, batch_groups = ctx.args
-        need_x, need_w = ctx.needs_input_grad[:2]
-        dyf = dy.float()
-        grad_x = grad_w = None
-        if need_x:
-            g = dyf * weight.float() if weight is not None else dyf
-            s = ops.mesh_all_reduce((g * xf).sum(-1, keepdim=True), hidden_group)
-            grad_x = (rstd * (g - xf * rstd.square() * s / features)).to(dy.dtype)
-        if need_w and weight is not None:
-            rows = (dyf * xf * rstd).reshape(-1, xf.shape[-1])
-            grad_w = mappings.sum_over_names(rows.sum(0), batch_groups).to(weight.dtype)
-        return grad_x, grad_w, None, None, None, None
 
 
 def _normalized_size(who: str, normalized_shape) -> int:
@@ -236,8 +141,8 @@ class LayerNorm2D(_MultiDimNorm):
         x = norm_input(x)  # fp32 where torch's autocast lists layer_norm as fp32 (tpx.ops.amp)
         hidden, batch = self._groups
         weight, bias = local_params(self.weight, self.bias)
-        y = _LayerNormFn.apply(x, weight, bias, self.eps, self.normalized_shape[0],
-                               hidden, batch)
+        y = ops.mesh_layer_norm(x, weight, bias, self.eps, self.normalized_shape[0], hidden,
+                                batch)
         # torch's layer norm keeps its weight and bias for any of its gradients
         y = watch_params(y, self.weight, self.bias)
         return mark_layout(y, self._in_layout)
@@ -345,7 +250,7 @@ class RMSNorm2D(_MultiDimNorm):
         hidden, batch = self._groups
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         weight, = local_params(self.weight)
-        y = _RMSNormFn.apply(x, weight, eps, self.normalized_shape[0], hidden, batch)
+        y = ops.mesh_rms_norm(x, weight, eps, self.normalized_shape[0], hidden, batch)
         y = watch_params(y, self.weight, read=x.requires_grad)  # read for x's gradient
         return mark_layout(y, self._in_layout)
 
