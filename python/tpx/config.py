@@ -49,7 +49,7 @@ def rank_checks() -> bool:
     return os.environ.get("TPX_RANK_CHECKS", "1") != "0"
 
 
-def check_replicas() -> bool:
+def watch_replicas() -> bool:
     """``TPX_CHECK_REPLICAS=1``: ``parallelize_module`` makes the model compare its replicas
     after every backward."""
     return os.environ.get("TPX_CHECK_REPLICAS", "0") == "1"

@@ -28,7 +28,9 @@ except ImportError:  # pragma: no cover
     DeviceMesh = ()  # type: ignore[assignment,misc]
     init_device_mesh = None  # type: ignore[assignment]
 
-__all__ = ["LAYOUTS", "MeshInfo", "check_mesh", "init_mesh", "mesh_layout"]
+from .run import run_cache
+
+__all__ = ["LAYOUTS", "MeshInfo", "block_mesh", "check_mesh", "init_mesh", "mesh_layout"]
 
 LAYOUTS: Dict[str, Tuple[str, ...]] = {
     "1d": ("tp",),
@@ -215,3 +217,25 @@ def check_mesh(mesh: object, layout: str, who: str) -> MeshInfo:
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     return MeshInfo(layout, q, depth, dict(zip(names, coord)), groups, ranks, shape, names,
                     mesh.device_type)
+
+
+def block_mesh(info: "MeshInfo", order, device_type: str):
+    """The ``DeviceMesh`` of a layout's blocks with its dimensions in ``order`` (a permutation
+    of ``info.names``): the same ranks and process groups as the layout's mesh, dimensions
+    permuted (the mesh of a parameter ``DTensor`` whose placements need that order). Made once
+    per run."""
+    key = (info.ranks, tuple(order), device_type)
+    world = dist.group.WORLD
+    cached = _BLOCK_MESHES.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    names = list(info.names)
+    perm = [names.index(n) for n in order]
+    ranks = torch.tensor(info.ranks, dtype=torch.int).view(info.shape).permute(perm)
+    mesh = DeviceMesh.from_group([info.groups[n] for n in order], device_type,
+                                 mesh=ranks.contiguous(), mesh_dim_names=tuple(order))
+    _BLOCK_MESHES[key] = (world, mesh)
+    return mesh
+
+
+_BLOCK_MESHES: dict = run_cache({})

@@ -38,7 +38,6 @@ from torch import nn
 from ..mappings import gather_dim
 from .param_dtensors import as_dtensor, cut, local_of, replace_param, strided_placement
 from .dtensor_io import DTensor, Replicate, Shard
-from ..run import run_cache
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
            "KeepsParamSharding", "collect_unstated", "raw_state_dict", "unstated_layouts"]
@@ -198,7 +197,7 @@ class MeshSharding:
         its order, outermost first (DTensor shards left to right): when the mesh's own order
         differs (3-D weight rows, split by the output dimension then "input"), the DTensor
         lives on the same ranks and process groups with its dimensions permuted."""
-        from torch.distributed.device_mesh import DeviceMesh
+        from ..mesh import block_mesh
 
         info, spec = self.info, self.spec
         names = list(info.names)
@@ -210,17 +209,7 @@ class MeshSharding:
                 break
         local = local_of(local).detach()
         device_type = info.device_type if local.is_meta else local.device.type
-        key = (info.ranks, tuple(order), device_type)
-        world = dist.group.WORLD
-        cached = _BLOCK_MESHES.get(key)
-        if cached is not None and cached[0] is world:
-            mesh = cached[1]
-        else:
-            perm = [names.index(n) for n in order]
-            ranks = torch.tensor(info.ranks, dtype=torch.int).view(info.shape).permute(perm)
-            mesh = DeviceMesh.from_group([info.groups[n] for n in order], device_type,
-                                         mesh=ranks.contiguous(), mesh_dim_names=tuple(order))
-            _BLOCK_MESHES[key] = (world, mesh)
+        mesh = block_mesh(info, order, device_type)
         placements = []
         for n in order:
             dims = [d for d, split in enumerate(spec.splits) if n in split]
@@ -233,8 +222,6 @@ class MeshSharding:
     def __deepcopy__(self, memo) -> "MeshSharding":
         return self
 
-
-_BLOCK_MESHES: dict = run_cache({})
 
 
 def sharding_of(param) -> Optional[object]:

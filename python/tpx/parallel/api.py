@@ -166,7 +166,7 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         # The sharded layers took their blocks from the source rank; everything else (a
         # module the plan leaves whole, buffers such as rotary tables) is broadcast from it.
         broadcast_(pg, src_rank, _unsharded_tensors(module))
-    if ctx.layout == "1d" and config.check_replicas() and ctx.world > 1:
+    if ctx.layout == "1d" and config.watch_replicas() and ctx.world > 1:
         watch_replicas(module, pg)  # TPX_CHECK_REPLICAS=1: after every backward
     watch_meta(module)  # built on the meta device: nothing to_empty leaves reaches a forward
     return module
