@@ -146,7 +146,7 @@ class ParallelMultiheadAttention(KeepsParamSharding, SharesGroupOnCopy, nn.Multi
             of rank ``src_rank`` are used, as in :meth:`tpx.ColumnParallelLinear.from_linear`).
         group: ``None`` (default group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
         src_rank: the rank whose weights every rank takes (default 0); ``None``: each rank
-            keeps its part of its own module (which must be equal on every rank, checked).
+            keeps its part of its own module (ranks whose modules differ get a warning).
     """
 
     def __init__(self, mha: nn.MultiheadAttention, group=None, *,

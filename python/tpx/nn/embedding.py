@@ -134,8 +134,8 @@ class VocabParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
     def from_embedding(cls, embedding: nn.Embedding, group: GroupLike = None, *,
                        src_rank: Optional[int] = 0, **kwargs) -> "VocabParallelEmbedding":
         """Shards an ``nn.Embedding`` that every rank holds whole: every rank gets its rows of
-        rank ``src_rank``'s table (``src_rank=None``: of its own table, no communication; the
-        tables must then be equal on every rank, which is checked)."""
+        rank ``src_rank``'s table (``src_rank=None``: of its own table, no communication; ranks
+        whose tables differ get a warning)."""
         return cls(group=group, src_rank=src_rank, **_embedding_kwargs(cls, embedding, kwargs),
                    **kwargs)
 
@@ -287,7 +287,7 @@ class ColumnParallelEmbedding(KeepsParamSharding, SharesGroupOnCopy, nn.Module):
                        src_rank: Optional[int] = 0, **kwargs) -> "ColumnParallelEmbedding":
         """Shards an ``nn.Embedding`` that every rank holds whole: every rank gets its columns
         of rank ``src_rank``'s table (``src_rank=None``: of its own table, no communication;
-        the tables must then be equal on every rank, which is checked)."""
+        ranks whose tables differ get a warning)."""
         return cls(group=group, src_rank=src_rank, **_embedding_kwargs(cls, embedding, kwargs),
                    **kwargs)
 

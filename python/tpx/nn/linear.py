@@ -311,8 +311,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """Shards an ``nn.Linear`` that every rank holds whole: every rank gets rows
         ``shard_range(out_features)`` of the weight and bias of rank ``src_rank``'s layer (the
         other ranks' layers are not read; they need the same sizes). With ``src_rank=None``
-        each rank keeps its rows of its own layer, with no communication of weights (the
-        layers must then be equal on every rank, which is checked). ``kwargs`` are the keyword
+        each rank keeps its rows of its own layer, with no communication of weights (ranks
+        whose layers differ get a warning). ``kwargs`` are the keyword
         arguments of the constructor (``gather_output``, ``sequence_parallel``, ...)."""
         return cls._from_linear(linear, group, src_rank, kwargs)
 
@@ -473,8 +473,7 @@ class RowParallelLinear(_ParallelLinear):
         """Shards an ``nn.Linear`` that every rank holds whole: every rank gets columns
         ``shard_range(in_features)`` of the weight, and all of the bias, of rank
         ``src_rank``'s layer. With ``src_rank=None`` each rank keeps its part of its own layer
-        (no communication of weights; the layers must be equal on every rank, which is
-        checked)."""
+        (no communication of weights; ranks whose layers differ get a warning)."""
         return cls._from_linear(linear, group, src_rank, kwargs)
 
     @guarded

@@ -56,7 +56,7 @@ class Embedding2D(MeshParams, nn.Module):
     def from_embedding(cls, embedding: nn.Embedding, mesh, *,
                        hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0):
         """This rank's columns of rank ``src_rank``'s ``nn.Embedding`` (``None``: of its own,
-        no communication; the tables must then be equal, which is checked)."""
+        no communication; ranks whose modules differ get a warning)."""
         check_source(cls, "from_embedding", embedding, nn.Embedding)
         unsupported = [a for a in ("max_norm", "sparse") if getattr(embedding, a)]
         if embedding.scale_grad_by_freq:

@@ -50,8 +50,8 @@ class _MultiDimLinear(MeshParams, nn.Module):
         """This rank's blocks of rank ``src_rank``'s ``nn.Linear`` (every rank of the mesh
         passes one of the same sizes; only the source's values are read, and every rank
         receives its blocks of them). ``src_rank=None``: each rank copies its blocks of its
-        own layer, with no communication of weights (the layers must be equal on every rank,
-        which is checked). A collective over the mesh's ranks."""
+        own layer, with no communication of weights (ranks whose layers differ get a warning). A
+        collective over the mesh's ranks."""
         check_source(cls, "from_linear", linear, nn.Linear)
         cls._check_kw(cls.__name__, kw)
         return cls._converted(

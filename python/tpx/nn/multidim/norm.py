@@ -118,7 +118,7 @@ class LayerNorm2D(_MultiDimNorm):
     def from_layernorm(cls, layernorm: nn.LayerNorm, mesh, *,
                        hidden_mesh_dim: Optional[str] = None, src_rank: Optional[int] = 0):
         """This rank's block of rank ``src_rank``'s ``nn.LayerNorm`` (``None``: of its own,
-        no communication; the modules must then be equal, which is checked)."""
+        no communication; ranks whose modules differ get a warning)."""
         check_source(cls, "from_layernorm", layernorm, nn.LayerNorm)
         ln = layernorm
 
@@ -218,7 +218,7 @@ class RMSNorm2D(_MultiDimNorm):
         Hugging Face's ``LlamaRMSNorm`` (a 1-D ``weight`` and ``variance_epsilon``; a float
         ``eps`` is accepted in its place). The module must compute ``x * rsqrt(mean(x^2) +
         eps) * weight`` over the last dimension. ``src_rank=None``: of its own module, no
-        communication (the modules must then be equal, which is checked)."""
+        communication (ranks whose modules differ get a warning)."""
         if isinstance(module, getattr(nn, "RMSNorm", ())):
             features = _normalized_size(cls.__name__, module.normalized_shape)
             eps, weight = module.eps, module.weight
