@@ -179,6 +179,7 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
     else:
         model = copy.deepcopy(ref)
         _shard(impl, model, world)
+    split = _split_fraction(model, ref)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
     worst = (0.0, "")
     for step in range(STEPS):
@@ -219,8 +220,22 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
         wrong = _saved_back(model, ref, arch, dtype)
         if wrong is not None:
             return dict(status="wrong", detail=wrong)
-    return dict(status="pass", detail=f"largest difference of a parameter {worst[0]:.1e} "
-                                      f"({worst[1]}; {str(dtype)[6:]})")
+    return dict(status="pass", split=round(split, 3),
+                detail=f"largest difference of a parameter {worst[0]:.1e} "
+                       f"({worst[1]}; {str(dtype)[6:]}); {split:.0%} of the parameters split")
+
+
+def _split_fraction(model, ref) -> float:
+    """The share of the unsharded model's parameter elements that the sharded ``model``
+    splits over the ranks (a rank holds fewer elements of them than one device)."""
+    full = dict(ref.named_parameters())
+    total = sum(p.numel() for p in full.values()) or 1
+    split = 0
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if name in full and local.numel() < full[name].numel():
+            split += full[name].numel()
+    return split / total
 
 
 def _rank(rank: int, world: int, cases, dtype, init: str, out_dir: str) -> None:
@@ -280,12 +295,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--archs", default=None, help="default: every zoo type")
+    parser.add_argument("--set", default="plan", choices=["plan", "no-plan"],
+                        help="without --archs: the causal LMs whose config carries a TP plan "
+                             "(default) or those without one (tpx derives their plans)")
     parser.add_argument("--impls", default="tpx,hf")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--out", default=str(HERE / "results" / "hf_zoo.json"))
     args = parser.parse_args()
-    archs = args.archs.split(",") if args.archs else hf_tiny.zoo_types()
+    archs = (args.archs.split(",") if args.archs else hf_tiny.zoo_types()
+             if args.set == "plan" else hf_tiny.no_plan_types())
     impls = args.impls.split(",")
     accelerate = importlib.util.find_spec("accelerate") is not None
     rows = []

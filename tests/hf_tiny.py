@@ -149,6 +149,14 @@ def zoo_types() -> list[str]:
     return out
 
 
+def no_plan_types() -> list[str]:
+    """Causal-LM model types of the installed transformers whose config carries no
+    tensor-parallel plan (``tpx.plans.auto`` derives one for them)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    with_plan = set(zoo_types())
+    return [mt for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if mt not in with_plan]
+
+
 def no_tp_plan(mt: str):
     """Why the installed transformers gives tpx no plan to read for model type ``mt`` (it lacks
     the type, or its config carries no ``base_model_tp_plan``), or ``None``. Older releases

@@ -120,7 +120,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight, const at::Tensor& 
     if (world > 1) {
       all_reduce(*pg, partial)->wait();
     }
-    return partial.view(shape);
+    return at::_unsafe_view(partial, shape);  // a new tensor to autograd: user code may write into it
   }
   if (world == 1) return partial.view(shape).movedim(0, sd).contiguous();
   shape[0] /= world;

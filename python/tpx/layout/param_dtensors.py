@@ -157,6 +157,9 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *params):
+        # A parameter the layer did not use in this call gets no gradient (as on one device),
+        # not zeros: weight decay must not move it.
+        ctx.set_materialize_grads(False)
         ctx.specs = [p._spec if isinstance(p, DTensor) else None for p in params]
         return tuple(local_of(p).view_as(local_of(p)) for p in params)
 

@@ -229,7 +229,11 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         rp = ref_params.get(name)
-        if rp is None or rp.grad is None or p.grad is None:
+        if rp is None or rp.grad is None:
+            continue
+        if p.grad is None:  # trained unsharded, left out of the sharded model's graph
+            grad_names.append(name)
+            grad_errs.append(float("inf"))
             continue
         got = _local(p.grad)  # a DTensor's full tensor (collective, in the same order)
         want = (shards[name].slice_of(rp.grad) if name in shards and got.shape != rp.grad.shape

@@ -112,6 +112,8 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
         new = VocabParallelEmbedding.from_embedding(module, group=ctx.group,
                                                     src_rank=ctx.src_rank)
         value = getattr(module, "scalar_embed_scale", None)
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            value = float(scale)
         if isinstance(scale, Tensor) and scale.device.type != "meta" and scale.numel() == 1:
             value = float(scale)
         if value is None:

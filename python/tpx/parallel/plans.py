@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
+from . import derive as derived
 from . import hf_plan
 from .generate import MeshInputFullLogits, with_generate
 from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
@@ -279,7 +280,7 @@ def _peft_base_model(model: nn.Module) -> Optional[nn.Module]:
 
 
 def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
-         loss_parallel: bool = False, experts: str = "tp") -> Plan:
+         loss_parallel: bool = False, experts: str = "tp", derive: bool = False) -> Plan:
     """The TP plan for ``model``: a Hugging Face model from its own ``base_model_tp_plan``
     (:func:`tpx.parallel.hf_plan.translate`) or, for GPT-2, by hand; otherwise a plain decoder
     in torchtitan's or gpt-fast's names. Head counts are checked against the TP size when the plan is applied: heads that
@@ -309,14 +310,16 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
                              f"only; got layout={layout!r}")
         prefix = next(n for n, m in model.named_modules() if m is inner)
         plan = auto(inner, layout=layout, sequence_parallel=sequence_parallel,
-                    loss_parallel=loss_parallel, experts=experts)
-        return {(f"{prefix}.{k}" if k else prefix) if prefix else k: v
-                for k, v in plan.items()}
+                    loss_parallel=loss_parallel, experts=experts, derive=derive)
+        return _prefixed(plan, prefix)
     if layout != "1d":
         if sequence_parallel:
             raise ValueError(f"tpx.plans.auto: sequence_parallel=True is for layout='1d'; the "
                              f"{layout!r} layout already splits every activation")
         return _mesh_auto(model, layout, loss_parallel)
+    if derive:
+        return derived.derive(model, sequence_parallel=sequence_parallel,
+                              loss_parallel=loss_parallel)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None:
         if model_type in _HF_FAMILIES:
@@ -325,13 +328,29 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
         if hf_plan.has_plan(model):
             return hf_plan.translate(model, sequence_parallel=sequence_parallel,
                                      loss_parallel=loss_parallel, experts=experts)
-        raise ValueError(f"tpx.plans.auto: no plan for Hugging Face model_type="
-                         f"{model_type!r}: its config has no base_model_tp_plan, and tpx "
-                         f"writes plans by hand only for {sorted(_HF_FAMILIES)}. Write the "
-                         "plan by hand (a dict of module-name patterns to styles; "
-                         "tpx.parallel.hf_plan.style('colwise') ... gives Hugging Face's "
-                         "style names as tpx styles)")
-    return decoder(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        # No plan shipped: derived from the model's computation, proved when applied.
+        return derived.derive(model, sequence_parallel=sequence_parallel,
+                              loss_parallel=loss_parallel)
+    if _torchtitan_names(model):
+        return decoder(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return derived.derive(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def _torchtitan_names(model: nn.Module) -> bool:
+    attn = find_module(model, "attention")
+    return attn is not None and (hasattr(model.get_submodule(attn), "wq")
+                                 or hasattr(model.get_submodule(attn), "wqkv"))
+
+
+def _prefixed(plan: Plan, prefix: str) -> Plan:
+    """``plan`` with ``prefix`` before every key (a derived plan stays one, to be proved on
+    the model it was derived from: the wrapper's plan is proved on the wrapper)."""
+    out = {(f"{prefix}.{k}" if k else prefix) if prefix else k: v for k, v in plan.items()}
+    if isinstance(plan, derived.DerivedPlan):
+        return derived.DerivedPlan(out, model_name=plan.model_name, example=plan.example,
+                                   proof_plan=_prefixed(dict(plan.proof_plan), prefix),
+                                   kept_whole=plan.kept_whole)
+    return out
 
 
 from .check import PlanReport, check  # noqa: E402  (tpx.plans.check: a plan against the unsharded model)

@@ -71,7 +71,7 @@ def _shard_peft_layer(style: "ParallelStyle", module: nn.Module, ctx: TPContext)
 
 def _check_plain(module: nn.Module, base: type, style: str) -> None:
     """A subclass with its own ``forward`` would lose it when tpx's layer takes its place."""
-    if type(module).forward is not base.forward:
+    if type(module).forward is not base.forward and not _plain_equivalent(module):
         raise ValueError(
             f"tpx.{style}: {type(module).__name__} subclasses {base.__name__} with its own "
             f"forward; tpx replaces the module by a sharded {base.__name__}, which would drop that "
@@ -105,8 +105,15 @@ def _linear_parts(style: str, module: nn.Module):
                      f"got {type(module).__name__}")
 
 
+def _plain_equivalent(module: nn.Module) -> bool:
+    """A subclass whose own forward a derived plan found to compute ``F.linear`` (Falcon's
+    ``FalconLinear``); marked by the derived plan's styles as they replace it."""
+    return getattr(module, "_tpx_plain_equivalent", False)
+
+
 def _own_forward_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+    return (isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+            and not _plain_equivalent(module))
 
 
 def _linear_with_pytorch(name: str, torch_style, module: nn.Module, ctx: TPContext,
@@ -197,22 +204,16 @@ class ColwiseParallel(ParallelStyle):
             new = ColumnParallelEmbedding.from_embedding(module, group=pg, gather_output=gather,
                                                          src_rank=src_rank)
             return self._wrap(new, pg, module.embedding_dim)
-        if _own_forward_linear(module) and self.segments is None and self.head_size is None:
+        if _own_forward_linear(module) and self._plain_split():
             from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
 
             return _linear_with_pytorch("ColwiseParallel", TorchColwise(
                 input_layouts=self.input_layouts, output_layouts=self.output_layouts,
                 use_local_output=self.use_local_output), module, ctx, True)
         in_f, out_f, weight, bias, transposed = _linear_parts("ColwiseParallel", module)
-        out_rows = None
-        if self.segments is not None or self.head_size is not None:
-            segments = self.segments or (out_f,)
-            if sum(segments) != out_f:
-                raise ValueError(f"tpx.ColwiseParallel: segments={segments} add up to "
-                                 f"{sum(segments)}, but the layer has {out_f} output features")
-            rows = head_rows(segments, self.head_size, self.replicate_heads, pg.size())
-            default = [[shard_bounds(out_f, r, pg.size())] for r in range(pg.size())]
-            out_rows = None if rows == default else rows
+        rows = self._out_rows(out_f, pg.size())
+        default = [[shard_bounds(out_f, r, pg.size())] for r in range(pg.size())]
+        out_rows = None if rows is None or rows == default else rows
         new = ColumnParallelLinear(
             in_f, out_f, bias=bias is not None, group=pg, gather_output=gather,
             sequence_parallel=sp, sequence_dim=self.input_layouts.dim if sp else 1,
@@ -221,6 +222,19 @@ class ColwiseParallel(ParallelStyle):
         if transposed:
             mark_transposed_weight(new)
         return self._wrap(new, pg, out_f)
+
+    def _plain_split(self) -> bool:
+        return self.segments is None and self.head_size is None
+
+    def _out_rows(self, out_f: int, world: int):
+        """Per rank, the row ranges of the weight it holds; ``None`` for the contiguous split."""
+        if self.segments is None and self.head_size is None:
+            return None
+        segments = self.segments or (out_f,)
+        if sum(segments) != out_f:
+            raise ValueError(f"tpx.ColwiseParallel: segments={segments} add up to "
+                             f"{sum(segments)}, but the layer has {out_f} output features")
+        return head_rows(segments, self.head_size, self.replicate_heads, world)
 
     def _wrap(self, new: nn.Module, pg: dist.ProcessGroup, features: int) -> nn.Module:
         """With ``use_local_output=False`` the output leaves as a ``DTensor`` (from_local, no

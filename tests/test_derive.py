@@ -1,0 +1,258 @@
+"""Plans tpx derives from a model's computation (``tpx.parallel.derive``), proved against the
+unsharded model before they are used: Hugging Face models that ship no TP plan (Bloom,
+Falcon, OPT, GPT BigCode, StableLM, BART's decoder and the whole encoder-decoder), a plain
+PyTorch decoder in names tpx has never seen, and a model whose derived plan cannot be proved
+(refused, nothing changed). Each trains for 3 AdamW steps beside the unsharded model: logits,
+loss, every gradient of the first step and every parameter after the last one compared."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpx
+from harness import assert_like_unsharded, run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+V = 1003  # does not divide by 2 or 3
+NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+CONFIGS = {
+    "bloom": dict(hidden_size=48, n_layer=2, n_head=6, hidden_dropout=0.0,
+                  attention_dropout=0.0),                   # per-head [q k v], ALiBi
+    "falcon": dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                   hidden_dropout=0.0, attention_dropout=0.0),  # multi-query fused qkv
+    "falcon-groups": dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                          new_decoder_architecture=True, num_kv_heads=2, hidden_dropout=0.0,
+                          attention_dropout=0.0),           # [q q q k v] per KV group
+    "opt": dict(hidden_size=48, num_attention_heads=6, ffn_dim=40, num_hidden_layers=2,
+                word_embed_proj_dim=48, max_position_embeddings=64, dropout=0.0,
+                attention_dropout=0.0),                     # ReLU MLP
+    "gpt_bigcode": dict(n_embd=48, n_head=6, n_layer=2, n_inner=40, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # multi-query c_attn
+    "stablelm": dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=6,
+                     max_position_embeddings=64),           # partial rotary
+    "bart": dict(d_model=48, decoder_layers=2, decoder_attention_heads=6, decoder_ffn_dim=40,
+                 encoder_layers=2, encoder_attention_heads=6, encoder_ffn_dim=40,
+                 max_position_embeddings=64, **NO_DROPOUT),
+}
+
+
+def _hf(arch: str):
+    kind = arch.split("-")[0]
+    config = transformers.AutoConfig.for_model(kind, vocab_size=V,
+                                               **CONFIGS.get(arch, CONFIGS[kind]))
+    if arch == "bart-seq2seq":  # the whole encoder-decoder, cross-attention included
+        return transformers.BartForConditionalGeneration(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+class _Mixer(nn.Module):
+    """Attention under names and attributes no plan knows (``nh``: query heads)."""
+
+    def __init__(self, d: int, nh: int, nkv: int) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = nh, nkv, d // nh
+        self.a = nn.Linear(d, nh * self.hd, bias=False)
+        self.b = nn.Linear(d, nkv * self.hd)
+        self.c = nn.Linear(d, nkv * self.hd)
+        self.d = nn.Linear(nh * self.hd, d)
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q = self.a(x).view(n, t, self.nh, self.hd).transpose(1, 2)
+        k = self.b(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.c(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
+        k = k.repeat_interleave(self.nh // self.nkv, 1)
+        v = v.repeat_interleave(self.nh // self.nkv, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.d(o.transpose(1, 2).reshape(n, t, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, nh: int, nkv: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix = _Mixer(d, nh, nkv)
+        self.p, self.r = nn.Linear(d, 37), nn.Linear(37, d)
+
+    def forward(self, x):
+        x = x + self.mix(self.n1(x))
+        return x + self.r(F.gelu(self.p(self.n2(x))))
+
+
+class Net(nn.Module):
+    """A plain decoder: ``tokens``, ``blocks.*.mix.a/b/c/d``, ``blocks.*.p/r``, ``proj``."""
+
+    def __init__(self, nh: int = 6, nkv: int = 2, d: int = 48) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(V, d)
+        self.pos = nn.Parameter(torch.randn(64, d) * 0.02)
+        self.blocks = nn.ModuleList(_Block(d, nh, nkv) for _ in range(2))
+        self.final = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, V, bias=False)
+
+    def forward(self, ids):
+        x = self.tokens(ids) + self.pos[: ids.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.proj(self.final(x))
+
+
+def _batch(step: int, seq: int = 12):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, V, (2, seq), generator=g)
+    return ids, ids.roll(-1, 1)
+
+
+def _forward(model, ids, labels):
+    if isinstance(model, Net):
+        logits = model(ids)
+        return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    if model.config.is_encoder_decoder:
+        out = model(input_ids=ids, decoder_input_ids=ids, labels=labels)
+    else:
+        out = model(input_ids=ids, labels=labels)
+    return out.logits, out.loss
+
+
+def _build(spec):
+    """A Hugging Face model type of CONFIGS, or ``("net", nkv)``: the plain decoder."""
+    return Net(nkv=spec[1]) if isinstance(spec, tuple) else _hf(spec)
+
+
+def _train_like_unsharded(rank, world, spec, steps=3):
+    torch.manual_seed(0)
+    ref = _build(spec)
+    model = copy.deepcopy(ref)
+    what = f"{type(ref).__name__} TP={world}"
+    plan = tpx.plans.auto(model)
+    assert isinstance(plan, tpx.parallel.derive.DerivedPlan), what
+    assert any(isinstance(s, tpx.RowwiseParallel) for s in plan.values()), \
+        f"{what}: the derived plan splits nothing: {plan.kept_whole}"
+    tpx.parallelize_module(model, None, plan)
+    assert plan.report is not None and plan.report.ok, what
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(steps):
+        ids, labels = _batch(step)
+        logits_ref, loss_ref = _forward(ref, ids, labels)
+        logits, loss = _forward(model, ids, labels)
+        torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"logits ({what}, step {step}): {m}")
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"loss ({what}, step {step}): {m}")
+        loss_ref.backward()
+        loss.backward()
+        if step == 0:
+            assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=2e-5)
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    assert_like_unsharded(model, ref, f"{what} after {steps} AdamW steps", rtol=1e-4,
+                          atol=5e-5)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "falcon", "opt", "gpt_bigcode"])
+def test_derived_tp2(arch):
+    run_ranks(_train_like_unsharded, 2, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["stablelm", "bart", "falcon-groups", "bart-seq2seq"])
+def test_derived_tp2_slow(arch):
+    run_ranks(_train_like_unsharded, 2, arch)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "opt"])
+def test_derived_tp3(arch):
+    run_ranks(_train_like_unsharded, 3, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["falcon", "gpt_bigcode", "stablelm", "bart-seq2seq"])
+def test_derived_tp3_slow(arch):
+    run_ranks(_train_like_unsharded, 3, arch)
+
+
+@pytest.mark.parametrize("world,nkv", [(2, 2), (3, 3), (2, 1)])
+def test_plain_decoder_in_unknown_names(world, nkv):
+    # (2, 1): one KV head held by both ranks, its gradient summed over them
+    run_ranks(_train_like_unsharded, world, ("net", nkv))
+
+
+def _derive_with_a_plan(rank, world):
+    from test_hf_zoo import tiny
+
+    torch.manual_seed(0)
+    ref = tiny("llama")
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model, derive=True))
+    ids, labels = _batch(0)
+    out_ref, out = ref(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=2e-5)
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_like_unsharded(model, ref, "llama, derived plan", grad=True, rtol=1e-4, atol=2e-5)
+    # every projection of every layer split, as the model's own plan splits them
+    shards = {n for n, m in model.named_modules()
+              if isinstance(m, (tpx.ColumnParallelLinear, tpx.RowParallelLinear))}
+    for layer in range(ref.config.num_hidden_layers):
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            assert f"model.layers.{layer}.{proj}" in shards, (proj, sorted(shards))
+
+
+def test_derive_on_a_model_with_a_plan():
+    run_ranks(_derive_with_a_plan, 2)
+
+
+class _FixedHeads(_Mixer):
+    """Reads its head count from the class, where no plan can tell it the local one: the
+    sharded copy splits its features in heads of the wrong size."""
+
+    NH = 6
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q = self.a(x).view(n, t, self.NH, -1).transpose(1, 2)
+        k = self.b(x).view(n, t, self.NH, -1).transpose(1, 2)
+        v = self.c(x).view(n, t, self.NH, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.d(o.transpose(1, 2).reshape(n, t, -1))
+
+
+def _refused(rank, world):
+    torch.manual_seed(0)
+    model = Net(nkv=6)
+    for blk in model.blocks:
+        fixed = _FixedHeads(48, 6, 6)
+        fixed.load_state_dict(blk.mix.state_dict())
+        blk.mix = fixed
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = tpx.plans.auto(model)
+    with pytest.raises(ValueError, match=r"(?s)derived for Net does not compute what the "
+                                         r"unsharded model computes at TP 2.*blocks\.0\.mix"):
+        tpx.parallelize_module(model, None, plan)
+    assert not any(type(m).__module__.startswith("tpx") for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert type(v) is torch.Tensor and torch.equal(v, before[k]), k
+
+
+def test_a_plan_that_cannot_be_proved_is_refused_and_changes_nothing():
+    run_ranks(_refused, 2)
+
+
+def test_kept_whole_pairs_say_why():
+    # a norm over all heads between the heads and the output projection (BitNet's
+    # attn_sub_norm): every head reads every feature, so that pair stays whole
+    cfg = transformers.AutoConfig.for_model(
+        "bitnet", vocab_size=V, hidden_size=48, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=6)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    plan = tpx.plans.auto(model)
+    assert "model.layers.0.self_attn.o_proj" not in plan
+    assert "every output feature" in plan.kept_whole["model.layers.0.self_attn.o_proj"]
