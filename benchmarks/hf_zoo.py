@@ -3,10 +3,14 @@ architectures run, at which TP size, and whether they compute what one device co
 
 For every causal-LM model type of transformers whose config carries a TP plan
 (``base_model_tp_plan``; listed from transformers' own registry by ``tests/hf_tiny.py``, tiny
-random configs, nothing downloaded) and every TP size asked for, the ranks (gloo, CPU) build
+random configs, nothing downloaded), or with ``--set no-plan`` every one whose config carries
+none (tpx derives their plans), and every TP size asked for, the ranks (gloo, CPU) build
 the same unsharded model from the same seed and a copy sharded by
 
 * ``tpx``: ``tpx.parallelize_module(model, None, tpx.plans.auto(model))``;
+* ``tpx-derive``: the same with ``tpx.plans.auto(model, derive=True)``: the plan derived
+  from the model's computation and proved on a copy (``tpx.parallel.derive``), even where the
+  model ships a plan (a model without one gets a derived plan under ``tpx`` already);
 * ``tpx-sp``: the same with ``tpx.plans.auto(model, sequence_parallel=True)``, on batches of 15
   positions (padded to a multiple of the TP size inside: the uneven case);
 * ``tpx-load``: the unsharded model written by transformers' ``save_pretrained`` and read
@@ -34,7 +38,8 @@ exception, a hang or a dead rank; the exception's first line) or ``broken`` (the
 model itself fails to build or to train one step, before any library shards it: a model of
 an older transformers on an older torch).
 
-    python benchmarks/hf_zoo.py [--tp 2 4] [--archs llama,qwen3,...] [--impls tpx,hf,tpx-sp,tpx-load]
+    python benchmarks/hf_zoo.py [--tp 2 4] [--set plan|no-plan] [--archs llama,qwen3,...]
+                                [--impls tpx,hf,tpx-sp,tpx-load,tpx-derive]
 
 prints the table and writes ``benchmarks/results/hf_zoo.json``.
 """
@@ -123,11 +128,11 @@ def _saved_back(model, ref, arch: str, dtype: torch.dtype):
 
 
 def _shard(impl: str, model, world: int):
-    if impl in ("tpx", "tpx-sp"):
+    if impl in ("tpx", "tpx-sp", "tpx-derive"):
         import tpx
 
         tpx.parallelize_module(model, None, tpx.plans.auto(
-            model, sequence_parallel=impl == "tpx-sp"))
+            model, sequence_parallel=impl == "tpx-sp", derive=impl == "tpx-derive"))
         return
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed import DistributedConfig
@@ -138,7 +143,7 @@ def _shard(impl: str, model, world: int):
 
 
 def _full_state(impl: str, model):
-    if impl in ("tpx", "tpx-sp", "tpx-load"):
+    if impl in ("tpx", "tpx-sp", "tpx-load", "tpx-derive"):
         import tpx.checkpoint
 
         return tpx.checkpoint.full_state_dict(model)

@@ -332,10 +332,20 @@ def _scaled(layer: dict, d: dict, c: dict) -> dict:
             for k, v in layer.items()}
 
 
+# Widths under the names of families that ship no TP plan (BART and its kin, MPT, XLM,
+# XLNet), shrunk only there so that the planned families' tiny configs stay as they were.
+NO_PLAN_AT_MOST = dict(d_model=96, encoder_ffn_dim=88, decoder_ffn_dim=88, ffn_dim=88,
+                       emb_dim=96, d_inner=88, max_seq_len=64)
+
+
 def _tiny_fields(cfg) -> dict:
     """The changes that make ``cfg`` tiny (sub-configs included)."""
     d = _fields(cfg)
     c = _sizes(d)
+    if not getattr(cfg, "base_model_tp_plan", None):
+        for k, v in NO_PLAN_AT_MOST.items():
+            if _is_int(d.get(k)) and d[k] > v:
+                c[k] = v
     c.update(_layers(d, c))
     for k, v in d.items():
         if isinstance(v, transformers.PretrainedConfig):

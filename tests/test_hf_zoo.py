@@ -289,14 +289,18 @@ def test_activation_parameters():
     run_ranks(_check_activation_parameters, 2)
 
 
-def test_no_plan_is_a_clear_error():
+def test_no_plan_gives_a_derived_plan():
+    # a model whose config carries no TP plan gets one derived from its computation, proved
+    # when it is applied (tests/test_derive.py trains such models)
     cfg = transformers.AutoConfig.for_model("stablelm", vocab_size=V, hidden_size=32,
                                             intermediate_size=32, num_hidden_layers=1,
                                             num_attention_heads=4, num_key_value_heads=4)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="model_type='stablelm': its config has no "
-                                         "base_model_tp_plan"):
-        tpx.plans.auto(model)
+    plan = tpx.plans.auto(model)
+    assert isinstance(plan, tpx.parallel.derive.DerivedPlan)
+    assert isinstance(plan["model.layers.0.self_attn.o_proj"], tpx.RowwiseParallel)
+    assert isinstance(plan["model.layers.0.mlp.down_proj"], tpx.RowwiseParallel)
+    assert isinstance(plan["model.layers.0.self_attn"], tpx.ShardedAttention)
 
 
 def test_sequence_parallel_where_the_plan_gathers_attention():

@@ -138,11 +138,11 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle (tpx's "
                         "or PyTorch's) or a dict from module-name patterns to styles; got "
                         f"{type(plan).__name__}")
-    from .derive import DerivedPlan
-
-    if isinstance(plan, DerivedPlan):
-        # A plan tpx derived from the model: proved on a copy first (raises, nothing changed).
-        plan.prove(module, target, src_rank)
+    prove = getattr(plan, "prove_before_use", None)
+    if isinstance(plan, dict) and callable(prove):
+        # A plan tpx derived from the model (tpx.parallel.derive.DerivedPlan): proved on a
+        # copy first; it raises, and nothing is changed, where the copy differs.
+        prove(module, target, src_rank)
         plan = dict(plan)
     entries = [("", plan)] if _style.is_style(plan) else list(plan.items())
     check_same_on_ranks(pg, "parallelize_module", dict(

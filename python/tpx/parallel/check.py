@@ -83,7 +83,7 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _first_tensor(out):
+def first_tensor(out):
     if isinstance(out, Tensor):
         return out
     if isinstance(out, (tuple, list)):
@@ -186,7 +186,7 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
 
     def grab(name, store):
         def hook(mod, args, out):
-            t = _first_tensor(out)
+            t = first_tensor(out)
             if t is not None and name not in store:
                 store[name] = t.detach()
                 if store is captured:
@@ -199,7 +199,7 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     sharded_modules = dict(model.named_modules())
     for name, mod in sharded_modules.items():
         hooks.append(mod.register_forward_hook(grab(name, sharded_outs)))
-    loss_fn = loss_fn or (lambda out: _first_tensor(out).float().pow(2).mean())
+    loss_fn = loss_fn or (lambda out: first_tensor(out).float().pow(2).mean())
     try:
         ref_out = ref(*example_inputs, **example_kwargs)
         ref_loss = loss_fn(ref_out)
@@ -240,7 +240,7 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
                 else rp.grad)
         grad_names.append(name)
         grad_errs.append(_rel(got, want) if want.shape == got.shape else float("inf"))
-    out_err = _rel(_local(_first_tensor(out)), _first_tensor(ref_out))
+    out_err = _rel(_local(first_tensor(out)), first_tensor(ref_out))
 
     # One all-reduce (max over ranks) of every number, so every rank reports the same.
     numbers = torch.tensor([out_err, *errors, *grad_errs], dtype=torch.float64)

@@ -42,432 +42,23 @@ forward and backward of each on the tiny batch, on every rank, once.
 from __future__ import annotations
 
 import copy
-import inspect
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
 
-from ..comm.groups import shard_bounds
 from .base import ParallelStyle, TPContext
 from .generate import with_generate
-from .hf_styles import VocabParallelEmbeddingStyle, text_config
+from .hf_styles import VocabParallelEmbeddingStyle
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
 from .sequence import Chain
-from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard, _is_conv1d
+from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard
+from .trace import Pair, analyse, example_inputs, is_projection, pairs, trace
 
 __all__ = ["derive", "DerivedPlan"]
 
 Plan = Dict[str, ParallelStyle]
-
-BATCH, SEQ = 2, 7  # the traced batch; odd length, so no size is mistaken for a head count
-
-
-def _is_projection(module: nn.Module) -> bool:
-    """``nn.Linear`` (a subclass too: its traced output is then held against ``F.linear``)
-    or Hugging Face's ``Conv1D``."""
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
-
-
-def _own_forward(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
-
-
-def _tensors(tree) -> List[Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
-
-
-class _Tags(TorchFunctionMode):
-    """Tags every tensor a function makes with the union of its inputs' tags."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tags = WeakIdKeyDictionary()
-
-    def of(self, tree) -> Set[str]:
-        out: Set[str] = set()
-        for t in _tensors(tree):
-            out |= self.tags.get(t, frozenset())
-        return out
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        tags = self.of((args, kwargs))
-        if tags:
-            name = getattr(func, "__name__", "")
-            targets = _tensors(out)
-            if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
-                targets += _tensors(args[:1])  # in place: the tensor written to
-            for t in targets:
-                self.tags[t] = frozenset(self.tags.get(t, frozenset()) | tags)
-        return out
-
-
-@dataclass
-class _Trace:
-    order: List[str] = field(default_factory=list)          # projections, first-call order
-    feeds: Dict[str, Set[str]] = field(default_factory=dict)  # projection -> input tags
-    inputs: Dict[str, Tensor] = field(default_factory=dict)   # first call's input
-    outputs: Dict[str, Tensor] = field(default_factory=dict)  # first call's output (a leaf)
-    module_inputs: Dict[str, Set[str]] = field(default_factory=dict)  # any module's input tags
-    call_args: Dict[str, list] = field(default_factory=dict)  # module -> [(key, tensor)]
-    out_tags: Set[str] = field(default_factory=set)
-    linear_like: Dict[str, bool] = field(default_factory=dict)  # subclass -> computes F.linear
-
-
-def example_inputs(model: nn.Module) -> Dict[str, Tensor]:
-    """The traced batch: ``BATCH`` x ``SEQ`` token ids (the same on every rank), as keyword
-    arguments a Hugging Face model takes (``decoder_input_ids`` too for an encoder-decoder),
-    or ``{"input_ids": ids}`` for a plain module (passed positionally)."""
-    cfg = getattr(model, "config", None)
-    vocab = getattr(text_config(model), "vocab_size", None) if cfg is not None else None
-    if not vocab:
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        if emb is None:
-            raise ValueError(f"tpx.plans.derive: {type(model).__name__} has no nn.Embedding to "
-                             "take token ids; pass example_inputs=")
-        vocab = emb.num_embeddings
-    p = next(model.parameters(), None)
-    device = p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, min(int(vocab), 1000), (BATCH, SEQ), generator=gen).to(device)
-    kwargs = {"input_ids": ids}
-    if cfg is not None:
-        if getattr(cfg, "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = ids
-        params = inspect.signature(model.forward).parameters
-        if "use_cache" in params:
-            kwargs["use_cache"] = False
-    return kwargs
-
-
-def _call(model: nn.Module, example: Dict[str, Tensor]):
-    if getattr(model, "config", None) is None and list(example) == ["input_ids"]:
-        return model(example["input_ids"])
-    return model(**example)
-
-
-def _first_tensor(out) -> Optional[Tensor]:
-    from .check import _first_tensor as first
-
-    return first(out)
-
-
-def _trace(model: nn.Module, example: Dict[str, Tensor]) -> _Trace:
-    tr = _Trace()
-    mode = _Tags()
-    hooks = []
-    modules = dict(model.named_modules())
-
-    def pre(name, mod):
-        def hook(m, args, kwargs):
-            tags = mode.of((args, kwargs))
-            tr.module_inputs.setdefault(name, set()).update(tags)
-            if name not in tr.call_args:
-                tr.call_args[name] = [(k, v, mode.of(v)) for k, v in
-                                      list(enumerate(args)) + list(kwargs.items())
-                                      if isinstance(v, Tensor)]
-            if _is_projection(mod):
-                tr.feeds.setdefault(name, set()).update(tags)
-                if name not in tr.order:
-                    tr.order.append(name)
-                    tr.inputs[name] = args[0]
-        return hook
-
-    def post(name, mod):
-        def hook(m, args, out):
-            if not isinstance(out, Tensor):
-                return None
-            if _is_projection(mod):
-                if _own_forward(mod) and name not in tr.linear_like:
-                    with torch.no_grad():
-                        want = nn.functional.linear(args[0], mod.weight, mod.bias)
-                    tr.linear_like[name] = (want.shape == out.shape and bool(
-                        torch.allclose(want, out, rtol=1e-5, atol=1e-6)))
-                leaf = out.detach().requires_grad_()
-                tr.outputs.setdefault(name, leaf)
-                out = leaf.clone()
-            mode.tags[out] = frozenset({name})
-            return out
-        return hook
-
-    for name, mod in modules.items():
-        if not name:
-            continue
-        hooks.append(mod.register_forward_pre_hook(pre(name, mod), with_kwargs=True))
-        if _is_projection(mod) or isinstance(mod, nn.Embedding):
-            hooks.append(mod.register_forward_hook(post(name, mod)))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.enable_grad(), mode:
-            out = _call(model, example)
-        first = _first_tensor(out)
-        tr.out_tags = set(mode.tags.get(first, frozenset())) if first is not None else set()
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-    return tr
-
-
-# ------------------------------------------------------------------ pairs and their units
-
-@dataclass
-class _Pair:
-    sources: List[str]           # column-parallel projections, in call order
-    sink: str                    # the row-parallel projection
-    width: int                   # the sink's input features
-    units: List[Tuple[int, int]]  # column ranges of the sink's input, in order
-    rows: Dict[str, List[List[Tuple[int, int]]]]  # source -> per unit, its row ranges
-    heads: Optional[int] = None  # split in attention heads (else elementwise)
-    kv_heads: Optional[int] = None
-    owner: Optional[str] = None  # the attention module (heads only)
-    region: List[str] = field(default_factory=list)  # modules with parameters in between
-    head_inputs: List[Tuple[object, int]] = field(default_factory=list)  # (arg key, dim)
-
-    def rank_rows(self, source: str, out_f: int, world: int) -> List[List[Tuple[int, int]]]:
-        out = []
-        for r in range(world):
-            a, b = shard_bounds(self.width, r, world)
-            held = [i for i, (s, e) in enumerate(self.units) if s >= a and e <= b]
-            if sum(self.units[i][1] - self.units[i][0] for i in held) != b - a:
-                unit = self.units[1][1] - self.units[1][0] if len(self.units) > 1 else self.width
-                raise ValueError(
-                    f"tpx.plans.derive: {self.sink} reads {len(self.units)} units of {unit} "
-                    f"features ({'attention heads' if self.heads else 'columns'}); the TP size "
-                    f"{world} does not split them whole: use a TP size that divides "
-                    f"{len(self.units)}")
-            out.append(_merge([rng for i in held for rng in self.rows[source][i]]))
-        return out
-
-
-def _merge(ranges: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    out: List[Tuple[int, int]] = []
-    for s, e in sorted(set(ranges)):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def _ranges(mask: Tensor) -> List[Tuple[int, int]]:
-    idx = mask.nonzero().flatten().tolist()
-    out: List[Tuple[int, int]] = []
-    for i in idx:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return out
-
-
-def _pairs(tr: _Trace) -> List[Tuple[List[str], str]]:
-    projections = set(tr.order)
-    consumers: Dict[str, Set[str]] = {p: set() for p in projections}
-    for q, tags in tr.feeds.items():
-        for t in tags:
-            if t in consumers:
-                consumers[t].add(q)
-    for t in tr.out_tags:
-        if t in consumers:
-            consumers[t].add("<output>")
-    out = []
-    for e in tr.order:
-        sources = tr.feeds.get(e, set())
-        if not sources or not sources <= projections or e in sources:
-            continue
-        if all(consumers[s] == {e} for s in sources):
-            out.append((sorted(sources, key=tr.order.index), e))
-    return out
-
-
-def _block(width: int) -> int:
-    b = 1
-    while width // b > 1024 and width % (2 * b) == 0:
-        b *= 2
-    return b
-
-
-def _depends(tr: _Trace, sources: List[str], sink: str):
-    """Per block of the sink's input columns and per source, which of the source's output
-    features it depends on (bool [blocks, features])."""
-    x = tr.inputs[sink]
-    if not x.requires_grad:
-        return None, 1
-    width = x.shape[-1]
-    b = _block(width)
-    leaves = [tr.outputs[s] for s in sources]
-    gen = torch.Generator().manual_seed(0)
-    weights = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype).to(x.device)
-    masks = [[] for _ in sources]
-    for start in range(0, width, b):
-        sel = torch.zeros_like(x)
-        sel[..., start:start + b] = weights[..., start:start + b]
-        grads = torch.autograd.grad((x * sel).sum(), leaves, retain_graph=True,
-                                    allow_unused=True)
-        for i, g in enumerate(grads):
-            n = leaves[i].shape[-1]
-            masks[i].append(torch.zeros(n, dtype=torch.bool) if g is None
-                            else (g.detach().reshape(-1, n) != 0).any(0).cpu())
-    return [torch.stack(m) for m in masks], b
-
-
-def _elementwise_filled(mask: Tensor, width: int, b: int) -> Tensor:
-    """An elementwise source (the columns of block ``i`` read features ``c + j * width`` of
-    their own columns ``c`` only, for the offsets ``j`` seen) with the features the traced
-    batch left at a zero gradient (a ReLU negative at every traced position) filled in by
-    that pattern."""
-    n = mask.shape[1]
-    if n % width:
-        return mask
-    blocks, feats = mask.nonzero(as_tuple=True)
-    if not len(blocks) or bool((((feats % width) // b) != blocks).any()):
-        return mask
-    full = torch.zeros_like(mask)
-    for j in sorted(set((feats // width).tolist())):
-        for i in range(mask.shape[0]):
-            full[i, j * width + i * b: j * width + (i + 1) * b] = True
-    return full
-
-
-def _components(masks: List[Tensor]) -> List[List[int]]:
-    n = masks[0].shape[0]
-    adj = torch.zeros(n, n, dtype=torch.bool)
-    for m in masks:
-        f = m.double()
-        adj |= (f @ f.T) > 0
-    seen, comps = [False] * n, []
-    for i in range(n):
-        if seen[i]:
-            continue
-        stack, comp = [i], []
-        seen[i] = True
-        while stack:
-            j = stack.pop()
-            comp.append(j)
-            for k in adj[j].nonzero().flatten().tolist():
-                if not seen[k]:
-                    seen[k] = True
-                    stack.append(k)
-        comps.append(sorted(comp))
-    return sorted(comps)
-
-
-def _head_count(model: nn.Module, owner: nn.Module, width: int, groups: int,
-                masks: List[Tensor], b: int) -> Optional[int]:
-    """The query heads of an attention module whose input columns fall in ``groups`` groups
-    that share features (the KV heads). Candidates: the integers the module and the config
-    hold and ``groups``; a candidate ``h`` is a head count if each block of ``width / h``
-    columns reads a feature no other column reads (its query); the largest such wins (heads
-    of one feature are not considered: every single column reads a value feature of its
-    own)."""
-    cands = {groups}
-    cfg = text_config(model) if getattr(model, "config", None) is not None else None
-    values = list(vars(owner).values())
-    if cfg is not None:
-        values += [getattr(cfg, a, None) for a in ("num_attention_heads", "n_head", "num_heads",
-                                                   "decoder_attention_heads",
-                                                   "encoder_attention_heads")]
-    for v in values:
-        if isinstance(v, int) and not isinstance(v, bool) and v > groups and width % v == 0 \
-                and v % groups == 0 and (width // v) % b == 0 and width // v >= 2:
-            cands.add(v)
-    reads = torch.cat(masks, 1)
-    for h in sorted(cands, reverse=True):
-        per = width // h // b
-        ok = True
-        for i in range(h):
-            inside = torch.zeros(reads.shape[0], dtype=torch.bool)
-            inside[i * per:(i + 1) * per] = True
-            common = reads[inside].all(0)
-            outside = reads[~inside].any(0) if bool((~inside).any()) else torch.zeros_like(common)
-            if not bool((common & ~outside).any()):
-                ok = False
-                break
-        if ok:
-            return h
-    return None
-
-
-def _common_owner(names: Sequence[str]) -> str:
-    parts = [n.split(".") for n in names]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    return ".".join(common)
-
-
-def _analyse(model: nn.Module, tr: _Trace, sources: List[str], sink: str,
-             why: Dict[str, str]) -> Optional[_Pair]:
-    masks, b = _depends(tr, sources, sink)
-    if masks is None:
-        why[sink] = "its input does not depend on the projections before it"
-        return None
-    width = tr.inputs[sink].shape[-1]
-    masks = [_elementwise_filled(m, width, b) for m in masks]
-    for s, m in zip(sources, masks):
-        if not bool(m.any(0).all()):
-            why[sink] = f"some output features of {s} reach none of its inputs"
-            return None
-    comps = _components(masks)
-    for c in comps:
-        if c != list(range(c[0], c[-1] + 1)):
-            why[sink] = "the features its input columns share are not contiguous"
-            return None
-    pair = _Pair(sources, sink, width, [], {s: [] for s in sources})
-    if all(len(c) == 1 for c in comps):  # elementwise (an MLP)
-        blocks = [[i] for i in range(len(comps))]
-    else:
-        owner = _common_owner(sources + [sink])
-        heads = _head_count(model, model.get_submodule(owner), width, len(comps), masks, b)
-        if heads is None:
-            why[sink] = (f"its {width} input columns fall in {len(comps)} groups that share "
-                         "features, but in no number of heads tpx could find")
-            return None
-        if heads == 1:
-            why[sink] = ("every input column reads every output feature of the projections "
-                         "before it (a statistic over all features between them)")
-            return None
-        per = width // heads
-        if per % b or any((c[0] * b) % per or ((c[-1] + 1) * b) % per for c in comps):
-            why[sink] = (f"the columns its inputs share ({len(comps)} groups) do not fall in "
-                         f"whole heads of {per} features")
-            return None
-        blocks = [list(range(h * per // b, (h + 1) * per // b)) for h in range(heads)]
-        largest = max(range(len(sources)), key=lambda i: masks[i].shape[1])
-        if heads > 1 and any(bool(masks[largest][blk].any(0).all()) for blk in blocks):
-            why[sink] = (f"each head reads every output feature of {sources[largest]} "
-                         "(a statistic over all heads between the projections)")
-            return None
-        pair.heads, pair.kv_heads, pair.owner = heads, len(comps), owner
-    for blk in blocks:
-        pair.units.append((blk[0] * b, (blk[-1] + 1) * b))
-        for s, m in zip(sources, masks):
-            pair.rows[s].append(_ranges(m[blk].any(0)))
-    # Modules with parameters computing on the sources' outputs only (a per-head norm).
-    inside = set(sources)
-    for name, tags in tr.module_inputs.items():
-        mod = model.get_submodule(name)
-        if (tags and tags <= inside and not _is_projection(mod)
-                and any(True for _ in mod.parameters(recurse=False))):
-            pair.region.append(name)
-    if pair.heads:  # inputs computed from no projection with one entry per head: ALiBi
-        for key, t, tags in tr.call_args.get(pair.owner, []):
-            d = next((d for d, n in enumerate(t.shape)
-                      if n in (pair.heads, BATCH * pair.heads) and n != SEQ), None)
-            if not tags and d is not None and t.is_floating_point():
-                pair.head_inputs.append((key, d))
-    return pair
 
 
 # ------------------------------------------------------------------ styles
@@ -477,7 +68,7 @@ class _UnitColwise(ColwiseParallel):
     """A source of a derived pair: column-parallel, each rank holding the rows its units of
     the row-parallel projection read."""
 
-    def __init__(self, pair: _Pair, source: str) -> None:
+    def __init__(self, pair: Pair, source: str) -> None:
         super().__init__()
         self.pair, self.source = pair, source
 
@@ -582,7 +173,7 @@ def _local_counts(heads: int, kv_heads: int, width: int, projections: List[str])
 class DerivedPlan(dict):
     """A plan :func:`derive` found in the model (module names to styles, as any plan), to be
     proved before it is used: ``tpx.parallelize_module(model, group, plan)`` first runs it on
-    a copy of the model beside the unsharded one (:meth:`prove`) and raises before changing
+    a copy of the model beside the unsharded one (:meth:`prove_before_use`) and raises before changing
     anything if they differ. ``kept_whole``: the column -> row pairs left whole, and why."""
 
     def __init__(self, plan: Plan, *, model_name: str, example: Dict[str, Tensor],
@@ -592,7 +183,7 @@ class DerivedPlan(dict):
         self.proof_plan, self.kept_whole = proof_plan, kept_whole
         self.report = None
 
-    def prove(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
+    def prove_before_use(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
         """Applies the plan to a copy of ``model`` and compares it with the unsharded model
         on the traced batch (collective over ``target``); ``ValueError`` if they differ."""
         from ..layout.initial import broadcast_
@@ -671,17 +262,24 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     if any(type(m).__module__.startswith("tpx") for m in model.modules()):
         raise ValueError(f"tpx.plans.derive: {name} is already sharded by tpx; derive the plan "
                          "from the unsharded model")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError(
+            f"tpx.plans.auto: {name} ships no TP plan, and deriving one runs the model on a "
+            "tiny batch, which a model on the meta device cannot (tpx.from_pretrained builds "
+            "there). Load the model with its weights first (transformers' from_pretrained), "
+            "then tpx.parallelize_module(model, None, tpx.plans.auto(model)); or write the "
+            "plan by hand and pass it as plan=")
     example = dict(example) if example is not None else example_inputs(model)
-    tr = _trace(model, example)
+    tr = trace(model, example)
     plan: Plan = {}
     kept: Dict[str, str] = {}
     why: Dict[str, str] = {}
-    for sources, sink in _pairs(tr):
+    for sources, sink in pairs(tr):
         odd = [n for n in sources + [sink] if not tr.linear_like.get(n, True)]
         if odd:
             why[sink] = f"{odd[0]} subclasses nn.Linear with a forward that is not F.linear"
             continue
-        pair = _analyse(model, tr, sources, sink, why)
+        pair = analyse(model, tr, sources, sink, why)
         if pair is None:
             continue
         for s in sources:
@@ -712,23 +310,38 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     if emb is None:  # a plain module: the first embedding the trace called
         emb = next((model.get_submodule(n) for n in tr.module_inputs
                     if isinstance(model.get_submodule(n), nn.Embedding)), None)
-    if isinstance(emb, nn.Embedding) and emb in modules and modules[emb] not in plan:
-        # with every embedding that shares its table (BART's encoder and decoder read
-        # ``model.shared``'s weight through modules of their own)
-        for m, n in modules.items():
-            if isinstance(m, nn.Embedding) and m.weight is emb.weight and n not in plan:
-                plan[n] = VocabParallelEmbeddingStyle()
+    from .hf_plan import reads_table_rows
+
     head_mod = model.get_output_embeddings() if callable(
         getattr(model, "get_output_embeddings", None)) else None
-    head = modules.get(head_mod) if _is_projection(head_mod) else None
+    head = modules.get(head_mod) if is_projection(head_mod) else None
     if head is None:  # a plain module: the projection that makes the output
         outs = [t for t in tr.out_tags if t in tr.outputs]
         if len(outs) == 1 and isinstance(emb, nn.Embedding) and (
                 tr.outputs[outs[0]].shape[-1] == emb.num_embeddings):
             head = outs[0]
+    tied = (head is not None and isinstance(emb, nn.Embedding)
+            and model.get_submodule(head).weight is emb.weight)
+    whole_table = isinstance(emb, nn.Embedding) and reads_table_rows(model)
+    if whole_table:
+        kept[modules.get(emb, "input embedding")] = ("the model's forward reads rows of its "
+                                                     "table itself")
+        if tied:
+            kept[head] = "tied to the input embedding, which stays whole"
+            head = None
     if head is not None and _shared_elsewhere(model, head, emb):
         kept[head] = "a parameter of it is also held by another module (a tied bias)"
+        if tied:
+            whole_table = True
+            kept[modules.get(emb, "input embedding")] = "tied to the LM head, which stays whole"
         head = None
+    if isinstance(emb, nn.Embedding) and emb in modules and modules[emb] not in plan \
+            and not whole_table:
+        # with every embedding that shares its table (BART's encoder and decoder read
+        # ``model.shared``'s weight through modules of their own)
+        for m, n in modules.items():
+            if isinstance(m, nn.Embedding) and m.weight is emb.weight and n not in plan:
+                plan[n] = VocabParallelEmbeddingStyle()
     if head is not None and head not in plan:
         plan[head] = ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())
     elif loss_parallel:

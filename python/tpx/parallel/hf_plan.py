@@ -216,13 +216,22 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                 plan[parent + ".gate_up_proj"] = packed_colwise(first(parent + ".gate_up_proj"))
                 plan[parent + "." + downs[0]] = RowwiseParallel()
 
-    emb_name = _name_of(model, model.get_input_embeddings()
-                        if callable(getattr(model, "get_input_embeddings", None)) else None)
-    if emb_name and not any(fnmatch.fnmatchcase(emb_name, k) for k in plan):
-        plan[emb_name] = VocabParallelEmbeddingStyle()
+    emb_mod = (model.get_input_embeddings()
+               if callable(getattr(model, "get_input_embeddings", None)) else None)
+    emb_name = _name_of(model, emb_mod)
     head_mod = (model.get_output_embeddings()
                 if callable(getattr(model, "get_output_embeddings", None)) else None)
     head = _name_of(model, head_mod) if isinstance(head_mod, nn.Linear) else None
+    whole_table = emb_name is not None and reads_table_rows(model)
+    if whole_table:  # kept whole, and an LM head tied to it too
+        for k in [k for k in plan if fnmatch.fnmatchcase(emb_name, k)]:
+            del plan[k]
+        if head is not None and getattr(head_mod, "weight", None) is getattr(emb_mod, "weight", 0):
+            for k in [k for k in plan if fnmatch.fnmatchcase(head, k)]:
+                del plan[k]
+            head = None
+    if emb_name and not whole_table and not any(fnmatch.fnmatchcase(emb_name, k) for k in plan):
+        plan[emb_name] = VocabParallelEmbeddingStyle()
     if head is not None:
         for k in [k for k in plan if fnmatch.fnmatchcase(head, k)]:
             del plan[k]
@@ -242,6 +251,25 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                     ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
     return with_generate(ordered, model, head, loss_parallel)
+
+
+def reads_table_rows(model: nn.Module) -> bool:
+    """Whether a forward of the model reads rows of its input embedding's table itself
+    (Gemma 4's multimodal forward takes ``embed_tokens.weight[pad_token_id]``): a
+    vocabulary-parallel table would hand it a sharded ``DTensor``, so the table stays whole."""
+    seen = set()
+    for m in model.modules():
+        cls = type(m)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if re.search(r"embed_tokens\.weight\[", src):
+            return True
+    return False
 
 
 def _check_whole_feature_statistics(modules: Dict[str, nn.Module], names: List[str],

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import derive as derived
 from . import hf_plan
+from .derive import DerivedPlan, derive
 from .generate import MeshInputFullLogits, with_generate
 from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
 from .sequence import Chain, find_module
@@ -40,7 +41,8 @@ from .style import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
     SequenceParallel, Shard, ShardedAttention)
 
-__all__ = ["auto", "llama", "gpt2", "gpt_neox", "decoder", "check", "PlanReport"]
+__all__ = ["auto", "derive", "DerivedPlan", "llama", "gpt2", "gpt_neox", "decoder", "check",
+           "PlanReport"]
 
 Plan = Dict[str, ParallelStyle]
 
@@ -282,9 +284,15 @@ def _peft_base_model(model: nn.Module) -> Optional[nn.Module]:
 def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
          loss_parallel: bool = False, experts: str = "tp", derive: bool = False) -> Plan:
     """The TP plan for ``model``: a Hugging Face model from its own ``base_model_tp_plan``
-    (:func:`tpx.parallel.hf_plan.translate`) or, for GPT-2, by hand; otherwise a plain decoder
-    in torchtitan's or gpt-fast's names. Head counts are checked against the TP size when the plan is applied: heads that
-    do not divide raise a ``ValueError`` naming the numbers.
+    (:func:`tpx.parallel.hf_plan.translate`) or, for GPT-2, by hand; a plain decoder in
+    torchtitan's or gpt-fast's names by hand; any other model (a Hugging Face model without a
+    plan, a module in names tpx has never seen), or any model with ``derive=True``, by a plan
+    derived from its computation (:func:`tpx.parallel.derive.derive`: a
+    :class:`~tpx.parallel.derive.DerivedPlan`, which ``tpx.parallelize_module`` proves on a
+    copy of the model against the unsharded one before it changes anything, raising
+    ``ValueError`` naming the first module that differs). Head counts are checked against the
+    TP size when the plan is applied: heads that do not divide raise a ``ValueError`` naming
+    the numbers.
 
     ``layout``: ``"1d"`` (the default: Megatron-style column/row parallelism over a TP group)
     or ``"2d"``, ``"2.5d"``, ``"3d"`` (apply the plan with a mesh from

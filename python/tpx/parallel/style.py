@@ -31,7 +31,7 @@ __all__ = ["Replicate", "Shard", "ParallelStyle", "ColwiseParallel", "RowwisePar
            "NoParallel", "ReplicatedWithGradAllReduce", "apply_style", "is_style", "torch_style"]
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2): a linear layer whose weight is stored ``[in, out]``."""
     return (type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
             and getattr(module, "weight", None) is not None
@@ -99,7 +99,7 @@ def _linear_parts(style: str, module: nn.Module):
                 "parameter tied to one an earlier parallelize_module call sharded?). Tie "
                 "parameters again after both modules are parallelized")
         return module.in_features, module.out_features, module.weight, module.bias, False
-    if _is_conv1d(module):
+    if is_conv1d(module):
         return module.nx, module.nf, module.weight.t(), module.bias, True
     raise ValueError(f"tpx.{style} applies to nn.Linear, Hugging Face Conv1D or nn.Embedding; "
                      f"got {type(module).__name__}")
@@ -375,7 +375,7 @@ class SequenceParallel(ParallelStyle):
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
         linears = [n for n, m in module.named_modules()
-                   if isinstance(m, nn.Linear) or _is_conv1d(m)]
+                   if isinstance(m, nn.Linear) or is_conv1d(m)]
         if linears:
             raise ValueError(
                 f"tpx.SequenceParallel applies to modules that work row by row (LayerNorm, "
