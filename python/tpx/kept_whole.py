@@ -20,6 +20,9 @@ checkpoints and clipping."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import weakref
 from typing import Dict
 
@@ -93,6 +96,7 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
         for child in m.children():
             parent_of.setdefault(id(child), m)
     by_parent: Dict[int, list] = {}
+    by_owner: Dict[int, list] = {}
     for owner in module.modules():
         if lays_out_params(owner):
             continue
@@ -119,6 +123,7 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
                 owner._parameters[name] = new
             owned.append((owner, name))
         if owned:
+            by_owner[id(owner)] = owned
             _hook(owner, owned)
             guard_state_dict(owner)  # load_state_dict takes the full tensors too
             parent = parent_of.get(id(owner))
@@ -128,6 +133,27 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
     # to a function, Qwen3-Next's and Mamba's mixers): the parent swaps its children's in too.
     for parent, owned in by_parent.values():
         _hook(parent, owned, watch=False)
+    # A forward may read a parameter further down its tree (Gemma 4's multimodal forward
+    # reads ``self.language_model.embed_tokens.weight[pad_token_id]``): it swaps that in too.
+    for m in module.modules():
+        for path in _deep_reads(type(m)):
+            try:
+                sub = m.get_submodule(path)
+            except AttributeError:
+                continue
+            if id(sub) in by_owner and parent_of.get(id(sub)) is not m:
+                _hook(m, by_owner[id(sub)], watch=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _deep_reads(cls: type) -> tuple:
+    """The submodule paths of two or more steps whose ``weight`` / ``bias`` the forward of
+    ``cls`` reads itself (``self.a.b.weight``)."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ()
+    return tuple(sorted(set(re.findall(r"self\.((?:\w+\.)+\w+)\.(?:weight|bias)\b", src))))
 
 
 def _hook(module: nn.Module, owned, watch: bool = True) -> None:

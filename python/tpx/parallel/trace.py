@@ -155,6 +155,7 @@ def trace(model: nn.Module, example: Dict[str, Tensor]) -> Trace:
         if is_projection(mod) or isinstance(mod, nn.Embedding):
             hooks.append(mod.register_forward_hook(post(name, mod)))
     was_training = model.training
+    saved = _state(model)
     model.eval()
     try:
         with torch.enable_grad(), mode:
@@ -165,7 +166,26 @@ def trace(model: nn.Module, example: Dict[str, Tensor]) -> Trace:
         for h in hooks:
             h.remove()
         model.train(was_training)
+        _restore(model, saved)
     return tr
+
+
+def _state(model: nn.Module) -> list:
+    """Each module's tensor attributes and buffers, to put back after the traced forward (a
+    model that keeps state between calls, RecurrentGemma's recurrent states, must not keep
+    the traced batch's)."""
+    return [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)},
+             dict(m._buffers)) for m in model.modules()]
+
+
+def _restore(model: nn.Module, saved: list) -> None:
+    for m, attrs, buffers in saved:
+        for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in attrs]:
+            delattr(m, k)
+        for k, v in attrs.items():
+            m.__dict__[k] = v
+        m._buffers.clear()
+        m._buffers.update(buffers)
 
 
 # ------------------------------------------------------------------ pairs and their units
