@@ -282,13 +282,11 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         pair = analyse(model, tr, sources, sink, why)
         if pair is None:
             continue
-        for s in sources:
-            plan[s] = _UnitColwise(pair, s)
-        plan[sink] = _Rowwise()
-        for r in pair.region:
-            plan[r] = ReplicatedWithGradAllReduce()
-        if pair.heads:
+        if pair.heads:  # the attention module first: its head-count check is the error seen
             owner = pair.owner
+            if owner in plan:  # two pairs under one module (self- and cross-attention)
+                kept[sink] = f"a second attention under {owner!r}"
+                continue
             style = ShardedAttention(pair.heads, pair.kv_heads,
                                      update=_local_counts(pair.heads, pair.kv_heads, pair.width,
                                                           [n[len(owner) + 1:] if owner else n
@@ -296,13 +294,12 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
                                      out_proj=sink[len(owner) + 1:] if owner else sink)
             if pair.head_inputs:
                 style = Chain(style, _HeadInputs(pair.heads, pair.head_inputs))
-            if owner in plan:  # two pairs under one module (self- and cross-attention)
-                kept[sink] = f"a second attention under {owner!r}"
-                for s in sources:
-                    del plan[s]
-                del plan[sink]
-                continue
             plan[owner] = style
+        for s in sources:
+            plan[s] = _UnitColwise(pair, s)
+        plan[sink] = _Rowwise()
+        for r in pair.region:
+            plan[r] = ReplicatedWithGradAllReduce()
     kept.update(why)
     emb = model.get_input_embeddings() if callable(
         getattr(model, "get_input_embeddings", None)) else None
