@@ -334,10 +334,18 @@ def test_activation_sparse_mlp_is_a_clear_error():
     # Gemma 3n's MLP keeps the activations above mean + k std over all intermediate features:
     # split column-wise, each rank's statistics cover half of them (logits off by 0.36 at TP 2
     # with the plan's other refusal, a weightless v_norm, taken out of the way).
+    # tpx.plans.auto then derives a plan (proved when applied) that keeps that MLP whole.
+    from tpx.parallel import hf_plan
+
     model = tiny("gemma3n_text")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp \(Gemma3nTextMLP\).*"
                                          r"activation_sparsity"):
-        tpx.plans.auto(model)
+        hf_plan.translate(model)
+    with pytest.warns(UserWarning, match="own TP plan cannot be applied"):
+        plan = tpx.plans.auto(model)
+    assert isinstance(plan, tpx.plans.DerivedPlan)
+    assert "model.layers.0.mlp.down_proj" not in plan
+    assert "model.layers.0.self_attn.o_proj" in plan
 
 
 def test_unnamed_parameters_inside_split_attention_are_a_clear_error():
@@ -346,9 +354,13 @@ def test_unnamed_parameters_inside_split_attention_are_a_clear_error():
     kw = dict(COMMON, **ARCHS["cohere"], use_qk_norm=True)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model("cohere", **kw))
+    from tpx.parallel import hf_plan
+
     with pytest.raises(ValueError, match=r"model\.layers\.\*\.self_attn\.q_norm \(CohereLayerNorm\)"
                                          r" has parameters.*the plan does not name it"):
-        tpx.plans.auto(model)
+        hf_plan.translate(model)
+    with pytest.warns(UserWarning, match="own TP plan cannot be applied"):
+        assert isinstance(tpx.plans.auto(model), tpx.plans.DerivedPlan)
 
 
 def test_a_style_that_sums_gradients_leaves_a_module_without_parameters_whole():

@@ -135,6 +135,8 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
         _hook(parent, owned, watch=False)
     # A forward may read a parameter further down its tree (Gemma 4's multimodal forward
     # reads ``self.language_model.embed_tokens.weight[pad_token_id]``): it swaps that in too.
+    # A method other than forward may read a child's parameter (Gemma 3n's AltUp.correct,
+    # called from the decoder layer's forward): the module's parent swaps it in too.
     for m in module.modules():
         for path in _deep_reads(type(m)):
             try:
@@ -143,6 +145,17 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
                 continue
             if id(sub) in by_owner and parent_of.get(id(sub)) is not m:
                 _hook(m, by_owner[id(sub)], watch=False)
+        parent = parent_of.get(id(m))
+        for path in _method_reads(type(m)) if parent is not None else ():
+            try:
+                sub = m.get_submodule(path)
+            except AttributeError:
+                continue
+            if id(sub) in by_owner:
+                _hook(parent, by_owner[id(sub)], watch=False)
+
+
+_READS = r"self\.((?:\w+\.)*\w+)\.(?:weight|bias)\b"
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +166,23 @@ def _deep_reads(cls: type) -> tuple:
         src = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return ()
-    return tuple(sorted(set(re.findall(r"self\.((?:\w+\.)+\w+)\.(?:weight|bias)\b", src))))
+    return tuple(sorted({p for p in re.findall(_READS, src) if "." in p}))
+
+
+@functools.lru_cache(maxsize=None)
+def _method_reads(cls: type) -> tuple:
+    """The submodule paths whose ``weight`` / ``bias`` a method of ``cls`` other than
+    ``forward``, defined in a model's own code (not torch's), reads (``self.a.weight``)."""
+    out = set()
+    for name, fn in vars(cls).items():
+        if name == "forward" or not inspect.isfunction(fn):
+            continue
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        out.update(re.findall(_READS, src))
+    return tuple(sorted(out))
 
 
 def _hook(module: nn.Module, owned, watch: bool = True) -> None:

@@ -208,6 +208,9 @@ class DerivedPlan(dict):
             trial.eval()
             if dtype is not None:
                 trial.to(dtype)
+            failing: List[str] = []  # the innermost module a failing forward was in
+            for name, mod in trial.named_modules():
+                mod.register_forward_hook(_note_failure(name, failing), always_call=True)
             try:
                 report = check(trial, target, dict(self.proof_plan), *args, rtol=1e-3,
                                **kwargs)
@@ -215,10 +218,12 @@ class DerivedPlan(dict):
             except Exception as e:  # the same on every rank: the plan fails before it computes
                 if dtype is not None and isinstance(e, RuntimeError):
                     continue
+                where = f" in {failing[0]!r}" if failing else ""
                 raise ValueError(
                     f"tpx.plans.auto: the plan tpx derived for {self.model_name} fails on a copy "
-                    f"of the model at TP {pg.size()}: {type(e).__name__}: {e}. Nothing was "
-                    "changed; write the plan by hand, or use a TP size the error allows") from e
+                    f"of the model at TP {pg.size()}{where}: {type(e).__name__}: {e}. Nothing "
+                    "was changed; write the plan for that module by hand, or use a TP size the "
+                    "error allows") from e
             finally:
                 del trial
         self.report = report
@@ -234,6 +239,15 @@ class DerivedPlan(dict):
                 "changed. Write the plan for that module by hand (a dict of module names to "
                 "styles), or leave it whole by removing its entries from the plan.\n"
                 + str(report))
+
+
+def _note_failure(name: str, failing: List[str]):
+    """A forward hook called even when the forward raises (then with no output): the first
+    module it reports that way is the innermost one the error came from."""
+    def hook(mod, args, out):
+        if out is None and not failing:
+            failing.append(name)
+    return hook
 
 
 def _shared_elsewhere(model: nn.Module, head: str, emb) -> bool:

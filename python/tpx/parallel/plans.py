@@ -334,8 +334,21 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
             return _HF_FAMILIES[model_type](model, sequence_parallel=sequence_parallel,
                                             loss_parallel=loss_parallel)
         if hf_plan.has_plan(model):
-            return hf_plan.translate(model, sequence_parallel=sequence_parallel,
-                                     loss_parallel=loss_parallel, experts=experts)
+            try:
+                return hf_plan.translate(model, sequence_parallel=sequence_parallel,
+                                         loss_parallel=loss_parallel, experts=experts)
+            except ValueError as e:
+                if sequence_parallel or experts != "tp":
+                    raise
+                # The shipped plan cannot be applied as written (it splits what must stay
+                # whole): a derived plan, proved when applied, in its place.
+                import warnings
+
+                warnings.warn(f"tpx.plans.auto: the model's own TP plan cannot be applied "
+                              f"({e}); using a plan derived from its computation instead, "
+                              "proved against the unsharded model when it is applied",
+                              UserWarning, stacklevel=2)
+                return derived.derive(model, loss_parallel=loss_parallel)
         # No plan shipped: derived from the model's computation, proved when applied.
         return derived.derive(model, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel)

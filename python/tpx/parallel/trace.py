@@ -344,9 +344,12 @@ def _head_count(model: nn.Module, owner: nn.Module, width: int, groups: int,
     cfg = text_config(model) if getattr(model, "config", None) is not None else None
     values = list(vars(owner).values())
     if cfg is not None:
-        values += [getattr(cfg, a, None) for a in ("num_attention_heads", "n_head", "num_heads",
-                                                   "decoder_attention_heads",
-                                                   "encoder_attention_heads")]
+        for a in ("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads",
+                  "encoder_attention_heads"):
+            try:
+                values.append(getattr(cfg, a, None))
+            except Exception:  # noqa: BLE001 - a per-layer value the config will not give whole
+                continue
     for v in values:
         if isinstance(v, int) and not isinstance(v, bool) and v > groups and width % v == 0 \
                 and v % groups == 0 and (width // v) % b == 0 and width // v >= 2:
