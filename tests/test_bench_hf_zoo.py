@@ -4,7 +4,7 @@ subset (two layouts tpx once read wrong, one it could not take, and Llama; and t
 from ``save_pretrained`` files by ``tpx.from_pretrained``); ``make test-slow`` runs tpx over
 the whole zoo at TP 2, sharded in memory and loaded from files, and requires that no type is
 silently wrong or crashes: each trains equal to one device or is refused by tpx with an
-error that says so."""
+error that says so; and the same for the models that ship no plan, through derived plans."""
 
 import json
 import sys
@@ -74,6 +74,23 @@ def test_whole_zoo_never_silently_wrong(tmp_path, impl):
     assert not bad, json.dumps(bad, indent=1)
     assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
                if r["status"] == "refused")
+
+
+@pytest.mark.slow
+def test_models_without_a_plan_never_silently_wrong(tmp_path):
+    # every causal LM whose config ships no TP plan, through the plan tpx derives and proves:
+    # each trains equal to one device or is refused naming the module, never silently wrong;
+    # "broken": the unsharded model fails on its own (13 of transformers 5.24's 80)
+    import hf_tiny
+
+    rows = _zoo(tmp_path, "--tp", "2", "--set", "no-plan", "--impls", "tpx", "--timeout",
+                "300", timeout=3600)
+    assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.no_plan_types())
+    bad = [r for r in rows if r["status"] not in ("pass", "refused", "broken")]
+    assert not bad, json.dumps(bad, indent=1)
+    assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
+               if r["status"] == "refused")
+    assert sum(r["status"] == "pass" for r in rows) >= 45, rows
 
 
 @pytest.mark.slow

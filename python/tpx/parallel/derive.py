@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from .base import ParallelStyle, TPContext
 from .generate import with_generate
-from .hf_styles import VocabParallelEmbeddingStyle
+from .hf_styles import VocabParallelEmbeddingStyle, is_scaled_embedding
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
 from .sequence import Chain
 from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard
@@ -334,7 +334,14 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     tied = (head is not None and isinstance(emb, nn.Embedding)
             and model.get_submodule(head).weight is emb.weight)
     whole_table = isinstance(emb, nn.Embedding) and reads_table_rows(model)
-    if whole_table:
+    if isinstance(emb, nn.Embedding) and not whole_table and not (
+            type(emb).forward is nn.Embedding.forward or is_scaled_embedding(emb)):
+        whole_table = True  # a forward of its own (Inkling's normed embedding) stays whole
+        kept[modules.get(emb, "input embedding")] = "an nn.Embedding with a forward of its own"
+        if tied:
+            kept[head] = "tied to the input embedding, which stays whole"
+            head = None
+    elif whole_table:
         kept[modules.get(emb, "input embedding")] = ("the model's forward reads rows of its "
                                                      "table itself")
         if tied:

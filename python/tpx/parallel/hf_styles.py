@@ -101,7 +101,7 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
         if type(module).forward is nn.Embedding.forward:
             return RowwiseParallel(input_layouts=Replicate()).apply(module, ctx)
         scale = getattr(module, "embed_scale", None)
-        if not _is_scaled_embedding(module):
+        if not is_scaled_embedding(module):
             raise ValueError(
                 f"tpx.hf_plan: {type(module).__name__} subclasses nn.Embedding with its own "
                 "forward, which a vocab-parallel embedding would drop. tpx keeps the forward "
@@ -136,7 +136,7 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
         return "VocabParallelEmbeddingStyle()"
 
 
-def _is_scaled_embedding(module: nn.Module) -> bool:
+def is_scaled_embedding(module: nn.Module) -> bool:
     """A subclass of nn.Embedding whose forward is the lookup times ``self.embed_scale``."""
     if not hasattr(module, "embed_scale"):
         return False
