@@ -61,13 +61,15 @@ class _Mixer(nn.Module):
         self.c = nn.Linear(d, nkv * self.hd)
         self.d = nn.Linear(nh * self.hd, d)
 
+    def heads(self, y, count):
+        """``y`` [n, t, count * hd] as [n, count, t, hd]."""
+        return y.view(*y.shape[:2], count, self.hd).transpose(1, 2)
+
     def forward(self, x):
         n, t, _ = x.shape
-        q = self.a(x).view(n, t, self.nh, self.hd).transpose(1, 2)
-        k = self.b(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
-        v = self.c(x).view(n, t, self.nkv, self.hd).transpose(1, 2)
-        k = k.repeat_interleave(self.nh // self.nkv, 1)
-        v = v.repeat_interleave(self.nh // self.nkv, 1)
+        q = self.heads(self.a(x), self.nh)
+        k = self.heads(self.b(x), self.nkv).repeat_interleave(self.nh // self.nkv, 1)
+        v = self.heads(self.c(x), self.nkv).repeat_interleave(self.nh // self.nkv, 1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.d(o.transpose(1, 2).reshape(n, t, -1))
 
@@ -124,7 +126,7 @@ def _build(spec):
     return Net(nkv=spec[1]) if isinstance(spec, tuple) else _hf(spec)
 
 
-def _train_like_unsharded(rank, world, spec, steps=3):
+def _train_like_unsharded(rank, world, spec, steps=3, save_dir=None):
     torch.manual_seed(0)
     ref = _build(spec)
     model = copy.deepcopy(ref)
@@ -154,6 +156,18 @@ def _train_like_unsharded(rank, world, spec, steps=3):
             o.zero_grad()
     assert_like_unsharded(model, ref, f"{what} after {steps} AdamW steps", rtol=1e-4,
                           atol=5e-5)
+    if save_dir is not None:  # every rank writes its part; the files equal one device's
+        import os
+
+        import torch.distributed as dist
+        from test_plain_loop import _assert_same_files
+
+        model.save_pretrained(os.path.join(save_dir, "tp"))
+        if rank == 0:
+            ref.save_pretrained(os.path.join(save_dir, "one"))
+        dist.barrier()
+        _assert_same_files(os.path.join(save_dir, "tp"), os.path.join(save_dir, "one"), what,
+                           atol=5e-5)
 
 
 @pytest.mark.parametrize("arch", ["bloom", "falcon", "opt", "gpt_bigcode"])
@@ -176,6 +190,13 @@ def test_derived_tp3(arch):
 @pytest.mark.parametrize("arch", ["falcon", "gpt_bigcode", "stablelm", "bart-seq2seq"])
 def test_derived_tp3_slow(arch):
     run_ranks(_train_like_unsharded, 3, arch)
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "falcon-groups"])
+def test_derived_plan_save_pretrained(tmp_path, arch):
+    # fused projections split in rows no DTensor states (one KV head held by every rank,
+    # groups of [q q q k v]) written back by every rank as one device writes them
+    run_ranks(_train_like_unsharded, 2, arch, 2, str(tmp_path))
 
 
 @pytest.mark.parametrize("world,nkv", [(2, 2), (3, 3), (2, 1)])
@@ -216,13 +237,8 @@ class _FixedHeads(_Mixer):
 
     NH = 6
 
-    def forward(self, x):
-        n, t, _ = x.shape
-        q = self.a(x).view(n, t, self.NH, -1).transpose(1, 2)
-        k = self.b(x).view(n, t, self.NH, -1).transpose(1, 2)
-        v = self.c(x).view(n, t, self.NH, -1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.d(o.transpose(1, 2).reshape(n, t, -1))
+    def heads(self, y, count):
+        return y.view(*y.shape[:2], self.NH, -1).transpose(1, 2)
 
 
 def _refused(rank, world):

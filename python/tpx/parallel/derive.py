@@ -80,7 +80,7 @@ class _UnitColwise(ColwiseParallel):
         return super().apply(module, ctx)
 
     def _out_rows(self, out_f: int, world: int):
-        return self.pair.rank_rows(self.source, out_f, world)
+        return self.pair.rank_rows(self.source, world)
 
     def __repr__(self) -> str:
         kind = f"{self.pair.heads} heads" if self.pair.heads else "columns"

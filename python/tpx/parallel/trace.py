@@ -203,7 +203,7 @@ class Pair:
     region: List[str] = field(default_factory=list)  # modules with parameters in between
     head_inputs: List[Tuple[object, int]] = field(default_factory=list)  # (arg key, dim)
 
-    def rank_rows(self, source: str, out_f: int, world: int) -> List[List[Tuple[int, int]]]:
+    def rank_rows(self, source: str, world: int) -> List[List[Tuple[int, int]]]:
         out = []
         for r in range(world):
             a, b = shard_bounds(self.width, r, world)
