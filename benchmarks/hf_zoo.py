@@ -61,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import hf_tiny  # noqa: E402
 from common import (append_jsonl, environment, format_table, run_case_group,  # noqa: E402
                     status_of_error, write_json)
 
@@ -104,7 +105,8 @@ def _load(ref, arch: str, dtype: torch.dtype):
     dist.barrier()
     # its config object: the tiny configs' eager attention and experts (float64) are settings
     # of the object that config.json does not carry
-    return tpx.from_pretrained(path, dtype=dtype, config=copy.deepcopy(ref.config)).train()
+    return tpx.from_pretrained(path, dtype=dtype, config=copy.deepcopy(ref.config),
+                               model_class=hf_tiny.auto_class(arch)).train()
 
 
 def _saved_back(model, ref, arch: str, dtype: torch.dtype):
@@ -117,7 +119,7 @@ def _saved_back(model, ref, arch: str, dtype: torch.dtype):
     model.save_pretrained(path)
     if dist.get_rank() != 0:
         return None
-    back = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+    back = hf_tiny.auto_class(arch).from_pretrained(path, dtype=dtype).state_dict()
     for key, value in ref.state_dict().items():
         if key not in back:
             return f"{key} missing from the saved directory"
@@ -150,23 +152,37 @@ def _full_state(impl: str, model):
     return {k: _full(v) for k, v in model.state_dict().items()}
 
 
-def _batch(step: int, impl: str) -> torch.Tensor:
+def _batch(step: int, impl: str, model=None, dtype=torch.float32) -> dict:
+    """Step ``step``'s inputs: 2 x 16 random token ids (15 for ``tpx-sp``), their labels the
+    ids; given the unsharded ``model`` of a vision-language type, one tiny random image per
+    sequence before them (``hf_tiny.image_batch``)."""
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(3, 1003, (2, 15 if impl == "tpx-sp" else 16), generator=g)
+    ids = torch.randint(3, 1003, (2, 15 if impl == "tpx-sp" else 16), generator=g)
+    batch = hf_tiny.image_batch(model, ids, g) if model is not None else None
+    if batch is None:
+        return dict(input_ids=ids, labels=ids)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
-def _trains_in(model, dtype: torch.dtype, impl: str) -> torch.dtype:
-    """The dtype in which the unsharded ``model`` trains a step (on a copy): ``dtype``, else
-    float32 (a few compute a part in float32 on purpose, e.g. a router whose weight is made
-    float32); raises what the model raises when it trains in neither."""
+def _trains_in(model, dtype: torch.dtype, impl: str):
+    """``(dtype, images)``: the dtype in which the unsharded ``model`` trains a step (on a
+    copy): ``dtype``, else float32 (a few compute a part in float32 on purpose, e.g. a router
+    whose weight is made float32); ``images``: whether it does so on inputs with an image
+    (tried first for a vision-language model; text alone otherwise). Raises what the model
+    raises when it trains in neither dtype."""
     error = None
     for dt in dict.fromkeys((dtype, torch.float32)):
-        ids = _batch(0, impl)
-        try:
-            copy.deepcopy(model).to(dt)(input_ids=ids, labels=ids).loss.backward()
-            return dt
-        except RuntimeError as e:
-            error = e
+        for images in (True, False):
+            try:
+                m = copy.deepcopy(model).to(dt)
+                batch = _batch(0, impl, m if images else None, dt)
+                if images and "pixel_values" not in batch:
+                    continue
+                m(**batch).loss.backward()
+                return dt, images
+            except Exception as e:  # noqa: BLE001 - the text-only try decides
+                if not images:
+                    error = e
     raise error
 
 
@@ -174,7 +190,7 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     try:  # the unsharded model alone
         ref = tiny(arch)
-        dtype = _trains_in(ref, dtype, impl)
+        dtype, images = _trains_in(ref, dtype, impl)
     except Exception as e:  # noqa: BLE001 - recorded
         line = (str(e).strip().splitlines() or [""])[0]
         return dict(status="broken", detail=f"unsharded: {type(e).__name__}: {line}"[:300])
@@ -185,12 +201,13 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
         model = copy.deepcopy(ref)
         _shard(impl, model, world)
     split = _split_fraction(model, ref)
+    inputs = "text and an image" if images else "text"
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
     worst = (0.0, "")
     for step in range(STEPS):
-        ids = _batch(step, impl)
-        out_ref = ref(input_ids=ids, labels=ids)
-        out = model(input_ids=ids, labels=ids)
+        batch = _batch(step, impl, ref if images else None, dtype)
+        out_ref = ref(**batch)
+        out = model(**batch)
         for what, a, b, rtol, atol in (("logits", _full(out.logits), out_ref.logits, 1e-4, 2e-5),
                                        ("loss", _full(out.loss), out_ref.loss, 1e-5, 1e-5)):
             excess, diff = _excess(a, b, rtol, atol)
@@ -225,9 +242,10 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
         wrong = _saved_back(model, ref, arch, dtype)
         if wrong is not None:
             return dict(status="wrong", detail=wrong)
-    return dict(status="pass", split=round(split, 3),
+    return dict(status="pass", split=round(split, 3), inputs=inputs,
                 detail=f"largest difference of a parameter {worst[0]:.1e} "
-                       f"({worst[1]}; {str(dtype)[6:]}); {split:.0%} of the parameters split")
+                       f"({worst[1]}; {str(dtype)[6:]}); {split:.0%} of the parameters split; "
+                       f"inputs: {inputs}")
 
 
 def _split_fraction(model, ref) -> float:
@@ -295,21 +313,22 @@ def run(archs, world: int, impls, timeout: float, dtype: torch.dtype, chunk: int
 
 
 def main() -> None:
-    import hf_tiny
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--archs", default=None, help="default: every zoo type")
-    parser.add_argument("--set", default="plan", choices=["plan", "no-plan"],
+    parser.add_argument("--set", default="plan", choices=["plan", "no-plan", "multimodal"],
                         help="without --archs: the causal LMs whose config carries a TP plan "
-                             "(default) or those without one (tpx derives their plans)")
+                             "(default), those without one (tpx derives their plans), or the "
+                             "image / audio / video to text, multimodal and seq2seq models "
+                             "with a plan")
     parser.add_argument("--impls", default="tpx,hf")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--out", default=str(HERE / "results" / "hf_zoo.json"))
     args = parser.parse_args()
-    archs = (args.archs.split(",") if args.archs else hf_tiny.zoo_types()
-             if args.set == "plan" else hf_tiny.no_plan_types())
+    archs = (args.archs.split(",") if args.archs else
+             dict(plan=hf_tiny.zoo_types, multimodal=hf_tiny.multimodal_types,
+                  **{"no-plan": hf_tiny.no_plan_types})[args.set]())
     impls = args.impls.split(",")
     accelerate = importlib.util.find_spec("accelerate") is not None
     rows = []

@@ -44,6 +44,7 @@ import torch
 import transformers
 
 V = 1003  # does not divide by 2 or 4
+MAX_PARAMS = 150_000_000  # a tiny model larger than this is refused before it is built
 
 # Sizes set outright (ints, and lists of them).
 FIXED = dict(
@@ -51,6 +52,8 @@ FIXED = dict(
     intermediate_size=88, ffn_hidden_size=88, intermediate_size_mlp=88,
     dense_intermediate_size=88, num_attention_heads=8, n_head=8, swa_num_attention_heads=8,
     head_dim=8, swa_head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64,
+    # a vision tower's output, a quantizer's codes: the text model's width
+    out_hidden_size=64, text_hidden_size=64, audio_hidden_size=64, codebook_dim=64,
 )
 # Sizes shrunk to at most the target (None, 0 and smaller values stay as they are).
 AT_MOST = dict(
@@ -166,7 +169,10 @@ def no_tp_plan(mt: str):
 
     if mt not in CONFIG_MAPPING:
         return f"transformers {transformers.__version__} has no model type {mt!r}"
-    if not getattr(transformers.AutoConfig.for_model(mt), "base_model_tp_plan", None):
+    cfg = transformers.AutoConfig.for_model(mt)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if not (getattr(cfg, "base_model_tp_plan", None)
+            or getattr(text, "base_model_tp_plan", None)):
         return f"transformers {transformers.__version__} ships no TP plan for {mt!r}"
     return None
 
@@ -196,7 +202,8 @@ def _sizes(d: dict) -> dict:
             c[k] = [FIXED[k]] * len(v) if isinstance(v, list) else FIXED[k]
         elif k in AT_MOST and _is_int(v) and v > 0:
             c[k] = min(v, AT_MOST[k])
-        elif ("dropout" in k or "pdrop" in k or "jitter" in k) and isinstance(v, float):
+        elif ("dropout" in k or "pdrop" in k or "jitter" in k or "drop_path" in k) and isinstance(
+                v, float):
             c[k] = 0.0
         elif k.endswith(("token_id", "token_index")) and _is_int(v) and v >= V:
             c[k] = SPECIAL.get(k, v % V)
@@ -232,6 +239,14 @@ def _sizes(d: dict) -> dict:
         c["rope_parameters"] = _rope(d["rope_parameters"])
     if d.get("use_cache"):
         c["use_cache"] = False  # training only: no KV / state caches
+    patch, size = d.get("patch_size"), d.get("image_size")
+    if isinstance(patch, (list, tuple)) and patch and _is_int(patch[0]):
+        patch = patch[0]
+    if _is_int(patch) and _is_int(size) and size > 8 * patch:
+        c["image_size"] = 8 * patch  # a vision tower sees 8 x 8 patches
+    elif (_is_int(patch) and isinstance(size, (list, tuple)) and size
+          and all(_is_int(x) for x in size) and max(size) > 8 * patch):
+        c["image_size"] = type(size)(8 * patch for _ in size)
     return c
 
 
@@ -336,20 +351,52 @@ def _scaled(layer: dict, d: dict, c: dict) -> dict:
 # XLNet), shrunk only there so that the planned families' tiny configs stay as they were.
 NO_PLAN_AT_MOST = dict(d_model=96, encoder_ffn_dim=88, decoder_ffn_dim=88, ffn_dim=88,
                        emb_dim=96, d_inner=88, max_seq_len=64)
+# A vision or audio tower's width and depth under names of its own (Qwen2-VL's).
+NESTED_AT_MOST = dict(embed_dim=64, depth=2)
+# Head counts of a width shrunk above (and a vision or audio tower's ``num_heads``): made to
+# divide it.
+WIDTH_HEADS = ("encoder_attention_heads", "decoder_attention_heads")
+# Text models whose rotary embedding is cut into (time, height, width) sections that default
+# to a full-size head: the sections are redrawn for the tiny head.
+MROPE = ("glm4v_text", "glm4v_moe_text", "glm_ocr_text", "qwen2_vl_text", "qwen2_5_vl_text",
+         "paddleocr_vl_text", "qwen2_5_omni_text", "hunyuan_vl_text", "unlimited_ocr_text",
+         "ernie4_5_vl_moe_text")
 
 
-def _tiny_fields(cfg) -> dict:
-    """The changes that make ``cfg`` tiny (sub-configs included)."""
+def _mrope(d: dict, c: dict) -> dict:
+    """``rope_parameters`` with ``mrope_section`` summing to half the tiny head's rotary part
+    (``qk_rope_head_dim``, else head dim 8 times ``partial_rotary_factor``)."""
+    rope = dict(d.get("rope_parameters") or {})
+    half = (c["qk_rope_head_dim"] if _is_int(c.get("qk_rope_head_dim")) else int(
+        8 * rope.get("partial_rotary_factor", d.get("partial_rotary_factor") or 1))) // 2
+    rope["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
+    return rope
+
+
+def _tiny_fields(cfg, nested: bool = False) -> dict:
+    """The changes that make ``cfg`` tiny (sub-configs included; ``nested``: ``cfg`` is one,
+    e.g. a vision or audio tower)."""
     d = _fields(cfg)
     c = _sizes(d)
     if not getattr(cfg, "base_model_tp_plan", None):
         for k, v in NO_PLAN_AT_MOST.items():
             if _is_int(d.get(k)) and d[k] > v:
                 c[k] = v
+        if nested:
+            for k, v in NESTED_AT_MOST.items():
+                if _is_int(d.get(k)) and d[k] > v:
+                    c[k] = v
+        width = c.get("d_model", c.get("embed_dim", c.get("hidden_size")) if nested else None)
+        for k in WIDTH_HEADS + (("num_heads",) if nested else ()):
+            if width and _is_int(d.get(k)) and width % d[k]:
+                c[k] = max(h for h in range(1, d[k] + 1) if width % h == 0)
+    if d.get("model_type") in MROPE or (
+            nested and "mrope_section" in (d.get("rope_parameters") or {})):
+        c["rope_parameters"] = _mrope(d, c)
     c.update(_layers(d, c))
     for k, v in d.items():
         if isinstance(v, transformers.PretrainedConfig):
-            sub = _tiny_fields(v)
+            sub = _tiny_fields(v, nested=True)
             c[k] = {**v.to_dict(), **sub}
     c.update(TYPES.get(d.get("model_type"), {}))
     return c
@@ -367,9 +414,108 @@ def tiny_config(mt: str, **overrides):
 
 
 def tiny(mt: str, **overrides):
-    """A tiny randomly initialised float32 causal LM of model type ``mt`` (seed left alone)."""
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(mt, **overrides))
-    return model.float()
+    """A tiny randomly initialised float32 model of type ``mt`` (seed left alone): the causal
+    LM, or for :func:`multimodal_types` the generative class of :func:`auto_class`."""
+    cls, cfg = auto_class(mt), tiny_config(mt, **overrides)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls.from_config(cfg).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"the tiny config of {mt!r} still has {n:,d} parameters (more than "
+                         f"{MAX_PARAMS:,d}): a part the rules do not shrink")
+    return cls.from_config(cfg).float()
+
+
+def _generative_mappings():
+    from transformers.models.auto import modeling_auto as ma
+    return [(ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM"),
+            (ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, "AutoModelForImageTextToText"),
+            (ma.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, "AutoModelForMultimodalLM"),
+            (ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "AutoModelForSeq2SeqLM"),
+            (ma.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, "AutoModelForSpeechSeq2Seq")]
+
+
+def auto_class(mt: str):
+    """transformers' auto class that builds the generative model of type ``mt``: the causal
+    LM where there is one, else image-text-to-text, multimodal LM, seq2seq LM or speech
+    seq2seq, in that order."""
+    for mapping, name in _generative_mappings():
+        if mt in mapping and hasattr(transformers, name):
+            return getattr(transformers, name)
+    raise ValueError(f"no generative auto class of transformers {transformers.__version__} "
+                     f"builds model type {mt!r}")
+
+
+def multimodal_types() -> list[str]:
+    """Model types that are not causal LMs but generate text (image / video / audio to text,
+    multimodal LMs, seq2seq and speech seq2seq), whose config (or its text part) carries a
+    tensor-parallel plan and builds from its defaults."""
+    causal = set(_generative_mappings()[0][0])
+    out = set()
+    for mapping, name in _generative_mappings()[1:]:
+        if not hasattr(transformers, name):
+            continue
+        for mt in mapping:
+            if mt in causal:
+                continue
+            try:
+                cfg = transformers.AutoConfig.for_model(mt)
+            except Exception:
+                continue
+            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            if (getattr(cfg, "base_model_tp_plan", None)
+                    or getattr(text, "base_model_tp_plan", None)):
+                out.add(mt)
+    return sorted(out)
+
+
+def _image_size(vision) -> "int | None":
+    size = getattr(vision, "image_size", None)
+    if isinstance(size, (list, tuple)) and size:
+        size = size[0]
+    if isinstance(size, dict):
+        size = size.get("height")
+    return size if _is_int(size) else None
+
+
+def image_batch(model, ids: torch.Tensor, generator: torch.Generator) -> "dict | None":
+    """Inputs with one tiny random image per sequence for a vision-language ``model``: its
+    ``get_image_features`` run on ``pixel_values`` of its vision config's size (4-D, else 5-D
+    with one image per sample) tells how many image tokens each image fills, and that many
+    ``image_token_id`` are put before ``ids`` (labels ``-100`` there). ``None`` where the
+    model has no such path or it needs more than pixels (grids, crops, sizes)."""
+    cfg = model.config
+    token = next((getattr(cfg, k) for k in ("image_token_id", "image_token_index")
+                  if _is_int(getattr(cfg, k, None))), None)
+    vision, get = getattr(cfg, "vision_config", None), getattr(model, "get_image_features", None)
+    size = _image_size(vision) if vision is not None else None
+    if token is None or get is None or size is None:
+        return None
+    b = ids.shape[0]
+    pixels = torch.randn(b, getattr(vision, "num_channels", 3), size, size, generator=generator)
+    for pix in (pixels, pixels[:, None]):
+        try:
+            with torch.no_grad():
+                f = get(pixel_values=pix)
+        except Exception:  # noqa: BLE001 - this model takes more than pixels, or other shapes
+            continue
+        f = getattr(f, "pooler_output", None) if not torch.is_tensor(f) and getattr(
+            f, "pooler_output", None) is not None else getattr(f, "last_hidden_state", f)
+        if isinstance(f, (list, tuple)):
+            if len(f) != b or not all(torch.is_tensor(x) for x in f):
+                continue
+            counts = {x.reshape(-1, x.shape[-1]).shape[0] for x in f}
+            if len(counts) != 1:
+                continue
+            n = counts.pop()
+        elif torch.is_tensor(f):
+            n = f.reshape(-1, f.shape[-1]).shape[0] // b
+        else:
+            continue
+        full = torch.cat([torch.full((b, n), token, dtype=ids.dtype), ids], 1)
+        labels = full.clone()
+        labels[:, :n] = -100
+        return dict(pixel_values=pix, input_ids=full, labels=labels)
+    return None
 
 
 def check(mt: str) -> int:

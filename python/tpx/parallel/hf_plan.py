@@ -43,7 +43,7 @@ from torch import nn
 from .generate import with_generate
 from .hf_styles import (
     HF_STYLES, AllReduceOutput, HeadParams, HFStyle, KeepWhole, PartialGradParams, SplitRopeGrad,
-    VocabParallelEmbeddingStyle, packed_colwise, style, text_config)
+    VocabParallelEmbeddingStyle, is_scaled_embedding, packed_colwise, style, text_config)
 from .hf_sequence import sequence_parallel_plan
 from .sequence import Chain
 from .style import (
@@ -222,14 +222,29 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     head_mod = (model.get_output_embeddings()
                 if callable(getattr(model, "get_output_embeddings", None)) else None)
     head = _name_of(model, head_mod) if isinstance(head_mod, nn.Linear) else None
+    # Tables kept whole: the input embedding where the model reads its rows itself, and every
+    # embedding the plan would split whose class has a forward of its own (other than a
+    # scaled lookup), which a vocabulary-parallel embedding would drop (T5Gemma 2's writes
+    # its end-of-image row); an LM head tied to a table kept whole stays whole too.
     whole_table = emb_name is not None and reads_table_rows(model)
-    if whole_table:  # kept whole, and an LM head tied to it too
-        for k in [k for k in plan if fnmatch.fnmatchcase(emb_name, k)]:
+    kept = [emb_mod] if whole_table else []
+    for key in [k for k, st in plan.items() if isinstance(st, VocabParallelEmbeddingStyle)]:
+        own = [modules[n] for n in names if fnmatch.fnmatchcase(n, key)
+               and own_embedding_forward(modules[n])]
+        if own:
+            kept += own
+            del plan[key]
+    if emb_mod is not None and own_embedding_forward(emb_mod):
+        kept.append(emb_mod)
+    for mod in kept:
+        name = _name_of(model, mod)
+        for k in [k for k in plan if name and fnmatch.fnmatchcase(name, k)]:
             del plan[k]
-        if head is not None and getattr(head_mod, "weight", None) is getattr(emb_mod, "weight", 0):
+        if head is not None and getattr(head_mod, "weight", None) is getattr(mod, "weight", 0):
             for k in [k for k in plan if fnmatch.fnmatchcase(head, k)]:
                 del plan[k]
             head = None
+    whole_table = whole_table or any(m is emb_mod for m in kept)
     if emb_name and not whole_table and not any(fnmatch.fnmatchcase(emb_name, k) for k in plan):
         plan[emb_name] = VocabParallelEmbeddingStyle()
     if head is not None:
@@ -251,6 +266,14 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                     ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
     return with_generate(ordered, model, head, loss_parallel)
+
+
+def own_embedding_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Embedding`` subclass with a forward of its own that is
+    not a scaled lookup (:func:`is_scaled_embedding`): a vocabulary-parallel embedding in
+    its place would drop what that forward does."""
+    return (isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+            and not is_scaled_embedding(module))
 
 
 def reads_table_rows(model: nn.Module) -> bool:
