@@ -36,6 +36,7 @@ back to the config class, so whatever it derives in ``__post_init__`` is derived
 float32 and in float64, one line per type, then the counts.
 """
 
+import inspect
 import sys
 import time
 import warnings
@@ -480,7 +481,8 @@ def _image_size(vision) -> "int | None":
 def image_batch(model, ids: torch.Tensor, generator: torch.Generator) -> "dict | None":
     """Inputs with one tiny random image per sequence for a vision-language ``model``: its
     ``get_image_features`` run on ``pixel_values`` of its vision config's size (4-D, else 5-D
-    with one image per sample) tells how many image tokens each image fills, and that many
+    with one image per sample; with ``image_sizes`` where it takes them) tells how many image
+    tokens each image fills, and that many
     ``image_token_id`` are put before ``ids`` (labels ``-100`` there). ``None`` where the
     model has no such path or it needs more than pixels (grids, crops, sizes)."""
     cfg = model.config
@@ -492,10 +494,13 @@ def image_batch(model, ids: torch.Tensor, generator: torch.Generator) -> "dict |
         return None
     b = ids.shape[0]
     pixels = torch.randn(b, getattr(vision, "num_channels", 3), size, size, generator=generator)
+    extra = {}
+    if "image_sizes" in inspect.signature(get).parameters:  # Mistral 3, Pixtral, LLaVA-NeXT
+        extra["image_sizes"] = torch.tensor([[size, size]] * b)
     for pix in (pixels, pixels[:, None]):
         try:
             with torch.no_grad():
-                f = get(pixel_values=pix)
+                f = get(pixel_values=pix, **extra)
         except Exception:  # noqa: BLE001 - this model takes more than pixels, or other shapes
             continue
         f = getattr(f, "pooler_output", None) if not torch.is_tensor(f) and getattr(
@@ -514,7 +519,7 @@ def image_batch(model, ids: torch.Tensor, generator: torch.Generator) -> "dict |
         full = torch.cat([torch.full((b, n), token, dtype=ids.dtype), ids], 1)
         labels = full.clone()
         labels[:, :n] = -100
-        return dict(pixel_values=pix, input_ids=full, labels=labels)
+        return dict(pixel_values=pix, input_ids=full, labels=labels, **extra)
     return None
 
 
