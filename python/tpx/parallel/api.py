@@ -25,7 +25,7 @@ from ..layout.param_dtensors import REPLICATED
 from .integrations import guard_save_pretrained, offer_lora_layers
 from ..kept_whole import (
     is_default_replica, planned_owners, replicate_kept_whole, unreplicate_kept_whole)
-from .base import check_layout
+from .base import ModelPlan, check_layout
 from .style import ParallelStyle, TPContext, apply_style
 
 __all__ = ["parallelize_module"]
@@ -138,6 +138,9 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle (tpx's "
                         "or PyTorch's) or a dict from module-name patterns to styles; got "
                         f"{type(plan).__name__}")
+    # A plan of the whole model (tpx.plans.auto's): every parameter it leaves whole becomes a
+    # replica, in the blocks no entry reaches too.
+    whole_model = isinstance(plan, ModelPlan)
     prove = getattr(plan, "prove_before_use", None)
     if isinstance(plan, dict) and callable(prove):
         # A plan tpx derived from the model (tpx.parallel.derive.DerivedPlan): proved on a
@@ -162,7 +165,8 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         raise
     if ctx.layout == "1d":
         replicate_kept_whole(module, ctx.group, keep, reuse=replicas,
-                             owners=planned_owners(module, [n for n, _ in work]))
+                             owners=None if whole_model else
+                             planned_owners(module, [n for n, _ in work]))
     else:
         replicate_kept_whole(module, None, reuse=replicas)
     _keep_parameter_objects(module, before, keep)

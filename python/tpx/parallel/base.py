@@ -168,6 +168,17 @@ def redistribute(x, src, dst, pg: dist.ProcessGroup, *, local: bool = True):
     return wrap_output(y, placement, pg, shape)
 
 
+class ModelPlan(dict):
+    """A plan for a whole model, as ``tpx.plans.auto`` returns it (a ``dict`` of module
+    names to styles, usable as any plan). ``tpx.parallelize_module`` makes every parameter
+    such a plan does not split a ``Replicate()`` ``DTensor``, in the blocks of a
+    ``ModuleList`` that no entry reaches too (a dense first layer before MoE layers, a plan
+    that names the embedding only), so that torch's ``clip_grad_norm_`` and foreach / fused
+    optimizers take every parameter. A plain ``dict`` (a plan written by hand) leaves such
+    blocks plain: PyTorch's and torchtitan's code parallelize the root and the blocks in
+    separate calls."""
+
+
 class ParallelStyle:
     """Base of the styles. One interface: ``apply(module, ctx)`` returns the sharded module
     (the same object, with hooks, or a tpx replacement), ``ctx`` being the

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .base import ParallelStyle, TPContext
+from .base import ModelPlan, ParallelStyle, TPContext
 from .generate import with_generate
 from .hf_styles import VocabParallelEmbeddingStyle, is_scaled_embedding
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
@@ -170,7 +170,7 @@ def _local_counts(heads: int, kv_heads: int, width: int, projections: List[str])
     return update
 
 
-class DerivedPlan(dict):
+class DerivedPlan(ModelPlan):
     """A plan :func:`derive` found in the model (module names to styles, as any plan), to be
     proved before it is used: ``tpx.parallelize_module(model, group, plan)`` first runs it on
     a copy of the model beside the unsharded one (:meth:`prove_before_use`) and raises before changing

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from . import derive as derived
+from .base import ModelPlan
 from . import hf_plan
 from .derive import DerivedPlan, derive
 from .generate import MeshInputFullLogits, with_generate
@@ -305,7 +306,18 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
 
     ``experts`` (mixture-of-experts models, whose Hugging Face plan marks the experts
     ``moe_tp_experts``): ``"tp"`` (expert TP: every rank a slice of every expert) or ``"ep"``
-    (expert parallelism: every rank whole experts); docs/experts.md."""
+    (expert parallelism: every rank whole experts); docs/experts.md.
+
+    The result is a :class:`~tpx.parallel.base.ModelPlan` (a ``dict``): applied, every
+    parameter it does not split becomes a ``Replicate()`` ``DTensor``, in every block."""
+    plan = _auto(model, layout=layout, sequence_parallel=sequence_parallel,
+                 loss_parallel=loss_parallel, experts=experts, derive=derive)
+    return plan if isinstance(plan, ModelPlan) else ModelPlan(plan)
+
+
+def _auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
+          loss_parallel: bool = False, experts: str = "tp", derive: bool = False) -> Plan:
+    """:func:`auto` before its result is made a :class:`ModelPlan`."""
     if layout not in ("1d", "2d", "2.5d", "3d"):
         raise ValueError(f"tpx.plans.auto: `layout` must be '1d', '2d', '2.5d' or '3d'; got "
                          f"{layout!r}")
