@@ -153,12 +153,24 @@ def zoo_types() -> list[str]:
     return out
 
 
+def _has_plan(mt: str) -> bool:
+    """Whether model type ``mt``'s default config, or its text part, carries a TP plan."""
+    try:
+        cfg = transformers.AutoConfig.for_model(mt)
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    except Exception:  # noqa: BLE001 - no config, or several text parts: none to read
+        return False
+    return bool(getattr(cfg, "base_model_tp_plan", None)
+                or getattr(text, "base_model_tp_plan", None))
+
+
 def no_plan_types() -> list[str]:
     """Causal-LM model types of the installed transformers whose config carries no
-    tensor-parallel plan (``tpx.plans.auto`` derives one for them)."""
+    tensor-parallel plan, nor its text part (``tpx.plans.auto`` derives one for them)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     with_plan = set(zoo_types())
-    return [mt for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if mt not in with_plan]
+    return [mt for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+            if mt not in with_plan and not _has_plan(mt)]
 
 
 def no_tp_plan(mt: str):
@@ -447,25 +459,16 @@ def auto_class(mt: str):
 
 
 def multimodal_types() -> list[str]:
-    """Model types that are not causal LMs but generate text (image / video / audio to text,
-    multimodal LMs, seq2seq and speech seq2seq), whose config (or its text part) carries a
-    tensor-parallel plan and builds from its defaults."""
+    """The generative model types with a tensor-parallel plan beyond :func:`zoo_types`: those
+    that are not causal LMs (image / video / audio to text, multimodal LMs, seq2seq and speech
+    seq2seq) and the causal LMs whose plan is in their config's text part only (Gemma 3 and 4,
+    Qwen3.5: built as transformers' causal-LM class builds them, towers included)."""
     causal = set(_generative_mappings()[0][0])
-    out = set()
+    zoo = set(zoo_types())
+    out = {mt for mt in causal if mt not in zoo and _has_plan(mt)}
     for mapping, name in _generative_mappings()[1:]:
-        if not hasattr(transformers, name):
-            continue
-        for mt in mapping:
-            if mt in causal:
-                continue
-            try:
-                cfg = transformers.AutoConfig.for_model(mt)
-            except Exception:
-                continue
-            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-            if (getattr(cfg, "base_model_tp_plan", None)
-                    or getattr(text, "base_model_tp_plan", None)):
-                out.add(mt)
+        if hasattr(transformers, name):
+            out.update(mt for mt in mapping if mt not in causal and _has_plan(mt))
     return sorted(out)
 
 
