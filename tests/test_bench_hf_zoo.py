@@ -1,10 +1,11 @@
 """benchmarks/hf_zoo.py: tpx's plans and transformers' own TP over the zoo of causal LMs that
 ship a TP plan (``hf_tiny.zoo_types()``: transformers' registry). ``make test`` runs a cheap
-subset (two layouts tpx once read wrong, one it could not take, and Llama; and three read
-from ``save_pretrained`` files by ``tpx.from_pretrained``); ``make test-slow`` runs tpx over
-the whole zoo at TP 2, sharded in memory and loaded from files, and requires that no type is
-silently wrong or crashes: each trains equal to one device or is refused by tpx with an
-error that says so; and the same for the models that ship no plan, through derived plans."""
+subset (two layouts tpx once read wrong, one it could not take, and Llama; three read from
+``save_pretrained`` files by ``tpx.from_pretrained``; two multimodal models); ``make
+test-slow`` runs tpx over the whole zoo at TP 2, sharded in memory and loaded from files, and
+requires that no type is silently wrong or crashes: each trains equal to one device or is
+refused by tpx with an error that says so; and the same for the models that ship no plan,
+through derived plans, and for the multimodal, audio and seq2seq models with a plan."""
 
 import json
 import sys
@@ -91,6 +92,38 @@ def test_models_without_a_plan_never_silently_wrong(tmp_path):
     assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
                if r["status"] == "refused")
     assert sum(r["status"] == "pass" for r in rows) >= 45, rows
+
+
+def test_multimodal_zoo_subset(tmp_path):
+    # built by their task's auto class: LLaVA with a tiny image through its vision tower,
+    # T5Gemma 2 (encoder-decoder, embeddings with their own forward kept whole)
+    import hf_tiny
+
+    archs = [a for a in ["llava", "t5gemma2"] if hf_tiny.no_tp_plan(a) is None]
+    if not archs:
+        pytest.skip(f"transformers {hf_tiny.transformers.__version__} ships no plan for them")
+    rows = _zoo(tmp_path, "--tp", "2", "--archs", ",".join(archs), "--impls", "tpx",
+                "--timeout", "240", timeout=900)
+    assert {r["arch"]: r["status"] for r in rows} == {a: "pass" for a in archs}, rows
+    if "llava" in archs:
+        assert next(r for r in rows if r["arch"] == "llava")["inputs"] == "text and an image"
+
+
+@pytest.mark.slow
+def test_multimodal_zoo_never_silently_wrong(tmp_path):
+    # every image / audio / video to text, multimodal-LM and seq2seq type with a plan (and
+    # the causal LMs whose plan is in their text config): each trains equal to one device or
+    # is refused naming the module; "broken": the unsharded tiny model fails on its own
+    import hf_tiny
+
+    rows = _zoo(tmp_path, "--tp", "2", "--set", "multimodal", "--impls", "tpx", "--timeout",
+                "300", timeout=3600)
+    assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.multimodal_types())
+    bad = [r for r in rows if r["status"] not in ("pass", "refused", "broken")]
+    assert not bad, json.dumps(bad, indent=1)
+    assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
+               if r["status"] == "refused")
+    assert sum(r["status"] == "pass" for r in rows) >= 60, rows
 
 
 @pytest.mark.slow

@@ -167,9 +167,11 @@ def test_zoo_tp2_slow(arch):
 # LongCat-Flash's gate_up holding its zero-computation experts too; HY-V4's attention sinks
 # beside MLA projections the plan splits in contiguous blocks ('local_params'); Dory's LM head,
 # an nn.Linear subclass with its own forward scaling the logits: the last six were refused.
+# SarvamMoE's per-head q/k norms, which its plan does not name (Qwen3's names them
+# 'replicated_with_grad_allreduce'), were refused (then a derived plan stood in).
 CAUSES = ["codegen", "apertus", "minimax", "granite_swa", "beam", "mimo_v2_flash",
           "deepseek_v2", "qwen3_next", "aria_text", "nemotron_h", "longcat_flash", "hy_v4",
-          "dory"]
+          "dory", "sarvam_moe"]
 
 
 def _skip_without_plan(arch: str) -> None:
@@ -252,6 +254,16 @@ def test_multimodal_tp2(arch, images):
 def test_multimodal_slow(arch, images, world):
     _skip_without_plan(arch)
     run_ranks(_train_like_unsharded, world, arch, False, False, 3, images)
+
+
+def test_per_head_norms_the_plan_does_not_name():
+    # kept whole with their gradients summed over the ranks' heads, as Qwen3's plan says
+    from tpx.parallel.module_styles import ReplicatedWithGradAllReduce
+
+    _skip_without_plan("sarvam_moe")
+    plan = tpx.plans.auto(tiny("sarvam_moe"))
+    norms = {k: v for k, v in plan.items() if k.endswith(("q_norm", "k_norm"))}
+    assert norms and all(isinstance(v, ReplicatedWithGradAllReduce) for v in norms.values())
 
 
 def test_embeddings_with_their_own_forward_stay_whole():

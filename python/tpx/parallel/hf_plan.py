@@ -45,6 +45,7 @@ from .hf_styles import (
     HF_STYLES, AllReduceOutput, HeadParams, HFStyle, KeepWhole, PartialGradParams, SplitRopeGrad,
     VocabParallelEmbeddingStyle, is_scaled_embedding, packed_colwise, style, text_config)
 from .hf_sequence import sequence_parallel_plan
+from .module_styles import ReplicatedWithGradAllReduce
 from .sequence import Chain
 from .style import (
     ColwiseParallel, ParallelStyle, Replicate, RowwiseParallel, Shard, ShardedAttention)
@@ -416,8 +417,16 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
                          f"{len(outs)} row-parallel output projections under it ({outs}); "
                          "write the plan for this attention by hand")
     # Parameters under the attention the plan does not mention see only this rank's heads.
+    own_dim = getattr(attn, "head_dim", None) or head_dim
     for name, sub in attn.named_children():
         if name in kids or not any(True for _ in sub.parameters()):
+            continue
+        if _per_head_norm(name, sub, own_dim):
+            # A norm of each head's features that the plan does not name (Qwen3-VL-MoE's
+            # q_norm / k_norm, which Qwen3's plan names 'replicated_with_grad_allreduce'):
+            # kept whole, its gradient summed over the ranks' heads.
+            for key in keys:
+                plan[f"{key}.{name}"] = ReplicatedWithGradAllReduce()
             continue
         raise ValueError(
             f"tpx.hf_plan: {parent}.{name} ({type(sub).__name__}) has parameters and sits "
@@ -441,6 +450,14 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
         return
     for key in keys:
         plan[key] = ShardedAttention(heads, kv, out_proj=outs[0], update=update)
+
+
+def _per_head_norm(name: str, module: nn.Module, head_dim: int) -> bool:
+    """Whether ``module`` (a child of an attention module) is a norm of one head's features:
+    a norm by its class or attribute name, every parameter a vector of ``head_dim``."""
+    if "norm" not in name.lower() and "norm" not in type(module).__name__.lower():
+        return False
+    return all(p.dim() == 1 and p.shape[0] == head_dim for p in module.parameters())
 
 
 def _per_module_head_size(model: nn.Module, plan: Plan, parent: str, keys: List[str],
