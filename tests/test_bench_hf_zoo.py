@@ -81,7 +81,7 @@ def test_whole_zoo_never_silently_wrong(tmp_path, impl):
 def test_models_without_a_plan_never_silently_wrong(tmp_path):
     # every causal LM whose config ships no TP plan, through the plan tpx derives and proves:
     # each trains equal to one device or is refused naming the module, never silently wrong;
-    # "broken": the unsharded model fails on its own (13 of transformers 5.24's 80)
+    # "broken": the unsharded model fails on its own (10 of transformers 5.24's 68)
     import hf_tiny
 
     rows = _zoo(tmp_path, "--tp", "2", "--set", "no-plan", "--impls", "tpx", "--timeout",
