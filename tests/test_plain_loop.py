@@ -89,7 +89,9 @@ def _full_loop(rank, world, d, optim, layout="1d", arch="llama"):
     ref = _model(arch, layout)
     model = copy.deepcopy(ref)
     if layout == "1d":
-        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+        plan = tpx.plans.auto(model)
+        assert isinstance(plan, tpx.plans.ModelPlan)  # every block's parameters DTensors
+        tpx.parallelize_module(model, None, plan)
     else:
         tpx.parallelize_module(model, tpx.init_mesh(layout), tpx.plans.auto(model, layout=layout))
     assert all(isinstance(p, DTensor) for p in model.parameters())

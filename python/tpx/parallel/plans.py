@@ -42,8 +42,8 @@ from .style import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
     SequenceParallel, Shard, ShardedAttention)
 
-__all__ = ["auto", "derive", "DerivedPlan", "llama", "gpt2", "gpt_neox", "decoder", "check",
-           "PlanReport"]
+__all__ = ["auto", "derive", "DerivedPlan", "ModelPlan", "llama", "gpt2", "gpt_neox", "decoder",
+           "check", "PlanReport"]
 
 Plan = Dict[str, ParallelStyle]
 
@@ -308,7 +308,7 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
     ``moe_tp_experts``): ``"tp"`` (expert TP: every rank a slice of every expert) or ``"ep"``
     (expert parallelism: every rank whole experts); docs/experts.md.
 
-    The result is a :class:`~tpx.parallel.base.ModelPlan` (a ``dict``): applied, every
+    The result is a :class:`tpx.plans.ModelPlan` (a ``dict``): applied, every
     parameter it does not split becomes a ``Replicate()`` ``DTensor``, in every block."""
     plan = _auto(model, layout=layout, sequence_parallel=sequence_parallel,
                  loss_parallel=loss_parallel, experts=experts, derive=derive)
