@@ -77,21 +77,27 @@ def test_whole_zoo_never_silently_wrong(tmp_path, impl):
                if r["status"] == "refused")
 
 
-@pytest.mark.slow
-def test_models_without_a_plan_never_silently_wrong(tmp_path):
-    # every causal LM whose config ships no TP plan, through the plan tpx derives and proves:
-    # each trains equal to one device or is refused naming the module, never silently wrong;
-    # "broken": the unsharded model fails on its own (10 of transformers 5.24's 68)
-    import hf_tiny
-
-    rows = _zoo(tmp_path, "--tp", "2", "--set", "no-plan", "--impls", "tpx", "--timeout",
-                "300", timeout=3600)
-    assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.no_plan_types())
+def _whole_set(tmp_path, which: str, types: list, at_least: int) -> None:
+    """``hf_zoo.py --set which`` with tpx at TP 2: every type of ``types`` trains equal to one
+    device or is refused by tpx naming the module, never silently wrong or crashing
+    ("broken": the unsharded tiny model fails on its own); at least ``at_least`` pass."""
+    rows = _zoo(tmp_path, "--tp", "2", "--set", which, "--impls", "tpx", "--timeout", "300",
+                timeout=3600)
+    assert sorted(r["arch"] for r in rows) == sorted(types)
     bad = [r for r in rows if r["status"] not in ("pass", "refused", "broken")]
     assert not bad, json.dumps(bad, indent=1)
     assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
                if r["status"] == "refused")
-    assert sum(r["status"] == "pass" for r in rows) >= 45, rows
+    assert sum(r["status"] == "pass" for r in rows) >= at_least, rows
+
+
+@pytest.mark.slow
+def test_models_without_a_plan_never_silently_wrong(tmp_path):
+    # every causal LM whose config ships no TP plan, through the plan tpx derives and proves
+    # ("broken": 10 of transformers 5.24's 68)
+    import hf_tiny
+
+    _whole_set(tmp_path, "no-plan", hf_tiny.no_plan_types(), 45)
 
 
 def test_multimodal_zoo_subset(tmp_path):
@@ -112,18 +118,10 @@ def test_multimodal_zoo_subset(tmp_path):
 @pytest.mark.slow
 def test_multimodal_zoo_never_silently_wrong(tmp_path):
     # every image / audio / video to text, multimodal-LM and seq2seq type with a plan (and
-    # the causal LMs whose plan is in their text config): each trains equal to one device or
-    # is refused naming the module; "broken": the unsharded tiny model fails on its own
+    # the causal LMs whose plan is in their text config)
     import hf_tiny
 
-    rows = _zoo(tmp_path, "--tp", "2", "--set", "multimodal", "--impls", "tpx", "--timeout",
-                "300", timeout=3600)
-    assert sorted(r["arch"] for r in rows) == sorted(hf_tiny.multimodal_types())
-    bad = [r for r in rows if r["status"] not in ("pass", "refused", "broken")]
-    assert not bad, json.dumps(bad, indent=1)
-    assert all(r["detail"].split(": ", 1)[1].startswith("tpx") for r in rows
-               if r["status"] == "refused")
-    assert sum(r["status"] == "pass" for r in rows) >= 60, rows
+    _whole_set(tmp_path, "multimodal", hf_tiny.multimodal_types(), 60)
 
 
 @pytest.mark.slow
