@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from .base import ModelPlan, ParallelStyle, TPContext
 from .generate import with_generate
-from .hf_styles import VocabParallelEmbeddingStyle, is_scaled_embedding
+from .hf_styles import VocabParallelEmbeddingStyle, own_embedding_forward
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
 from .sequence import Chain
 from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard
@@ -334,8 +334,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     tied = (head is not None and isinstance(emb, nn.Embedding)
             and model.get_submodule(head).weight is emb.weight)
     whole_table = isinstance(emb, nn.Embedding) and reads_table_rows(model)
-    if isinstance(emb, nn.Embedding) and not whole_table and not (
-            type(emb).forward is nn.Embedding.forward or is_scaled_embedding(emb)):
+    if not whole_table and own_embedding_forward(emb):
         whole_table = True  # a forward of its own (Inkling's normed embedding) stays whole
         kept[modules.get(emb, "input embedding")] = "an nn.Embedding with a forward of its own"
         if tied:

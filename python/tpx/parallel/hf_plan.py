@@ -43,7 +43,7 @@ from torch import nn
 from .generate import with_generate
 from .hf_styles import (
     HF_STYLES, AllReduceOutput, HeadParams, HFStyle, KeepWhole, PartialGradParams, SplitRopeGrad,
-    VocabParallelEmbeddingStyle, is_scaled_embedding, packed_colwise, style, text_config)
+    VocabParallelEmbeddingStyle, own_embedding_forward, packed_colwise, style, text_config)
 from .hf_sequence import sequence_parallel_plan
 from .module_styles import ReplicatedWithGradAllReduce
 from .sequence import Chain
@@ -267,14 +267,6 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                     ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
     return with_generate(ordered, model, head, loss_parallel)
-
-
-def own_embedding_forward(module: nn.Module) -> bool:
-    """Whether ``module`` is an ``nn.Embedding`` subclass with a forward of its own that is
-    not a scaled lookup (:func:`is_scaled_embedding`): a vocabulary-parallel embedding in
-    its place would drop what that forward does."""
-    return (isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
-            and not is_scaled_embedding(module))
 
 
 def reads_table_rows(model: nn.Module) -> bool:

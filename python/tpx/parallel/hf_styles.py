@@ -101,7 +101,7 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
         if type(module).forward is nn.Embedding.forward:
             return RowwiseParallel(input_layouts=Replicate()).apply(module, ctx)
         scale = getattr(module, "embed_scale", None)
-        if not is_scaled_embedding(module):
+        if own_embedding_forward(module):
             raise ValueError(
                 f"tpx.hf_plan: {type(module).__name__} subclasses nn.Embedding with its own "
                 "forward, which a vocab-parallel embedding would drop. tpx keeps the forward "
@@ -134,6 +134,14 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
 
     def __repr__(self) -> str:
         return "VocabParallelEmbeddingStyle()"
+
+
+def own_embedding_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Embedding`` subclass with a forward of its own that is
+    not a scaled lookup (:func:`is_scaled_embedding`): a vocabulary-parallel embedding in
+    its place would drop what that forward does."""
+    return (isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+            and not is_scaled_embedding(module))
 
 
 def is_scaled_embedding(module: nn.Module) -> bool:
