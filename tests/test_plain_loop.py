@@ -137,10 +137,11 @@ def test_full_fine_tuning_loop(tmp_path, world, optim, layout):
 # whole model, so every parameter is a DTensor and the loop runs unchanged.
 # AFMoE routes in float32 inside the float64 model: foreach SGD there (AdamW's first steps,
 # lr * g / |g|, turn float32 rounding of a gradient near zero into changes of 1e-6).
-@pytest.mark.parametrize("arch,optim", [("gpt_oss", "foreach"),
-                                        pytest.param("afmoe", "sgd", marks=pytest.mark.slow)])
-def test_loop_where_the_plan_leaves_blocks_whole(tmp_path, arch, optim):
-    run_ranks(_full_loop, 2, str(tmp_path), optim, "1d", arch)
+@pytest.mark.parametrize("arch,optim,world", [
+    ("gpt_oss", "foreach", 2), pytest.param("gpt_oss", "foreach", 4, marks=pytest.mark.slow),
+    pytest.param("afmoe", "sgd", 2, marks=pytest.mark.slow)])
+def test_loop_where_the_plan_leaves_blocks_whole(tmp_path, arch, optim, world):
+    run_ranks(_full_loop, world, str(tmp_path), optim, "1d", arch)
 
 
 def _lora_loop(rank, world, d):
