@@ -1,8 +1,9 @@
 """The lines of an ordinary training script, unchanged, on a Hugging Face model sharded by
 ``tpx.plans.auto``: torch's ``clip_grad_norm_`` and ``clip_grad_value_``, foreach and fused
-``AdamW``, ``model.save_pretrained``, peft's ``get_peft_model`` (no tpx call) and its
-``save_pretrained``. Each run beside the same script on one device: the losses and norms of
-every step, every parameter after three steps, and the files written."""
+``AdamW``, ``model.save_pretrained``, peft's ``get_peft_model`` (no tpx call), an adapter
+added later, peft's ``save_pretrained``, an EMA copy and ``AveragedModel``. Each run beside the
+same script on one device: the losses and norms of every step, every parameter after the
+steps, and the files written."""
 
 import copy
 import os
@@ -173,8 +174,145 @@ def _lora_loop(rank, world, d):
         ref_pm.save_pretrained(os.path.join(d, "one"))
     dist.barrier()
     _assert_same_files(os.path.join(d, "tp"), os.path.join(d, "one"), f"LoRA TP {world}")
+    # An adapter added later (drawn full-sized on every rank, as on one device), trained alone
+    # with the same lines, then saved beside the first.
+    later = dict(config, target_modules=["k_proj", "gate_proj", "up_proj"], r=2)
+    for m in (pm, ref_pm):
+        torch.manual_seed(2)
+        m.add_adapter("later", peft.LoraConfig(**later))
+        m.set_adapter("later")
+    got = _train(pm, torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad],
+                                       lr=1e-2, foreach=True), steps=2)
+    want = _train(ref_pm, torch.optim.AdamW([p for p in ref_pm.parameters() if p.requires_grad],
+                                            lr=1e-2, foreach=True), steps=2)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
+        assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9, (step, got, want)
+    pm.save_pretrained(os.path.join(d, "tp2"))
+    if rank == 0:
+        ref_pm.save_pretrained(os.path.join(d, "one2"))
+    dist.barrier()
+    for sub in ("", "later"):
+        _assert_same_files(os.path.join(d, "tp2", sub), os.path.join(d, "one2", sub),
+                           f"LoRA TP {world}, adapter {sub or 'default'}")
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_lora_loop(tmp_path, world):
     run_ranks(_lora_loop, world, str(tmp_path))
+
+
+def _averages_loop(rank, world, layout, sequence_parallel):
+    """An EMA copy (``copy.deepcopy`` of the model, ``torch._foreach_lerp_``) and
+    ``torch.optim.swa_utils.AveragedModel`` (its own deep copy, EMA's ``multi_avg_fn``, and
+    SWA's running mean with ``SWALR``) beside the training model, as written on one device:
+    the losses, the copies' losses on a new batch and every parameter of each copy. A copy of
+    a tpx model computes with its own parameters (its hooks were copied with it)."""
+    import tpx
+    import tpx.checkpoint
+    from torch.distributed.tensor import DTensor
+    from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
+
+    ref = _llama("1d" if layout == "1d" else "2d")
+    model = copy.deepcopy(ref)
+    if layout == "1d":
+        tpx.parallelize_module(model, None, tpx.plans.auto(
+            model, sequence_parallel=sequence_parallel))
+    else:
+        mesh = tpx.init_mesh(layout, **({"depth": 2} if layout == "2.5d" else {}))
+        tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout))
+
+    def run(m):
+        # The multi-D layouts' norms sum float32 squares in parts: SGD there, as in
+        # _full_loop (AdamW's first steps turn that rounding into changes of 1e-6).
+        opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) if layout == "1d" else
+               torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, foreach=True))
+        sched = SWALR(opt, swa_lr=5e-3, anneal_epochs=2)
+        ema = copy.deepcopy(m).requires_grad_(False)
+        ema_avg = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+        swa = AveragedModel(m)
+        losses = []
+        for step in range(3):
+            ids = _batch(step)
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            with torch.no_grad():
+                ema_params = list(ema.parameters())
+                torch._foreach_lerp_(ema_params, list(m.parameters()), 0.1)
+            ema_avg.update_parameters(m)
+            swa.update_parameters(m)
+            losses.append(loss.item())
+        ids = _batch(7)
+        with torch.no_grad():
+            losses += [x(input_ids=ids, labels=ids).loss.item() for x in (ema, ema_avg, swa)]
+        return losses, (ema, ema_avg.module, swa.module)
+
+    (got, copies), (want, ref_copies) = run(model), run(ref)
+    tol = 1e-9 if layout == "1d" else 1e-6  # the 2-D norms' float32 sums in parts
+    assert max(abs(a - b) for a, b in zip(got, want)) <= tol, (got, want)
+    for name, c, r in zip(("EMA copy", "AveragedModel (EMA)", "AveragedModel (SWA)"),
+                          copies, ref_copies):
+        assert all(isinstance(p, DTensor) for p in c.parameters()), name
+        full = tpx.checkpoint.full_state_dict(c)
+        for key, value in r.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=0, atol=1e-10 if tol < 1e-8 else tol,
+                                       msg=lambda m, key=key, name=name: f"{name} {key}: {m}")
+
+
+@pytest.mark.parametrize("world,layout,sp", [
+    (2, "1d", False), (2, "1d", True),
+    pytest.param(3, "1d", True, marks=pytest.mark.slow),
+    pytest.param(4, "2d", False, marks=pytest.mark.slow),
+    pytest.param(8, "2.5d", False, marks=pytest.mark.slow),
+    pytest.param(8, "3d", False, marks=pytest.mark.slow)])
+def test_averaged_copies_of_the_model(world, layout, sp):
+    run_ranks(_averages_loop, world, layout, sp)
+
+
+def _plain_layouts(rank, world, arch):
+    """A model with a layout no ``DTensor`` states: parallelize_module names those parameters
+    in a warning, and the lines it advises (``tpx.clip_grad_norm_``, ``foreach=False``) train
+    it equal to one device."""
+    import warnings
+
+    import tpx
+    import tpx.checkpoint
+
+    ref = _model(arch, "1d")
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    said = [str(w.message) for w in caught if "plain tensors" in str(w.message)]
+    assert len(said) == 1 and "c_attn.weight" in said[0] and "tpx.clip_grad_norm_" in said[0] \
+        and "foreach=False" in said[0], said
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        ids = _batch(0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # what the warning says
+    model.zero_grad()
+    out = []
+    for m, clip in ((model, tpx.clip_grad_norm_), (ref, torch.nn.utils.clip_grad_norm_)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+        losses = []
+        for step in range(3):
+            ids = _batch(step)
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append((loss.item(), float(clip(m.parameters(), 0.5))))
+            opt.step()
+            opt.zero_grad()
+        out.append(losses)
+    for (loss, norm), (ref_loss, ref_norm) in zip(*out):
+        assert abs(loss - ref_loss) <= 1e-9 and abs(norm - ref_norm) <= 1e-9 * ref_norm, out
+    full = tpx.checkpoint.full_state_dict(model)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=1e-10,
+                                   msg=lambda m, key=key: f"after 3 steps, {key}: {m}")
+
+
+def test_layouts_no_dtensor_states_are_named():
+    run_ranks(_plain_layouts, 2, "gpt2")

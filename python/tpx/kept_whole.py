@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import weakref
 from typing import Dict
 
 from torch import nn
@@ -37,7 +36,7 @@ __all__ = ["is_default_replica", "planned_owners", "replicate_kept_whole",
 
 _MARK = "_tpx_kept_whole"           # on a replica this module made
 _HOOKS = "_tpx_kept_whole_hooks"    # on its owner: the handles of the swapping hooks
-_LISTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> lists naming it
+_LISTS = "_tpx_kept_whole_lists"   # on an owner: the hooks' lists naming it (copied with it)
 
 
 def is_default_replica(p) -> bool:
@@ -192,7 +191,7 @@ def _hook(module: nn.Module, owned, watch: bool = True) -> None:
     such list (:func:`unreplicate_kept_whole`), so a parameter it then shards computes as its
     layer was written. ``watch``: as :func:`~tpx.layout.param_dtensors.compute_on_locals`'s."""
     for o in {id(o): o for o, _ in owned}.values():
-        _LISTS.setdefault(o, []).append(owned)
+        o.__dict__.setdefault(_LISTS, []).append(owned)
     module.__dict__.setdefault(_HOOKS, []).extend(
         compute_on_locals(module, owned, watch=watch, only_dtensors=True))
 
@@ -207,7 +206,7 @@ def unreplicate_kept_whole(module: nn.Module) -> Dict[int, nn.Parameter]:
     for owner in module.modules():
         for handle in owner.__dict__.pop(_HOOKS, ()):
             handle.remove()
-        for owned in _LISTS.pop(owner, ()):  # a parent's hook outside this tree names it
+        for owned in owner.__dict__.pop(_LISTS, ()):  # a parent's hook outside this tree names it
             owned[:] = [(o, n) for o, n in owned if o is not owner]
         for name, p in list(owner._parameters.items()):
             if p is None or not is_default_replica(p):

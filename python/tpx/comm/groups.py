@@ -9,6 +9,9 @@ from a source rank: :mod:`tpx.layout.initial`.)
 
 from __future__ import annotations
 
+import copy
+import functools
+import types
 import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -25,7 +28,8 @@ except ImportError:  # pragma: no cover
 GroupLike = Union[None, "dist.ProcessGroup", "DeviceMesh"]
 
 __all__ = ["GroupLike", "resolve_group", "shard_range", "shard_bounds", "shard_sizes", "head_rows",
-           "group_ranks", "mesh_for_group", "remember_mesh", "SharesGroupOnCopy"]
+           "group_ranks", "mesh_for_group", "remember_mesh", "SharesGroupOnCopy",
+           "copied_with_module"]
 
 
 # The groups this rank was found to be a member of (weakly held: a destroyed group drops out).
@@ -190,3 +194,80 @@ class SharesGroupOnCopy:
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
+
+
+def _share_groups(value, memo) -> None:
+    """Seeds ``memo`` so that ``copy.deepcopy(value, memo)`` shares the process groups it
+    finds in ``value``: in the tuples, lists, dicts and sets within it and in the attributes
+    of tpx's own objects (a style); a group cannot be copied (nor can a Python module a
+    closure imported). ``nn.Module`` s copy themselves."""
+    todo, seen = [value], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        kind = type(x)
+        if isinstance(x, (dist.ProcessGroup, types.ModuleType)):
+            memo[id(x)] = x
+        elif kind in (tuple, list, set, frozenset):
+            todo.extend(x)
+        elif kind is dict:
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif kind.__module__.split(".")[0] == "tpx" and hasattr(x, "__dict__") \
+                and not isinstance(x, torch.nn.Module):
+            todo.extend(vars(x).values())
+
+
+def _copy_closure(fn, memo):
+    """``fn`` (a function) with its closure's cells deep-copied under ``memo``: what it read of
+    the module tree being copied becomes the copy's; process groups are shared. Cells two
+    functions share stay shared between their copies; nested closures are copied too."""
+    if not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return fn
+    if id(fn) in memo:
+        return memo[id(fn)]
+    cells = []
+    for cell in fn.__closure__:
+        new = memo.get(id(cell))
+        if new is None:
+            new = memo[id(cell)] = types.CellType()
+            copy._keep_alive(cell, memo)  # noqa: SLF001 - the ids in memo must stay unique
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                pass
+            else:
+                if isinstance(value, types.FunctionType):
+                    new.cell_contents = _copy_closure(value, memo)
+                else:
+                    _share_groups(value, memo)
+                    new.cell_contents = copy.deepcopy(value, memo)
+        cells.append(new)
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                             tuple(cells))
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    out.__dict__.update(fn.__dict__)
+    memo[id(fn)] = out
+    copy._keep_alive(fn, memo)  # noqa: SLF001
+    return out
+
+
+class _CopiedWithModule(functools.partial):
+    """A hook whose closure ``copy.deepcopy`` copies with the module it is registered on."""
+
+    def __deepcopy__(self, memo):
+        _share_groups((self.args, self.keywords), memo)
+        return type(self)(_copy_closure(self.func, memo), *copy.deepcopy(self.args, memo),
+                          **copy.deepcopy(self.keywords, memo))
+
+
+def copied_with_module(fn):
+    """``fn``, a hook tpx registers on a module, made to follow ``copy.deepcopy`` of that
+    module: a copied model (an EMA copy, ``torch.optim.swa_utils.AveragedModel``) gets hooks
+    that read and swap its own modules and parameters, not the original's. A plain function
+    is copied by reference, closure and all; this one's closure is copied with the modules
+    (process groups shared). Calls pass straight through (``functools.partial``)."""
+    return _CopiedWithModule(fn)

@@ -11,8 +11,8 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from ..comm.groups import shard_bounds
-from .dtensor_io import DTensor, Replicate
+from ..comm.groups import copied_with_module, shard_bounds
+from .dtensor_io import DTensor, Replicate, Shard
 from ..ops import amp
 from ..ops.core import check_watched, dtensor_of
 
@@ -68,7 +68,8 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
     ``watch``: the outputs check, in the backward, that no parameter the module read was
     changed in place since (:func:`watch_params`). ``only_dtensors``: at each call, only the
     entries that hold a ``DTensor`` then are swapped (``owned`` may be a list the caller
-    edits later). Returns the hooks' handles."""
+    edits later). ``copy.deepcopy`` of the module gives hooks that swap the copy's own
+    parameters. Returns the hooks' handles."""
     if not owned:
         return []
     stack = []  # one entry per call in flight (a module called again inside its own forward)
@@ -103,8 +104,10 @@ def compute_on_locals(module: nn.Module, owned: List[Tuple[nn.Module, str]],
             watch_params(out, *params)
         return None
 
-    return [module.register_forward_pre_hook(swap_in, prepend=True),
-            module.register_forward_hook(restore, prepend=True, always_call=True)]
+    # A copy of the module (an EMA copy) swaps its own parameters (copied_with_module).
+    return [module.register_forward_pre_hook(copied_with_module(swap_in), prepend=True),
+            module.register_forward_hook(copied_with_module(restore), prepend=True,
+                                         always_call=True)]
 
 
 def sum_partial_grads(tensors: list, pg) -> None:
@@ -342,3 +345,81 @@ def cut(full: torch.Tensor, like: "DTensor") -> "DTensor":
         local = local.contiguous()
     return DTensor.from_local(local, like.device_mesh, like.placements,
                               run_check=False, shape=like.shape, stride=like.stride())
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks of the multi-dimensional layouts: one mesh per layout.
+
+def mesh_placements(spec, info):
+    """``(mesh dimension order, placements)`` of the ``DTensor`` of a multi-dimensional
+    layer's parameter (``spec``: its :class:`tpx.nn.multidim.BlockSpec`; ``info``: the
+    layout's :class:`tpx.mesh.MeshInfo`): ``Shard(d)`` on each mesh dimension that splits dim
+    ``d``, ``Replicate()`` on the others, in the mesh's own order. A dim split by two mesh
+    dimensions against that order takes ``_StridedShard`` on the inner one
+    (:func:`_nested_placements`); where this torch cannot state it, the order is permuted
+    to the splits' (the same ranks and groups). Made once per spec."""
+    key = (tuple(spec.splits), tuple(spec.full_shape), info.names, info.shape)
+    cached = _MESH_PLACEMENTS.get(key)
+    if cached is None:
+        cached = _MESH_PLACEMENTS[key] = _derive_mesh_placements(spec, info)
+    return cached
+
+
+_MESH_PLACEMENTS: dict = {}
+
+
+def _derive_mesh_placements(spec, info):
+    names = list(info.names)
+
+    def plain(n):
+        dims = [d for d, split in enumerate(spec.splits) if n in split]
+        return Shard(dims[0]) if dims else Replicate()
+
+    nested = [dims for dims in spec.splits
+              if [names.index(d) for d in dims] != sorted(names.index(d) for d in dims)]
+    if not nested:
+        return names, [plain(n) for n in names]
+    placements = _nested_placements(spec, info) if all(len(d) == 2 for d in nested) else None
+    if placements is not None:
+        return names, placements
+    lead = [d for dims_ in spec.splits for d in dims_]
+    order = lead + [n for n in names if n not in lead]
+    return order, [plain(n) for n in order]
+
+
+def _nested_placements(spec, info):
+    """The placements on the mesh in its own order with ``_StridedShard(d, split_factor=``
+    the outer dimension's size ``)`` on the inner of two mesh dimensions that split dim ``d``
+    against that order (FSDP2's statement of a dim it splits inside TP's blocks), or ``None``
+    where this torch's ``DTensor`` would not put every rank's block where ``spec`` does (its
+    local shapes and offsets are checked for every rank; no communication)."""
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return None
+    names = list(info.names)
+    sizes = dict(zip(names, info.shape))
+    placements = []
+    for n in names:
+        dims = [d for d, split in enumerate(spec.splits) if n in split]
+        if not dims:
+            placements.append(Replicate())
+            continue
+        split = spec.splits[dims[0]]
+        outer = [m for m in split[:split.index(n)] if names.index(m) > names.index(n)]
+        placements.append(_StridedShard(dims[0], split_factor=sizes[outer[0]]) if outer
+                          else Shard(dims[0]))
+    try:
+        for index in range(len(info.ranks)):
+            coord = info.coord_of(index)
+            ranges = spec.ranges(info, coord)
+            size, offset = _compute_local_shape_and_global_offset(
+                tuple(spec.full_shape), tuple(info.shape), [coord[n] for n in names],
+                placements)
+            if tuple(size) != tuple(e - s for s, e in ranges) or \
+                    tuple(offset) != tuple(s for s, _ in ranges):
+                return None
+    except Exception:  # a torch that does not compute this layout
+        return None
+    return placements

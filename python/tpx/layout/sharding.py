@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mappings import gather_dim
-from .param_dtensors import as_dtensor, cut, local_of, replace_param, strided_placement
+from .param_dtensors import (as_dtensor, cut, local_of, mesh_placements, replace_param,
+                             strided_placement)
 from .dtensor_io import DTensor, Replicate, Shard
 
 __all__ = ["ATTR", "GroupSharding", "MeshSharding", "sharding_of", "describe_params",
@@ -193,29 +194,22 @@ class MeshSharding:
         """``local`` (a tensor of the block's shape: the parameter, or an optimizer state of
         it) as a ``DTensor`` of the full shape over the layer's mesh, sharing ``local``'s
         storage when it is contiguous: mesh dimension ``m`` is ``Shard(d)`` when it splits
-        dim ``d``, else ``Replicate()``. A dim split by several mesh dimensions needs them in
-        its order, outermost first (DTensor shards left to right): when the mesh's own order
-        differs (3-D weight rows, split by the output dimension then "input"), the DTensor
+        dim ``d``, else ``Replicate()``. A dim split by two mesh dimensions against the mesh's
+        order (3-D weight rows, split by "output" then "input") is torch's nested layout, as
+        FSDP2 states a dim it splits inside TP's blocks: ``_StridedShard(d, split_factor=``
+        the outer one's size ``)`` on the inner (left) one, ``Shard(d)`` on the outer. So every
+        parameter of a layout lives on one mesh, which torch's ``clip_grad_norm_`` needs.
+        Where this torch's ``DTensor`` does not state that layout exactly, the ``DTensor``
         lives on the same ranks and process groups with its dimensions permuted."""
         from ..mesh import block_mesh
 
         info, spec = self.info, self.spec
-        names = list(info.names)
-        order = names
-        for dims in spec.splits:
-            if [names.index(d) for d in dims] != sorted(names.index(d) for d in dims):
-                lead = [d for dims_ in spec.splits for d in dims_]
-                order = lead + [n for n in names if n not in lead]
-                break
         local = local_of(local).detach()
         device_type = info.device_type if local.is_meta else local.device.type
-        mesh = block_mesh(info, order, device_type)
-        placements = []
-        for n in order:
-            dims = [d for d, split in enumerate(spec.splits) if n in split]
-            placements.append(Shard(dims[0]) if dims else Replicate())
         shape = torch.Size(spec.full_shape)
         stride = torch.empty(shape, device="meta").stride()
+        order, placements = mesh_placements(self.spec, self.info)
+        mesh = block_mesh(info, order, device_type)
         return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False,
                                   shape=shape, stride=stride)
 

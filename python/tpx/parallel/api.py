@@ -20,7 +20,7 @@ from . import style as _style
 from .. import config
 from ..replicas import watch_replicas
 from ..meta_init import watch as watch_meta
-from ..layout.sharding import lays_out_params, params_laid_out_by
+from ..layout.sharding import lays_out_params, params_laid_out_by, sharding_of
 from ..layout.param_dtensors import REPLICATED
 from .integrations import guard_save_pretrained, offer_lora_layers
 from ..kept_whole import (
@@ -170,6 +170,8 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
     else:
         replicate_kept_whole(module, None, reuse=replicas)
     _keep_parameter_objects(module, before, keep)
+    if ctx.layout == "1d":
+        _warn_plain_layouts(module)
     guard_save_pretrained(module)
     offer_lora_layers(module)
     if src_rank is not None and ctx.world > 1:
@@ -529,6 +531,25 @@ def _reraise_in_entry(e: Exception, name: str, old: nn.Module, style) -> None:
         raise e
     raise type(e)(f"tpx.parallelize_module: {name!r} ({type(old).__name__}) with {style!r}: "
                   f"{msg}") from e
+
+
+def _warn_plain_layouts(module: nn.Module) -> None:
+    """Warns, naming them, about the parameters a tpx layer holds in a layout no ``DTensor``
+    states (fused segments split separately along dim 0, KV rows held by several ranks): they
+    stay this rank's plain tensors, and torch's foreach kernels refuse a list mixing them with
+    ``DTensor`` s."""
+    plain = [name for name, p in module.named_parameters()
+             if not isinstance(p, DTensor) and sharding_of(p) is not None]
+    if not plain:
+        return
+    shown = ", ".join(plain[:4]) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
+    warnings.warn(
+        f"tpx.parallelize_module: {len(plain)} parameter(s) stay this rank's plain tensors, in a "
+        f"layout no DTensor states (fused segments split separately along dim 0, or KV rows "
+        f"held by several ranks): {shown}. torch's foreach kernels refuse a list mixing them "
+        "with DTensors: clip with tpx.clip_grad_norm_ (torch.nn.utils.clip_grad_norm_ raises "
+        "'mixed torch.Tensor and DTensor') and give the optimizer foreach=False; save with "
+        "save_pretrained or tpx.checkpoint (docs/training.md)", UserWarning, stacklevel=3)
 
 
 def _retie(module: nn.Module, owners: List[Tuple[str, str]]) -> None:

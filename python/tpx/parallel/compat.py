@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import random as tpx_random
-from ..comm.groups import DeviceMesh, resolve_group
+from ..comm.groups import DeviceMesh, copied_with_module, resolve_group
 from ..nn.attention import ParallelMultiheadAttention, check_mha
 from .api import become_module, check_can_become_module, parallelize_module
 from .style import ColwiseParallel as _Colwise
@@ -246,8 +246,8 @@ def _fastpath_back(module, args, output) -> None:
 
 
 def _guard_fastpath(module: nn.Module) -> None:
-    module.register_forward_pre_hook(_fastpath_off)
-    module.register_forward_hook(_fastpath_back, always_call=True)
+    module.register_forward_pre_hook(copied_with_module(_fastpath_off))
+    module.register_forward_hook(copied_with_module(_fastpath_back), always_call=True)
     if isinstance(module, nn.TransformerEncoder):
         module.use_nested_tensor = False
 
@@ -269,8 +269,8 @@ def _tp_stream_dropout(module: nn.Module) -> None:
         if swap is not None:
             swap.exit()
 
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    module.register_forward_pre_hook(copied_with_module(enter))
+    module.register_forward_hook(copied_with_module(leave), always_call=True)
 
 
 _LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
@@ -359,9 +359,11 @@ class _LegacyLinear(ParallelStyle):
         new = apply_style(style, module, ctx)
         if pre is not None:
             new.register_forward_pre_hook(
-                lambda m, args: (redistribute(args[0], pre, Replicate(), pg),) + tuple(args[1:]))
+                copied_with_module(lambda m, args: (redistribute(args[0], pre, Replicate(), pg),)
+                                   + tuple(args[1:])))
         if post is not None:
-            new.register_forward_hook(lambda m, args, out: redistribute(out, Replicate(), post, pg))
+            new.register_forward_hook(copied_with_module(
+                lambda m, args, out: redistribute(out, Replicate(), post, pg)))
         return new
 
     def __repr__(self) -> str:
@@ -526,8 +528,8 @@ class PairwiseParallel(ParallelStyle):
                 return (redistribute(output[0], Replicate(), dst, pg),) + tuple(output[1:])
             return redistribute(output, Replicate(), dst, pg)
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        module.register_forward_pre_hook(copied_with_module(pre))
+        module.register_forward_hook(copied_with_module(post))
 
     def __repr__(self) -> str:
         return f"{self._name}(input={self.in_layout}, output={self.out_layout})"

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 from torch import Tensor, nn
 
+from ..comm.groups import copied_with_module
 from .. import mappings
 from ..nn import multidim as md
 from .mesh_styles import MeshInput, mesh_info
@@ -82,7 +83,7 @@ def gather_logits_in_generate(module: nn.Module, gather) -> None:
     replaced by ``gather(module, logits)``; other calls of the module are left alone."""
     if "_tpx_gather_logits" not in module.__dict__:
         module.generate = types.MethodType(_generate_full_logits, module)
-        module.register_forward_hook(_gather_logits_when_generating)
+        module.register_forward_hook(copied_with_module(_gather_logits_when_generating))
     module.__dict__["_tpx_gather_logits"] = gather
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..comm.groups import copied_with_module
 from .. import mappings
 from ..layout.param_dtensors import compute_on_locals, replicate_params, sum_partial_grads
 from .moe import MoEIdentityExpert
@@ -36,8 +37,8 @@ class AllReduceOutput(ParallelStyle):
         pg = ctx.group
         if pg.size() > 1:
             module.register_forward_hook(
-                lambda m, a, out: mappings.all_reduce_sum(out, pg)
-                if isinstance(out, Tensor) else out)
+                copied_with_module(lambda m, a, out: mappings.all_reduce_sum(out, pg)
+                                   if isinstance(out, Tensor) else out))
         return module
 
     def __repr__(self) -> str:
@@ -80,7 +81,7 @@ class SplitRopeGrad(ParallelStyle):
             keep, rope = out.split([out.shape[-1] - n, n], dim=-1)
             return torch.cat([keep, mappings.all_reduce_grad(rope, pg)], dim=-1)
 
-        module.register_forward_hook(hook)
+        module.register_forward_hook(copied_with_module(hook))
         return module
 
     def __repr__(self) -> str:
@@ -129,7 +130,8 @@ class VocabParallelEmbeddingStyle(ParallelStyle):
         # materialized from the meta device (tpx.checkpoint.init_unsaved_buffers), as
         # transformers' _init_weights sets the buffer of the module this one replaces.
         new._tpx_buffer_values = {"embed_scale": value}
-        new.register_forward_hook(lambda m, a, out: out * m.embed_scale.to(out.dtype))
+        new.register_forward_hook(
+            copied_with_module(lambda m, a, out: out * m.embed_scale.to(out.dtype)))
         return new
 
     def __repr__(self) -> str:
@@ -362,7 +364,8 @@ class PartialGradParams(ParallelStyle):
         if pg.size() == 1:
             return module
         state = {"partial": False, "outputs": set(), "hooked": set()}
-        self.block.register_forward_pre_hook(lambda mod, args: self._start(state))
+        self.block.register_forward_pre_hook(
+            copied_with_module(lambda mod, args: self._start(state)))
         # Replicate() DTensors, the module computing on their local tensors (as
         # ReplicatedWithGradAllReduce's), swapped in by a hook that runs before this one
         owned = replicate_params(module, pg)
@@ -375,7 +378,7 @@ class PartialGradParams(ParallelStyle):
                 for (owner, name), local in zip(owned, locals_):
                     owner._parameters[name] = local
 
-        module.register_forward_pre_hook(see)
+        module.register_forward_pre_hook(copied_with_module(see))
         compute_on_locals(module, owned)
         return module
 
@@ -388,7 +391,7 @@ class PartialGradParams(ParallelStyle):
             if id(sub) not in state["hooked"]:
                 state["hooked"].add(id(sub))
                 sub.register_forward_hook(
-                    lambda mod, args, out: state["outputs"].add(_storage(out)))
+                    copied_with_module(lambda mod, args, out: state["outputs"].add(_storage(out))))
 
     def _see(self, state, args) -> None:
         x = next((a for a in args if isinstance(a, Tensor)), None)
@@ -454,8 +457,8 @@ class HeadParams(ParallelStyle):
                 mod._parameters[n] = p
             return None
 
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore, always_call=True)
+        module.register_forward_pre_hook(copied_with_module(to_local))
+        module.register_forward_hook(copied_with_module(restore), always_call=True)
         return module
 
     def __repr__(self) -> str:

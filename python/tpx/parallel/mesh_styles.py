@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 from torch import Tensor, nn
 
+from ..comm.groups import copied_with_module
 from ..mesh import MeshInfo, check_mesh, mesh_layout
 from ..nn import multidim as md
 from .base import MESH_LAYOUTS, TPContext
@@ -146,7 +147,7 @@ class MeshParallel(MeshStyle):
         for p_old, p_new in zip(module.parameters(), new.parameters()):
             p_new.requires_grad_(p_old.requires_grad)
         if self.gather_output:
-            new.register_forward_hook(_GatherHook(info, out_hidden))
+            new.register_forward_hook(copied_with_module(_GatherHook(info, out_hidden)))
         return new
 
     def __repr__(self) -> str:
@@ -246,7 +247,7 @@ class MeshInput(MeshStyle):
                     kwargs[key] = split(kwargs[key], hidden)
             return args, kwargs
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(copied_with_module(hook), with_kwargs=True)
         return module
 
     def __repr__(self) -> str:

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ..comm.groups import copied_with_module
 from ..layout.param_dtensors import compute_on_locals, replicate_params
 from .base import ParallelStyle, TPContext, redistribute
 
@@ -81,7 +82,7 @@ class PrepareModuleInput(ParallelStyle):
                                                local=local)
             return tuple(args), kwargs
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(copied_with_module(hook), with_kwargs=True)
         return module
 
 
@@ -117,7 +118,7 @@ class PrepareModuleOutput(ParallelStyle):
                                            self.desired_output_layouts)]
             return outs[0] if single else tuple(outs)
 
-        module.register_forward_hook(hook)
+        module.register_forward_hook(copied_with_module(hook))
         return module
 
 
@@ -317,13 +318,13 @@ class ShardedAttention(ParallelStyle):
             proj = mod.get_submodule(self.out_proj)
             if not getattr(proj, "_tpx_leaves_fork", False):
                 # The output projection is looked up here, after the plan replaced it.
-                proj.register_forward_pre_hook(lambda m, a: leave())
+                proj.register_forward_pre_hook(copied_with_module(lambda m, a: leave()))
                 proj._tpx_leaves_fork = True
             state["swap"] = tpx_random.Swap(device_of(mod))
             state["swap"].enter()
 
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(lambda m, a, o: leave(), always_call=True)
+        module.register_forward_pre_hook(copied_with_module(enter))
+        module.register_forward_hook(copied_with_module(lambda m, a, o: leave()), always_call=True)
 
     def __repr__(self) -> str:
         return f"ShardedAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})"

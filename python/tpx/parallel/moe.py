@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import mappings
-from ..comm.groups import shard_bounds
+from ..comm.groups import copied_with_module, shard_bounds
 from ..layout.initial import load_initial, ShardSpec
 from ..layout.dtensor_io import DTensor, Partial, Replicate
 from ..layout.param_dtensors import compute_on_locals
@@ -287,8 +287,8 @@ class ExpertsTensorParallel(ParallelStyle):
             output = mappings.depend_on(output, used)
             return mappings.all_reduce_sum(output, pg) if reduce else output
 
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True, always_call=True)
+        module.register_forward_pre_hook(copied_with_module(pre), with_kwargs=True)
+        module.register_forward_hook(copied_with_module(post), with_kwargs=True, always_call=True)
 
 
 def _output_layout(what: str, given, default):
@@ -489,11 +489,11 @@ class GroupedExpertsTensorParallel(ParallelStyle):
                 call.put(args, kwargs, 0, mappings.all_reduce_grad(x, pg))
             return tuple(args), kwargs
 
-        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_pre_hook(copied_with_module(pre), with_kwargs=True)
         if self._reduce:
             module.register_forward_hook(
-                lambda mod, args, out: mappings.all_reduce_sum(out, pg)
-                if isinstance(out, Tensor) else out)
+                copied_with_module(lambda mod, args, out: mappings.all_reduce_sum(out, pg)
+                                   if isinstance(out, Tensor) else out))
 
 
 class _Arguments:
@@ -575,8 +575,8 @@ class GroupedExpertsParallel(GroupedExpertsTensorParallel):
                              out.new_zeros((rows - start - n,) + tuple(out.shape[1:]))])
             return mappings.all_reduce_sum(out, pg) if self._reduce else out
 
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, always_call=True)
+        module.register_forward_pre_hook(copied_with_module(pre), with_kwargs=True)
+        module.register_forward_hook(copied_with_module(post), always_call=True)
 
 
 class MoEIdentityExpert(ParallelStyle):
@@ -593,7 +593,7 @@ class MoEIdentityExpert(ParallelStyle):
                     return (args[0] / world,) + tuple(args[1:])
                 return args
 
-            module.register_forward_pre_hook(pre)
+            module.register_forward_pre_hook(copied_with_module(pre))
         return module
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..comm.groups import copied_with_module
 from .. import mappings
 from .style import ParallelStyle, TPContext, apply_style
 
@@ -75,7 +76,7 @@ class SplitSequence(ParallelStyle):
             x = mappings.split_dim(x, 1, [per] * world, rank * per, pg)
             return _replace_hidden(args, kwargs, x)
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(copied_with_module(hook), with_kwargs=True)
         return module
 
 
@@ -116,10 +117,10 @@ class GatherSequence(ParallelStyle):
                     return None
                 return _replace_hidden(args, kwargs, _gather_sequence(x, seq, pg, True))
 
-            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_pre_hook(copied_with_module(pre), with_kwargs=True)
         else:
             module.register_forward_hook(
-                lambda mod, args, out: _gather_sequence(out, seq, pg, True))
+                copied_with_module(lambda mod, args, out: _gather_sequence(out, seq, pg, True)))
         return module
 
 
@@ -176,8 +177,8 @@ class ExpertsBlockSequence(ParallelStyle):
                 return (scatter(out[0]),) + out[1:]
             return out
 
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post)
+        module.register_forward_pre_hook(copied_with_module(pre), with_kwargs=True)
+        module.register_forward_hook(copied_with_module(post))
         return module
 
     def __repr__(self) -> str:
@@ -215,7 +216,7 @@ class PadSequence(ParallelStyle):
                 return (F.pad(x, (0, 0, 0, seq.padded - x.shape[1])),) + tuple(args[1:])
             return None
 
-        module.register_forward_pre_hook(pre)
+        module.register_forward_pre_hook(copied_with_module(pre))
         return module
 
 

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.groups import head_rows, shard_bounds
+from ..comm.groups import copied_with_module, head_rows, shard_bounds
 from ..nn import (
     ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 from ..layout.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
@@ -153,7 +153,7 @@ def _linear_with_pytorch(name: str, torch_style, module: nn.Module, ctx: TPConte
             shape[layout.dim % x.dim()] = in_features
             return (wrap_output(x, layout, ctx.group, shape, ctx.mesh), *args[1:])
 
-        out.register_forward_pre_hook(global_input, prepend=True)
+        out.register_forward_pre_hook(copied_with_module(global_input), prepend=True)
     return out
 
 
@@ -255,7 +255,7 @@ class ColwiseParallel(ParallelStyle):
                 shape[-1] = features
             return wrap_output(y, placement, pg, shape)
 
-        new.register_forward_hook(hook)
+        new.register_forward_hook(copied_with_module(hook))
         return new
 
     def __repr__(self) -> str:
@@ -344,7 +344,7 @@ class RowwiseParallel(ParallelStyle):
                 shape[placement.dim % y.dim()] *= pg.size()
             return wrap_output(y, placement, pg, shape)
 
-        new.register_forward_hook(hook)
+        new.register_forward_hook(copied_with_module(hook))
         return new
 
     def __repr__(self) -> str:
@@ -412,8 +412,8 @@ class SequenceParallel(ParallelStyle):
             return redistribute(out, seq, seq, pg, local=False)
 
         compute_on_locals(module, owned, sum_grads_over=pg)
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        module.register_forward_pre_hook(copied_with_module(pre))
+        module.register_forward_hook(copied_with_module(post))
         return module
 
     def __repr__(self) -> str:
