@@ -368,9 +368,14 @@ def _errors(rank, world):
     pm = sharded_lora(fresh(), lora_config(["q_proj"]), "peft").eval()  # peft: inference only
     with pytest.raises(NotImplementedError, match="adapter_names"):
         pm(input_ids=batch(0), adapter_names=["default", "default"])
-    # A 2-D layout.
+    # A multi-dimensional layout, in either order.
     with pytest.raises(ValueError, match="layout='1d'"):
         tpx.plans.auto(peft.get_peft_model(fresh(), lora_config()), layout="2d")
+    model = fresh()
+    tpx.parallelize_module(model, tpx.init_mesh("2.5d", depth=2),
+                           tpx.plans.auto(model, layout="2.5d"))
+    with pytest.raises(ValueError, match="LoRA on the '2.5d' layout's layers"):
+        peft.get_peft_model(model, lora_config(["q_proj"]))
 
 
 def test_lora_errors():

@@ -72,6 +72,7 @@ from ..layout.sharding import KeepsParamSharding, describe_params, sharded_by_tp
 from ..layout.param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from ..layout.dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .multidim.linear import _MultiDimLinear
 
 __all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear", "register", "shard_lora_layer",
            "is_peft_layer"]
@@ -168,6 +169,11 @@ def _install_dispatch() -> None:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         custom = getattr(lora_config, "_custom_modules", None) or {}
         if not any(isinstance(base, key) for key in custom):
+            if isinstance(base, _MultiDimLinear):
+                raise ValueError(
+                    f"tpx.nn.lora: LoRA on the {base._layout!r} layout's layers "
+                    f"({type(base).__name__}) is not supported; to train LoRA adapters, shard "
+                    "the model with the 1-D layout (tpx.plans.auto(model), the default)")
             for layer, cls in ((ColumnParallelLinear, ColumnParallelLoraLinear),
                                (RowParallelLinear, RowParallelLoraLinear)):
                 if isinstance(base, layer):

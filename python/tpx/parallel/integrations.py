@@ -52,17 +52,14 @@ def guard_save_pretrained(module: nn.Module) -> None:
 
 
 def offer_lora_layers(module: nn.Module) -> None:
-    """A model with tpx's column- or row-parallel layers: peft's ``get_peft_model`` wraps them
-    with tpx's LoRA layers (``tpx.nn.lora`` teaches peft's dispatch) with no ``register``
-    step. peft imported already: ``tpx.nn.lora`` is imported now; installed but not imported
+    """A model tpx sharded: peft's ``get_peft_model`` wraps its column- and row-parallel
+    layers with tpx's LoRA layers (``tpx.nn.lora`` teaches peft's dispatch) with no
+    ``register`` step, and refuses the multi-dimensional layouts' layers naming tpx. peft imported already: ``tpx.nn.lora`` is imported now; installed but not imported
     yet: once, right after peft's own import (a finder on ``sys.meta_path`` that removes
     itself when it fires). Nothing when peft is not installed."""
     import sys
 
-    from ..nn.linear import ColumnParallelLinear, RowParallelLinear
-
-    if not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-               for m in module.modules()):
+    if not sharded_by_tpx(module):
         return
     if "peft" in sys.modules:
         _import_lora()
