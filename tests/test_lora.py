@@ -374,12 +374,27 @@ def _errors(rank, world):
     model = fresh()
     tpx.parallelize_module(model, tpx.init_mesh("2.5d", depth=2),
                            tpx.plans.auto(model, layout="2.5d"))
-    with pytest.raises(ValueError, match="LoRA on the '2.5d' layout's layers"):
-        peft.get_peft_model(model, lora_config(["q_proj"]))
+    with pytest.raises(NotImplementedError, match="lora_dropout must be 0"):
+        peft.get_peft_model(model, lora_config(["q_proj"], lora_dropout=0.1))
 
 
 def test_lora_errors():
     run_ranks(_errors, 2)
+
+
+def _refuses_3d(rank, world):
+    import tpx
+
+    model = tiny("llama")
+    tpx.parallelize_module(model, tpx.init_mesh("3d"), tpx.plans.auto(model, layout="3d"))
+    with pytest.raises(ValueError, match="LoRA on the '3d' layout's layers"):
+        peft.get_peft_model(model, lora_config(["q_proj"]))
+
+
+def test_lora_refuses_the_3d_layout():
+    """The 3-D layout's layers (whose output layout is not their input's) take no adapter:
+    refused naming the layouts that do, on a 1 x 1 x 1 mesh."""
+    run_ranks(_refuses_3d, 1)
 
 
 class _MLP(torch.nn.Module):

@@ -33,6 +33,9 @@ Both orders work:
   layers (``parallelize_module`` imports it when peft is imported, or right after peft's own
   import). :func:`register` (peft's custom-module API) still works.
 
+On the 2-D and 2.5-D layouts (tpx first) :class:`tpx.nn.multidim.lora.MeshLoraLinear` wraps
+their linear layers (its factors: layers of the same layout); the 3-D layout's are refused.
+
 Adapters are created full-sized (as on one device, from the same random stream) and each rank
 keeps its part of the base layer's ``src_rank``'s draw, as tpx's layers are initialised.
 Parameters are ``DTensor`` s with the placements above (a fused projection whose segments are
@@ -72,10 +75,11 @@ from ..layout.sharding import KeepsParamSharding, describe_params, sharded_by_tp
 from ..layout.param_dtensors import local_of, local_params, read_for_input_grad, watch_params
 from ..layout.dtensor_io import DTensor, Replicate, Shard, local_input
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .multidim.linear import _MultiDimLinear
+from .multidim.linear import Linear2D, Linear3D
+from .multidim.lora import MeshLoraLinear
 
-__all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear", "register", "shard_lora_layer",
-           "is_peft_layer"]
+__all__ = ["ColumnParallelLoraLinear", "MeshLoraLinear", "RowParallelLoraLinear", "register",
+           "shard_lora_layer", "is_peft_layer"]
 
 
 def is_peft_layer(module: nn.Module) -> bool:
@@ -169,11 +173,14 @@ def _install_dispatch() -> None:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         custom = getattr(lora_config, "_custom_modules", None) or {}
         if not any(isinstance(base, key) for key in custom):
-            if isinstance(base, _MultiDimLinear):
+            if isinstance(base, Linear2D):  # the 2-D and 2.5-D layouts
+                return MeshLoraLinear(target, adapter_name, config=lora_config, **kwargs)
+            if isinstance(base, Linear3D):
                 raise ValueError(
                     f"tpx.nn.lora: LoRA on the {base._layout!r} layout's layers "
-                    f"({type(base).__name__}) is not supported; to train LoRA adapters, shard "
-                    "the model with the 1-D layout (tpx.plans.auto(model), the default)")
+                    f"({type(base).__name__}) is not supported (their output layout is not "
+                    "their input's); to train LoRA adapters, shard the model with the 1-D "
+                    "layout (tpx.plans.auto(model), the default), the '2d' or the '2.5d'")
             for layer, cls in ((ColumnParallelLinear, ColumnParallelLoraLinear),
                                (RowParallelLinear, RowParallelLoraLinear)):
                 if isinstance(base, layer):
@@ -589,3 +596,4 @@ def shard_lora_layer(style, module: nn.Module, ctx) -> nn.Module:
 
 
 _install_dispatch()
+
