@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import assert_like_unsharded, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -287,6 +287,8 @@ def _averages_loop(rank, world, layout, sequence_parallel):
         for key, value in r.state_dict().items():
             torch.testing.assert_close(full[key], value, rtol=0, atol=1e-10 if tol < 1e-8 else tol,
                                        msg=lambda m, key=key, name=name: f"{name} {key}: {m}")
+        # every rank's own part, the replicas (norms, biases) on every rank included
+        assert_like_unsharded(c, r, name, rtol=0, atol=1e-10 if tol < 1e-8 else tol)
 
 
 @pytest.mark.parametrize("world,layout,sp", [
@@ -341,8 +343,9 @@ def _plain_layouts(rank, world, arch):
                                    msg=lambda m, key=key: f"after 3 steps, {key}: {m}")
 
 
-def test_layouts_no_dtensor_states_are_named():
-    run_ranks(_plain_layouts, 2, "gpt2")
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_layouts_no_dtensor_states_are_named(world):
+    run_ranks(_plain_layouts, world, "gpt2")
 
 
 def _copies(rank, world, arch, options):
@@ -377,15 +380,19 @@ def _copies(rank, world, arch, options):
         for key, value in b.state_dict().items():
             torch.testing.assert_close(full[key], value, rtol=0, atol=tol,
                                        msg=lambda m, key=key, what=what: f"{what} {key}: {m}")
+        if arch != "gpt2":  # (tpx's layer stores the Conv1D weight [out, in])
+            # every rank's own part, the replicas on every rank included
+            assert_like_unsharded(a, b, what, rtol=0, atol=tol)
 
 
 # Each kind of hook tpx registers: kept-whole replicas (Llama), sequence parallelism, experts
 # (TP and EP), GPT-2's fused segments, a derived plan (Falcon), Qwen3's per-head norms.
-@pytest.mark.parametrize("arch,options", [
-    ("llama", {}), ("llama", {"sequence_parallel": True}), ("mixtral", {}),
-    pytest.param("mixtral", {"experts": "ep"}, marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", {"sequence_parallel": True}, marks=pytest.mark.slow),
-    pytest.param("gpt2", {}, marks=pytest.mark.slow),
-    pytest.param("falcon", {}, marks=pytest.mark.slow)])
-def test_copies_of_a_sharded_model(arch, options):
-    run_ranks(_copies, 2, arch, options)
+@pytest.mark.parametrize("arch,options,world", [
+    ("llama", {}, 2), ("llama", {"sequence_parallel": True}, 2), ("mixtral", {}, 2),
+    pytest.param("llama", {"sequence_parallel": True}, 3, marks=pytest.mark.slow),
+    pytest.param("mixtral", {"experts": "ep"}, 2, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", {"sequence_parallel": True}, 2, marks=pytest.mark.slow),
+    pytest.param("gpt2", {}, 2, marks=pytest.mark.slow),
+    pytest.param("falcon", {}, 2, marks=pytest.mark.slow)])
+def test_copies_of_a_sharded_model(arch, options, world):
+    run_ranks(_copies, world, arch, options)
