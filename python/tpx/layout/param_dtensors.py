@@ -368,12 +368,17 @@ def mesh_placements(spec, info):
 _MESH_PLACEMENTS: dict = {}
 
 
+def _dim_split_by(spec, name: str):
+    """The dim of ``spec``'s parameter that mesh dimension ``name`` splits (``None``: none)."""
+    return next((d for d, split in enumerate(spec.splits) if name in split), None)
+
+
 def _derive_mesh_placements(spec, info):
     names = list(info.names)
 
     def plain(n):
-        dims = [d for d, split in enumerate(spec.splits) if n in split]
-        return Shard(dims[0]) if dims else Replicate()
+        d = _dim_split_by(spec, n)
+        return Replicate() if d is None else Shard(d)
 
     nested = [dims for dims in spec.splits
               if [names.index(d) for d in dims] != sorted(names.index(d) for d in dims)]
@@ -402,14 +407,13 @@ def _nested_placements(spec, info):
     sizes = dict(zip(names, info.shape))
     placements = []
     for n in names:
-        dims = [d for d, split in enumerate(spec.splits) if n in split]
-        if not dims:
+        d = _dim_split_by(spec, n)
+        if d is None:
             placements.append(Replicate())
             continue
-        split = spec.splits[dims[0]]
+        split = spec.splits[d]
         outer = [m for m in split[:split.index(n)] if names.index(m) > names.index(n)]
-        placements.append(_StridedShard(dims[0], split_factor=sizes[outer[0]]) if outer
-                          else Shard(dims[0]))
+        placements.append(_StridedShard(d, split_factor=sizes[outer[0]]) if outer else Shard(d))
     try:
         for index in range(len(info.ranks)):
             coord = info.coord_of(index)

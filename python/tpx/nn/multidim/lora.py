@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 
 from ...layout.dtensor_io import DTensor
-from ...layout.sharding import sharding_of
+from ...layout.param_dtensors import local_ranges
 from .linear import Linear2D
 
 __all__ = ["MeshLoraLinear"]
@@ -67,11 +67,10 @@ class MeshLoraLinear(_PeftLoraLinear):
         """This rank's block of ``scaling * B @ A``, a ``DTensor`` of the base weight's
         placements (the factors gathered: ``r x in`` and ``out x r`` elements)."""
         weight = self.get_base_layer().weight
-        a = self.lora_A[adapter].weight.full_tensor()
-        b = self.lora_B[adapter].weight.full_tensor()
-        (r0, r1), (c0, c1) = sharding_of(weight).spec.ranges(sharding_of(weight).info)
+        (rows,), (cols,) = local_ranges(weight)
+        a = self.lora_A[adapter].weight.full_tensor()[:, cols[0]:cols[1]]
+        b = self.lora_B[adapter].weight.full_tensor()[rows[0]:rows[1]]
         dtype = b.dtype
-        a, b = a[:, c0:c1], b[r0:r1]
         if b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
             a, b = a.float(), b.float()
         delta = ((b @ a) * self.scaling[adapter]).to(dtype)
