@@ -12,6 +12,9 @@ gloo, CPU) step after step; at step 3 rank 1 misbehaves in one of these ways:
   late            rank 1 arrives 30 s late at the step (a slow disk, a straggler)
   raise-all       every rank raises the same error in the tpx op (the same bad input on every
                   rank), catches it and goes on with the next batch
+  save-rank0      after step 3, rank 0 alone saves a checkpoint (`if rank == 0:
+                  tpx.checkpoint.save(...)`), a call every rank must make, while rank 1 goes
+                  on to step 4; rank 0 catches the error and goes on too
 
 For each, rank 0's outcome: the error it raises (or that it finished), the seconds from the
 fault to that error, and whether anything spun meanwhile: the CPU time of rank 0's gloo
@@ -22,7 +25,7 @@ raise-continue, which runs with a 20 s timeout so that a wait for the timeout wo
     python benchmarks/faults.py            # all scenarios: a table, and results/faults.json
 
 Correctness first: the first two steps' losses are compared with the unsharded model, and
-every step's where the ranks go on after the fault (late, raise-all).
+every step's where the ranks go on after the fault (late, raise-all, save-rank0).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("kill", "raise-exit", "fault-exit", "raise-continue", "late", "raise-all")
+SCENARIOS = ("kill", "raise-exit", "fault-exit", "raise-continue", "late", "raise-all",
+             "save-rank0")
 FAULT_STEP = 3
 LATE_SECONDS = 30.0
 
@@ -115,6 +119,7 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
     model[2].register_forward_pre_hook(misbehave)
     gen = torch.Generator().manual_seed(1)
     loop0 = cpu0 = t0 = None
+    saved = None  # save-rank0: (rank 0's error, seconds to it)
     step = 0
     try:
         for step in range(1, 7):
@@ -132,8 +137,16 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
                 if scenario == "raise-all" and step == FAULT_STEP:
                     continue  # skip the batch, on every rank
                 raise
+            if scenario == "save-rank0" and step == FAULT_STEP and rank == 0:
+                fault_now()
+                start = time.time()
+                try:
+                    tpx.checkpoint.save(model, os.path.join(out_dir, "ckpt"))
+                except RuntimeError as e:  # tpx.comm.entry.RanksMissingError
+                    saved = (f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}",
+                             round(time.time() - start, 2))
             # Before the fault, and after it where the ranks go on: equal to one device.
-            if step <= 2 or scenario in ("raise-all", "late"):
+            if step <= 2 or scenario in ("raise-all", "late", "save-rank0"):
                 want = ref(x).pow(2).mean()
                 ref_opt.zero_grad()
                 want.backward()
@@ -141,6 +154,8 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
                 assert abs(loss.item() - want.item()) < 1e-4 * max(1.0, abs(want.item())), \
                     (step, loss.item(), want.item())
         result["outcome"] = "finished all steps"
+        if saved is not None:
+            result["outcome"] = f"{saved[0]} (then finished all steps)"
     except Exception as e:  # noqa: BLE001 - the error is what we measure
         result["outcome"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
     finally:
@@ -151,9 +166,11 @@ def _rank(rank: int, scenario: str, init_file: str, out_dir: str) -> None:
             result["seconds_after_fault"] = round(now - fault, 2)
             result["loop_thread_cpu_per_s"] = round((_ticks(True) - loop0) / 100 / waited, 3)
             result["process_cpu_per_s"] = round((_ticks(False) - cpu0) / 100 / waited, 3)
+            if saved is not None:
+                result["seconds_after_fault"] = saved[1]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    os._exit(0 if result["outcome"] == "finished all steps" else 1)
+    os._exit(0 if result["outcome"].endswith("finished all steps") else 1)
 
 
 def run(scenario: str) -> dict:

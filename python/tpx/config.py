@@ -14,6 +14,8 @@ variable                  default      what it sets
 ``TPX_CHECK_REPLICAS``    ``0``        ``1``: replicas are compared after every backward
 ``TPX_INIT_CHUNK_BYTES``  64 MiB       bytes per step when initial weights are handed out
 ``TPX_FAULT_GRACE``       ``2``        seconds a failing rank waits for its peers
+``TPX_ENTRY_GRACE``       ``30``       seconds a call that needs every rank (saving,
+                                       loading, sharding) waits for them to enter it
 ``TPX_GLOO_ALLREDUCE``    ``gloo``     ``exchange``: two-rank all-reduce as one exchange
 ``TPX_GLOO_LOOP_POLICY``  ``batch``    ``keep``: leave gloo's event-loop threads as they are
 ========================  ===========  ==================================================
@@ -29,7 +31,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["INPUT_CHECK_MODES", "GLOO_ALLREDUCE_CHOICES", "GLOO_LOOP_POLICIES", "check_replicas",
-           "debug_checks", "fault_grace", "gloo_allreduce", "gloo_loop_policy",
+           "debug_checks", "entry_grace", "fault_grace", "gloo_allreduce", "gloo_loop_policy",
            "init_chunk_bytes", "input_checks", "rank_checks"]
 
 INPUT_CHECK_MODES = ("async", "sync", "off")
@@ -98,6 +100,21 @@ def fault_grace() -> float:
         seconds = -1.0
     if not seconds >= 0:
         raise ValueError(f"TPX_FAULT_GRACE must be a number of seconds >= 0; got '{value}'")
+    return seconds
+
+
+def entry_grace() -> float:
+    """Seconds a call that needs every rank of its group (``save_pretrained``,
+    ``tpx.checkpoint.save`` / ``load``, ``tpx.from_pretrained``, ``parallelize_module``, ...)
+    waits on entry for the others before it raises naming the ranks that did not come
+    (``TPX_ENTRY_GRACE``, default 30)."""
+    value = os.environ.get("TPX_ENTRY_GRACE") or "30"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"TPX_ENTRY_GRACE must be a number of seconds > 0; got '{value}'")
     return seconds
 
 

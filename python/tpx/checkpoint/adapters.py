@@ -22,6 +22,7 @@ from torch import nn
 
 from .hf import local_reads
 from .hf_write import Placeholder, SavedFiles, model_tensors, sync_errors, write_files
+from ..comm.entry import collective_call
 from ..comm.groups import resolve_group
 
 _WHO = "tpx.checkpoint.save_adapters"
@@ -52,6 +53,8 @@ def _adapter_files(model, targets, shapes, adapter: str, save_embedding_layers):
 
 
 @torch.no_grad()
+@collective_call(f"peft's save_pretrained ({_WHO})", lambda *a, group=None, **k: resolve_group(group),
+                 lambda model, save_directory, *a, **k: os.fspath(save_directory))
 def save_adapters(model: nn.Module, save_directory, *, safe_serialization: bool = True,
                   selected_adapters: Optional[Sequence[str]] = None,
                   save_embedding_layers="auto", is_main_process: bool = True,

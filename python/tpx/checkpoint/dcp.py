@@ -16,6 +16,7 @@ from .full import (
     OPTIM_KEY, chunked_dtensor, fsdp_managed, gather_full, mesh_dtensor, mesh_params,
     sharded_params)
 from .optim import get_optimizer_state_dict, load_optimizer_part
+from ..comm.entry import collective_call, every_rank
 from ..layout.dtensor_io import DTensor
 from ..layout.sharding import GroupSharding, collect_unstated, raw_state_dict
 from ..comm.groups import shard_bounds
@@ -57,6 +58,8 @@ def sharded_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     return state
 
 
+@collective_call("tpx.checkpoint.save", lambda *a, **k: None,
+                 lambda model, checkpoint_id, **k: os.fspath(checkpoint_id))
 def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
          optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Saves ``model`` (sharded by tpx) with ``torch.distributed.checkpoint``: every rank writes
@@ -70,7 +73,9 @@ def save(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``): each state tensor
     of a parameter's shape (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``)
     with the parameter's global shape and placement, keyed by the parameter's name in the
-    original model; scalar state (``step``) once. Collective over the default group.
+    original model; scalar state (``step``) once. Collective over the default group: every rank
+    calls it, and a rank that does not come within ``TPX_ENTRY_GRACE`` seconds is an error on
+    the others before anything is written.
 
     The directory appears whole or not at all: the ranks write into ``<checkpoint_id>.partial``
     and rank 0 renames it to ``checkpoint_id`` once every rank's blocks and the metadata are on
@@ -165,11 +170,18 @@ def load(model: nn.Module, checkpoint_id: Union[str, os.PathLike], *,
     hyper-parameters restored: the next ``optimizer.step()`` is the one the saved run would
     have taken. Shapes are checked against the checkpoint (``ValueError`` naming the
     parameter) and a checkpoint without optimizer state raises ``ValueError``, before
-    anything is modified. Collective over the default group."""
+    anything is modified. Collective over the default group (every rank calls it, as
+    :func:`save`)."""
+    metadata = _read_metadata("load", checkpoint_id)  # not a checkpoint: raised on entry
+    with every_rank("tpx.checkpoint.load", detail=os.fspath(checkpoint_id)):
+        _load(model, checkpoint_id, metadata, optimizer)
+
+
+def _load(model: nn.Module, checkpoint_id, metadata, optimizer) -> None:
+    """:func:`load` once the checkpoint is found and every rank has entered."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    metadata = _read_metadata("load", checkpoint_id)
     if fsdp_managed(model):
         _load_fsdp(model, checkpoint_id, metadata, optimizer)
         return

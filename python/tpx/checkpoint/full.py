@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..comm.entry import collective_call
 from ..comm.groups import mesh_for_group
 from ..layout.dtensor_io import DTensor
 from ..layout.sharding import collect_unstated, raw_state_dict, unstated_layouts
@@ -30,7 +31,23 @@ def gather_full(sh: Sharded, local: Optional[Tensor] = None) -> Tensor:
     return sh.layout.gather(sh.local() if local is None else local)
 
 
+def model_ranks(model: nn.Module) -> list:
+    """The global ranks over which ``model``'s parameters are split or replicated: those of
+    its ``DTensor`` s' meshes and of its tpx layers' groups (this rank alone for a model
+    no group holds)."""
+    ranks = set()
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            ranks.update(int(r) for r in p.device_mesh.mesh.flatten().tolist())
+    for m in model.modules():
+        group = getattr(m, "group", None)
+        if isinstance(group, dist.ProcessGroup):
+            ranks.update(dist.get_process_group_ranks(group))
+    return sorted(ranks)
+
+
 @torch.no_grad()
+@collective_call("tpx.checkpoint.full_state_dict", lambda model, *a, **k: model_ranks(model))
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, Tensor]:
     """The unsharded state dict of a model sharded by tpx, with the original model's keys and
     shapes (on every rank, or only on the group's rank 0 with ``rank0_only=True``: the
@@ -38,7 +55,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, 
     layers are all-gathered over the mesh dimensions that split them (``nn.Linear`` weight
     ``[out, in]``, bias ``[out]``, norm weight ``[H]``, embedding ``[V, D]``). A model that
     FSDP2 shards too gets torch's full state dict (``rank0_only``: on global rank 0, on the
-    CPU). Collective."""
+    CPU). Collective: every rank the model is split over calls it (one that does not come
+    within ``TPX_ENTRY_GRACE`` seconds is an error on the others)."""
     if fsdp_managed(model):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_model_state_dict)

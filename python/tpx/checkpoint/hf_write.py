@@ -29,6 +29,7 @@ from .full import fsdp_managed, mesh_params, sharded_params
 from .hf import local_reads
 from .lazy import SAFETENSORS_DTYPES, Cast, Cat, Lazy, Narrow, NotSliceable, Stack, Transpose, Unit
 from ..comm.collectives import all_reduce
+from ..comm.entry import collective_call
 from ..comm.groups import resolve_group
 from ..layout.dtensor_io import DTensor
 from ..layout.sharding import raw_state_dict, unstated_layouts
@@ -376,6 +377,8 @@ def model_tensors(model: nn.Module, what: str):
 
 
 @torch.no_grad()
+@collective_call("save_pretrained (tpx.checkpoint.save_pretrained)", lambda *a, group=None, **k: resolve_group(group),
+                 lambda model, save_directory, *a, **k: os.fspath(save_directory))
 def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *,
                     group=None, max_shard_size: Union[int, str] = "50GB") -> List[str]:
     """Writes ``model`` (sharded by tpx, or any mix of tpx's layers, ``DTensor`` s and plain
@@ -387,8 +390,9 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *
     tied copies left out).
 
     Every rank of ``group`` (default: the whole world; the ranks that hold one copy of the
-    model) calls it; each writes the parts of the tensors it owns straight into the files, so
-    no rank gathers a tensor and each element is written once (a rank's extra memory is at
+    model) calls it (a rank that does not come within ``TPX_ENTRY_GRACE`` seconds is an error
+    on the ranks that did, before anything is written); each writes the parts of the tensors it
+    owns straight into the files, so no rank gathers a tensor and each element is written once (a rank's extra memory is at
     most one of its local tensors, laid out for the file). The directory is complete when the
     call returns on every rank; a failure on any rank raises on all. Returns the names of the
     files written (:class:`SavedFiles`). ``model.save_pretrained(path)`` of a Hugging Face model sharded by tpx calls

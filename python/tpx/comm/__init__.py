@@ -7,6 +7,8 @@
 * :mod:`~tpx.comm.guard`: a failure on one rank is an error on every rank, promptly.
 * :mod:`~tpx.comm.collectives`: every collective tpx issues from Python, through one path.
 * :mod:`~tpx.comm.agree`: the ranks agreeing on arguments, checked once when a module is built.
+* :mod:`~tpx.comm.entry`: calls every rank must make (saving, loading, sharding), entered by
+  all of them or an error naming the ones that did not come.
 * :mod:`~tpx.comm.checks`: value checks of inputs without a host synchronisation.
 * :mod:`~tpx.comm.stats`: the collectives tpx issued, counted per group
   (``tpx.comm_stats``).

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.agree import check_same_on_ranks
+from ..comm.entry import every_rank
 from ..comm.groups import DeviceMesh, GroupLike, resolve_group
 from ..layout.initial import broadcast_, check_src_rank
 from ..layout.dtensor_io import DTensor
@@ -138,6 +139,14 @@ def parallelize_module(module: nn.Module, device_mesh: GroupLike = None,
         raise TypeError("tpx.parallelize_module: `parallelize_plan` must be a ParallelStyle (tpx's "
                         "or PyTorch's) or a dict from module-name patterns to styles; got "
                         f"{type(plan).__name__}")
+    with every_rank("tpx.parallelize_module", group=pg):
+        return _shard(module, target, ctx, plan, src_rank, strict)
+
+
+def _shard(module: nn.Module, target, ctx: TPContext, plan, src_rank: Optional[int],
+           strict: bool) -> nn.Module:
+    """:func:`parallelize_module` once its arguments are checked and every rank has entered."""
+    pg = ctx.group
     # A plan of the whole model (tpx.plans.auto's): every parameter it leaves whole becomes a
     # replica, in the blocks no entry reaches too.
     whole_model = isinstance(plan, ModelPlan)
