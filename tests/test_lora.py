@@ -29,6 +29,9 @@ def tiny(family: str):
                   tie_word_embeddings=False)
     if family == "llama":
         cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=6, **common)
+    elif family == "llama_2d":  # sizes the 2-D / 2.5-D layouts' blocks divide (q = 2)
+        cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=6,
+                                       **dict(common, vocab_size=V + 1))
     elif family == "llama_gqa":  # 2 KV heads: at TP 4 each is held by two ranks
         cfg = transformers.LlamaConfig(intermediate_size=70, num_key_value_heads=2,
                                        **dict(common, num_attention_heads=8))
@@ -196,6 +199,70 @@ def test_lora_with_sequence_parallelism(order, world):
 ])
 def test_lora_variants_of_linear(family, order, targets, extra):
     run_ranks(_train_like_one_device, 2, family, order, targets, extra)
+
+
+# peft's initialisations that draw: A by kaiming_uniform_ and B zero (the default), A normal
+# and B zero, A and B by nn.Linear's own init (False: B random), A and B from randn and a QR
+# ("orthogonal": B random). With lora_bias=True peft takes the first and the third only.
+INITS = [True, "gaussian", False, "orthogonal"]
+
+
+def _draws_like_one_device(rank, world, order, layout, family, targets, extra):
+    """From the same seed, get_peft_model on the sharded model (and peft's ``add_adapter``
+    after it) draws the adapters one device draws: each rank holds its part of them, bit for
+    bit, and the global random stream goes on as one device's."""
+    import tpx
+    import tpx.nn.lora
+
+    mesh = (None if layout == "1d" else
+            tpx.init_mesh(layout, **({"depth": 2} if layout == "2.5d" else {})))
+    for init in [True, False] if extra.get("lora_bias") else INITS:
+        what = f"{family} {order} first, {layout}, TP {world}, init_lora_weights={init!r}"
+
+        def config():
+            cfg = lora_config(targets, init_lora_weights=init, **extra)
+            return tpx.nn.lora.register(cfg) if order == "tpx+register" else cfg
+
+        model = tiny(family)
+        ref = copy.deepcopy(model)
+        torch.manual_seed(7)
+        ref = peft.get_peft_model(ref, config())
+        ref_after = torch.rand(16)
+        ref.add_adapter("later", config())
+        ref_later = torch.rand(16)
+        if order == "peft":
+            torch.manual_seed(7)
+            pm = peft.get_peft_model(model, config())
+            tpx.parallelize_module(pm, mesh, tpx.plans.auto(pm))
+        else:
+            tpx.parallelize_module(model, mesh, tpx.plans.auto(model, layout=layout))
+            torch.manual_seed(7)
+            pm = peft.get_peft_model(model, config())
+        assert torch.equal(torch.rand(16), ref_after), (what, "the stream after get_peft_model")
+        pm.add_adapter("later", config())
+        assert torch.equal(torch.rand(16), ref_later), (what, "the stream after add_adapter")
+        layers = _lora_layers(pm)
+        assert layers and len(layers) == len(_lora_layers(ref)), what
+        assert all(type(m).__module__.startswith("tpx.") for m in layers), what
+        assert_like_unsharded(pm, ref, what, rtol=0, atol=0)
+        if init in (False, "orthogonal"):  # B random: the comparison saw its values
+            assert all(p.abs().sum() > 0 for n, p in ref.named_parameters()
+                       if ".lora_B." in n), what
+
+
+@pytest.mark.parametrize("order,world,layout,family,targets,extra", [
+    ("tpx", 2, "1d", "llama", TARGETS, {}), ("peft", 3, "1d", "llama", TARGETS, {}),
+    # B's bias random (init_lora_weights=False), split with B's rows.
+    ("tpx", 3, "1d", "qwen2", ["q_proj", "k_proj", "v_proj"], {"lora_bias": True}),
+    pytest.param("peft", 2, "1d", "llama", TARGETS, {}, marks=pytest.mark.slow),
+    pytest.param("tpx", 3, "1d", "llama", TARGETS, {}, marks=pytest.mark.slow),
+    pytest.param("tpx+register", 2, "1d", "llama", TARGETS, {}, marks=pytest.mark.slow),
+    pytest.param("tpx", 4, "2d", "llama_2d", TARGETS, {}, marks=pytest.mark.slow),
+    pytest.param("tpx", 8, "2.5d", "llama_2d", TARGETS, {}, marks=pytest.mark.slow)])
+def test_lora_draws_like_one_device(order, world, layout, family, targets, extra):
+    """torch.manual_seed(s); get_peft_model(sharded model, config) starts the adapters where
+    one device starts them from the same seed, in every initialisation of peft that draws."""
+    run_ranks(_draws_like_one_device, world, order, layout, family, targets, extra)
 
 
 def _round_trips(rank, world, order, d):

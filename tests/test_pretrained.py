@@ -2,9 +2,11 @@
 shard, to_empty, load flow, against the unsharded model that wrote the checkpoint (logits, one
 training step), with transformers' own save_pretrained files (per-expert MoE layout included);
 the lazy reads of the files against eager torch; the check that nothing to_empty left
-uninitialized reaches a forward."""
+uninitialized reaches a forward; tied embeddings with any plan, and keys the files do not hold
+(named, or set as transformers sets them), against transformers' own one-device load."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -99,11 +101,13 @@ def test_lazy_reads_equal_eager(tmp_path):
 def _config(family):
     import hf_tiny
 
-    if family in ("llama", "llama_tied", "llama_2d"):
+    if family in ("llama", "llama_tied", "llama_2d", "llama6", "llama6_tied"):
+        six = family.startswith("llama6")  # 6 heads (KV too): TP 2 and TP 3
         return transformers.LlamaConfig(  # 2-D layouts split the vocabulary in equal blocks
-            vocab_size=1000 if family == "llama_2d" else V, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-            tie_word_embeddings=family == "llama_tied")
+            vocab_size=1000 if family == "llama_2d" else V, hidden_size=48 if six else 64,
+            intermediate_size=88, num_hidden_layers=2, num_attention_heads=6 if six else 8,
+            num_key_value_heads=6 if six else 2, max_position_embeddings=64,
+            tie_word_embeddings=family.endswith("_tied"))
     return hf_tiny.tiny_config(family)  # gemma3_text (scaled embedding, tied), MoE families
 
 
@@ -247,35 +251,115 @@ def test_meta_shard_to_empty_load(tmp_path, family):
     run_ranks(_three_steps, 2, family, str(tmp_path / "hf"))
 
 
-def _missing_not_silent(rank, world, path):
+def _without(rank, path, drop):
+    """A copy of the checkpoint ``path`` without the tensors ``drop`` (rank 0 writes it)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    _write(rank, "llama", path)
     part = path + "-partial"
     if rank == 0:
         os.makedirs(part)
         with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-            kept = {k: f.get_tensor(k) for k in f.keys() if k != "model.norm.weight"}
+            assert set(drop) <= set(f.keys())
+            kept = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
         save_file(kept, os.path.join(part, "model.safetensors"), metadata={"format": "pt"})
         for name in ("config.json", "generation_config.json"):
             with open(os.path.join(path, name)) as a, open(os.path.join(part, name), "w") as b:
                 b.write(a.read())
     dist.barrier()
-    with pytest.raises(ValueError, match=r"does not hold \['model.norm.weight'\].*nothing was "
-                                         r"loaded"):
-        tpx.from_pretrained(part)
-    with pytest.warns(UserWarning, match="keep their current values"):
-        model = tpx.from_pretrained(part, strict=False)
-    with pytest.raises(RuntimeError, match=r"never written since.*\['model.norm.weight'\]"):
-        model(input_ids=_ids())
+    return part
+
+
+def _missing_reported(rank, world, path):
+    """Keys the files do not hold: named on every rank before anything is loaded (strict), or
+    named and set as transformers sets them (strict=False): the values of transformers' own
+    one-device load from the same seed, a sharded weight included, with any plan."""
+    cases = [("llama6", ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]),
+             ("llama6_tied", ["model.embed_tokens.weight"])]  # the tie's only tensor
+    parts = {}
+    for family, drop in cases:
+        src = f"{path}-{family}"
+        _write(rank, family, src)
+        part = parts[family] = _without(rank, src, drop)
+        torch.manual_seed(7)
+        one, one_info = transformers.AutoModelForCausalLM.from_pretrained(
+            part, output_loading_info=True)
+        missing = sorted(one_info["missing_keys"])  # the tied lm_head.weight too, when both go
+        ids = _ids()
+        with torch.no_grad():
+            want = one(input_ids=ids).logits
+        with pytest.raises(ValueError, match=r"does not hold \[.*\].*nothing was loaded") as e:
+            tpx.from_pretrained(part)
+        assert all(f"'{k}'" in str(e.value) for k in missing), (str(e.value), missing)
+        for plan in ({}, None):
+            torch.manual_seed(7)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model, info = tpx.from_pretrained(part, plan=plan, strict=False,
+                                                  output_loading_info=True)
+            said = [str(w.message) for w in caught if "load_hf_checkpoint" in str(w.message)]
+            assert len(said) == 1 and "set by the model's _init_weights" in said[0], said
+            assert all(f"'{k}'" in said[0] for k in missing), (said, missing)
+            assert sorted(info["missing_keys"]) == missing, (info, missing)
+            full = tpx.checkpoint.full_state_dict(model)
+            for key, value in one.state_dict().items():
+                assert torch.equal(full[key], value), (family, plan, key)
+            with torch.no_grad():
+                torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5,
+                                           atol=1e-5)
+            if family == "llama6_tied":
+                assert model.lm_head.weight is model.model.embed_tokens.weight
+    # A tensor that no initialization sets: named, and refused by the first forward.
+    from unittest import mock
+
+    with mock.patch.object(transformers.LlamaPreTrainedModel, "_init_weights",
+                           lambda self, module: None), \
+            pytest.warns(UserWarning, match=r"still hold what to_empty left.*'model.norm.weight'"):
+        model = tpx.from_pretrained(parts["llama6"], plan={}, strict=False)
+    with pytest.raises(RuntimeError, match=r"never written since.*'model.norm.weight'"):
+        model(input_ids=ids)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_missing_keys_reported_and_set_as_transformers_sets_them(tmp_path, world):
+    run_ranks(_missing_reported, world, str(tmp_path / "hf"))
+
+
+def _tied_any_plan(rank, world, path):
+    """A checkpoint of tied embeddings (save_pretrained leaves lm_head.weight out of the files)
+    read with any plan: tied as on one device (a plan that shards the head alone keeps the
+    embedding whole, and the head reads its part of the embedding's tensor), the logits of
+    transformers' one-device load, nothing reported missing."""
+    from torch.distributed.tensor import Replicate
+
+    _write(rank, "llama6_tied", path)
+    one = transformers.AutoModelForCausalLM.from_pretrained(path)
+    ids = _ids()
     with torch.no_grad():
-        model.model.norm.weight.fill_(1.0)  # set by the user: the model runs
-    model(input_ids=_ids())
+        want = one(input_ids=ids).logits
+    mlp = {"model.layers.*.mlp.gate_proj": tpx.ColwiseParallel(),
+           "model.layers.*.mlp.up_proj": tpx.ColwiseParallel(),
+           "model.layers.*.mlp.down_proj": tpx.RowwiseParallel()}
+    cases = [("plan={}, strict=False", dict(plan={}, strict=False)), ("plan={}", dict(plan={})),
+             ("the default plan", {}), ("the MLPs only", dict(plan=mlp)),
+             ("the head only", dict(plan={"lm_head": tpx.ColwiseParallel(
+                 output_layouts=Replicate())}))]
+    for what, kwargs in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, info = tpx.from_pretrained(path, output_loading_info=True, **kwargs)
+        assert not [w for w in caught if "load_hf_checkpoint" in str(w.message)], what
+        assert info["missing_keys"] == [] and info["unexpected_keys"] == [], (what, info)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied == (what != "the head only"), what
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5,
+                                       atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
-def test_missing_weight_never_reaches_a_forward(tmp_path):
-    run_ranks(_missing_not_silent, 2, str(tmp_path / "hf"))
+@pytest.mark.parametrize("world", [2, 3])
+def test_tied_embeddings_with_any_plan(tmp_path, world):
+    run_ranks(_tied_any_plan, world, str(tmp_path / "hf"))
 
 
 class _Rope(nn.Module):

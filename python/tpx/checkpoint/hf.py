@@ -11,6 +11,7 @@ import glob
 import itertools
 import json
 import os
+import re
 import warnings
 from typing import Dict, List, Sequence, Tuple, Union
 
@@ -18,10 +19,13 @@ import torch
 from torch import nn
 
 from .full import mesh_params, sharded_params
-from .lazy import Lazy, NotSliceable, Source, map_safetensors
+from .hf_init import set_unloaded, tied_keys
+from .lazy import Lazy, NotSliceable, Source, TensorSource, map_pickled, map_safetensors
+from .quantized import check_no_raw_float8, check_quantization, dequantized_sources
 from ..layout.dtensor_io import DTensor
 from ..layout.param_dtensors import local_ranges
 from ..layout.sharding import raw_state_dict
+from ..meta_init import unwritten
 
 Ranges = List[List[Tuple[int, int]]]
 
@@ -29,36 +33,71 @@ Ranges = List[List[Tuple[int, int]]]
 # ---------------------------------------------------------------------------------------------
 # The files.
 
-def safetensors_files(path: Union[str, os.PathLike], what: str = "load_hf_checkpoint"
-                      ) -> List[str]:
-    """The ``.safetensors`` files of a checkpoint: ``path`` itself (a file), the files its
-    ``model.safetensors.index.json`` names, or every ``.safetensors`` file in the directory."""
+WEIGHTS_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def checkpoint_files(path: Union[str, os.PathLike],
+                     what: str = "tpx.checkpoint.load_hf_checkpoint") -> List[str]:
+    """The weight files of a checkpoint, as transformers picks them: ``path`` itself (a
+    ``.safetensors`` or ``.bin`` file); else the ``.safetensors`` files (those
+    ``model.safetensors.index.json`` names, or every one in the directory); else the
+    ``pytorch_model.bin`` files (those ``pytorch_model.bin.index.json`` names, or
+    ``pytorch_model.bin``, or every ``.bin`` file). ``FileNotFoundError`` naming ``what``
+    when there are none."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return [path]
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"tpx.checkpoint.{what}: no .safetensors file in {path!r}")
-    return files
+    for index, pattern in zip(WEIGHTS_INDEX, ("*.safetensors", "*.bin")):
+        index = os.path.join(path, index)
+        if os.path.exists(index):
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(path, n) for n in names]
+        single = os.path.join(path, "pytorch_model.bin")
+        if pattern == "*.bin" and os.path.exists(single):
+            return [single]
+        files = sorted(glob.glob(os.path.join(path, pattern)))
+        if pattern == "*.bin":  # not the optimizer's or the trainer's files
+            files = [f for f in files if os.path.basename(f).startswith(("pytorch_model",
+                                                                         "model"))]
+        if files:
+            return files
+    raise FileNotFoundError(
+        f"{what}: no weights in {path!r}: neither .safetensors files (model.safetensors, or "
+        "shards with model.safetensors.index.json) nor pytorch_model.bin (or shards with "
+        "pytorch_model.bin.index.json). Pass the directory save_pretrained wrote")
+
+
+def open_weights(file: str, stack: contextlib.ExitStack, what: str) -> List[Tuple[str, Lazy]]:
+    """The tensors of one weight file as ``(key, lazy tensor)``, nothing read yet: a
+    safetensors file through ``safe_open`` and its memory map, a ``.bin`` file memory-mapped
+    by ``torch.load`` (``weights_only``)."""
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        f = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        mapped = map_safetensors(file)
+        return [(k, Source(f.get_slice(k), k, file, mapped.get(k))) for k in f.keys()]
+    return [(k, TensorSource(t, k, file)) for k, t in map_pickled(file, what).items()]
 
 
 class HFLoadResult(list):
     """What :func:`load_hf_checkpoint` did not use: the list itself holds the keys of the files
     that the model has no use for (``unexpected_keys``); ``missing_keys`` are the model's
-    parameters and buffers that the files did not hold, left at their current values;
-    ``recomputed`` the buffers the files do not hold (non-persistent ones: rotary tables) that
-    were set as transformers sets them when it loads the model."""
+    parameters and buffers that the files did not hold, as transformers reports them (a tied
+    parameter filled through its tie is not missing, nor a key the model's
+    ``_keys_to_ignore_on_load_missing`` names); ``initialized`` those of them (and the ignored
+    ones) that were fresh from ``to_empty`` and were set by the model's ``_init_weights``, as
+    ``from_pretrained`` sets them; ``recomputed`` the buffers the files do not hold
+    (non-persistent ones: rotary tables) that were set as transformers sets them when it loads
+    the model."""
 
     def __init__(self, unexpected_keys: List[str], missing_keys: List[str],
-                 recomputed: Sequence[str] = ()) -> None:
+                 recomputed: Sequence[str] = (), initialized: Sequence[str] = ()) -> None:
         super().__init__(unexpected_keys)
         self.missing_keys = list(missing_keys)
         self.recomputed = list(recomputed)
+        self.initialized = list(initialized)
 
     @property
     def unexpected_keys(self) -> List[str]:
@@ -113,21 +152,20 @@ def _conversion_name(conv) -> str:
             f"{', '.join(type(o).__name__ for o in ops)})")
 
 
-def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, torch.Tensor],
-               shapes: Dict[str, torch.Size], what: str):
-    """The model's keys as lazy tensors of the files: ``(lazy, unused)``, ``lazy`` mapping a
+def plan_reads(model: nn.Module, opened: List[List[Tuple[str, Lazy]]],
+               targets: Dict[str, torch.Tensor], shapes: Dict[str, torch.Size], what: str):
+    """The model's keys as lazy tensors of the files (``opened``: each file's
+    :func:`open_weights`): ``(lazy, unused)``, ``lazy`` mapping a
     model key to the :class:`Lazy` it loads from, ``unused`` the file keys the model has no
     use for. Keys are renamed and tensors converted by transformers' own rules for the model
     (the ones ``from_pretrained`` applies), the conversions run on lazy tensors: nothing is
     read here. A conversion that cannot be read slice by slice raises ``ValueError`` naming
     it."""
     rules = _transformers_rules(model)
-    sources: List[Tuple[str, Source]] = []
-    for file, f in zip(files, opened):
-        mapped = map_safetensors(file)
-        for file_key in f.keys():
-            sources.append((file_key, Source(f.get_slice(file_key), file_key, file,
-                                             mapped.get(file_key))))
+    sources: List[Tuple[str, Lazy]] = [kv for tensors in opened for kv in tensors]
+    who = what if what.startswith("tpx.") else f"tpx.checkpoint.{what}"
+    sources = dequantized_sources(
+        sources, check_quantization(getattr(model, "config", None), who), who)
     lazy: Dict[str, Lazy] = {}
     unused: List[str] = []
     if rules is None:
@@ -136,6 +174,7 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
                 lazy[file_key] = src
             else:
                 unused.append(file_key)
+        check_no_raw_float8(lazy, who)
         return lazy, unused
 
     from transformers.core_model_loading import dot_natural_key, rename_source_key
@@ -165,24 +204,25 @@ def plan_reads(model: nn.Module, files: List[str], opened, targets: Dict[str, to
             out = conv.convert(key, model=view, config=getattr(model, "config", None))
         except NotSliceable as e:
             raise ValueError(
-                f"tpx.checkpoint.{what}: {key} is made by transformers' conversion "
+                f"{who}: {key} is made by transformers' conversion "
                 f"{_conversion_name(conv)}, which tpx does not read slice by slice ({e}); "
                 "nothing was loaded") from None
         except Exception as e:  # noqa: BLE001 - a conversion that fails names itself
             raise ValueError(
-                f"tpx.checkpoint.{what}: transformers' conversion {_conversion_name(conv)} "
+                f"{who}: transformers' conversion {_conversion_name(conv)} "
                 f"failed on the files' tensors for {key}: {type(e).__name__}: {e}; nothing "
                 "was loaded") from None
         for name, value in out.items():
             value = value[0] if isinstance(value, list) else value
             if not isinstance(value, Lazy):
-                raise ValueError(f"tpx.checkpoint.{what}: transformers' conversion "
+                raise ValueError(f"{who}: transformers' conversion "
                                  f"{_conversion_name(conv)} gave {type(value).__name__} for "
                                  f"{name}; nothing was loaded")
             if name in targets:
                 lazy[name] = value
             else:
                 unused.append(name)
+    check_no_raw_float8(lazy, who)
     return lazy, unused
 
 
@@ -242,41 +282,6 @@ def read_local(src: Lazy, ranges: Ranges, dst: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 # What the files do not hold.
 
-def _owners(model: nn.Module):
-    """``(name, module, owning PreTrainedModel)`` of every module: the nearest transformers
-    model above it (the one whose ``_init_weights`` transformers calls on it)."""
-    from transformers import PreTrainedModel
-
-    def walk(prefix, module, owner):
-        if isinstance(module, PreTrainedModel):
-            owner = module
-        yield prefix, module, owner
-        for name, child in module.named_children():
-            yield from walk(f"{prefix}.{name}" if prefix else name, child, owner)
-
-    yield from walk("", model, model if isinstance(model, PreTrainedModel) else None)
-
-
-@torch.no_grad()
-@contextlib.contextmanager
-def _locals_of(module: nn.Module):
-    """Within the block, ``module``'s ``DTensor`` parameters are their local tensors, marked as
-    loaded as the ``DTensor`` s are (a model's ``_init_weights`` computes with its parameters
-    before it asks whether they were loaded: Hunyuan's ``zeros_like(module.base)``)."""
-    saved = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-    for n, p in saved.items():
-        local = p._local_tensor
-        if "_is_hf_initialized" in p.__dict__:
-            local._is_hf_initialized = p.__dict__["_is_hf_initialized"]
-        module._parameters[n] = local
-    try:
-        yield
-    finally:
-        for n, p in saved.items():
-            module._parameters[n].__dict__.pop("_is_hf_initialized", None)
-            module._parameters[n] = p
-
-
 def init_unsaved_buffers(model: nn.Module) -> List[str]:
     """Sets the non-persistent buffers of a transformers model (rotary tables, position ids,
     Falcon-H1's muP vector) as ``from_pretrained`` sets them after it loads the files: the
@@ -285,51 +290,7 @@ def init_unsaved_buffers(model: nn.Module) -> List[str]:
     buffers are written (transformers' ``init`` functions skip marked tensors). Returns the
     names of the buffers that were set; nothing for a model that is not a transformers
     ``PreTrainedModel``."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return []
-    if not isinstance(model, PreTrainedModel):
-        return []
-    try:
-        from transformers import initialization as hf_init
-        guard = hf_init.guard_torch_init_functions()
-    except (ImportError, AttributeError):
-        guard = contextlib.nullcontext()
-    unsaved = {}  # id -> (name, buffer, version before)
-    for prefix, module in model.named_modules():
-        for n in module._non_persistent_buffers_set:
-            buf = module._buffers.get(n)
-            if buf is not None and id(buf) not in unsaved and buf.device.type != "meta":
-                unsaved[id(buf)] = (f"{prefix}.{n}" if prefix else n, buf, buf._version)
-    if not unsaved:
-        return []
-    kept = {id(t): t for t in list(model.parameters()) + list(model.buffers())
-            if id(t) not in unsaved}
-    flags = [(t, t.__dict__.get("_is_hf_initialized")) for t in kept.values()]
-    for t in kept.values():
-        t._is_hf_initialized = True
-    for _, buf, _ in unsaved.values():
-        buf.__dict__.pop("_is_hf_initialized", None)
-    try:
-        with guard:
-            for prefix, module, owner in _owners(model):
-                values = getattr(module, "_tpx_buffer_values", None)
-                if values:  # a tpx module in place of one whose buffers transformers sets
-                    for n, value in values.items():
-                        buf = module._buffers.get(n)
-                        if buf is not None and buf.device.type != "meta":
-                            buf.fill_(value)
-                elif owner is not None:
-                    with _locals_of(module):
-                        owner._init_weights(module)
-    finally:
-        for t, flag in flags:
-            if flag is None:
-                t.__dict__.pop("_is_hf_initialized", None)
-            else:
-                t._is_hf_initialized = flag
-    return [name for name, buf, before in unsaved.values() if buf._version != before]
+    return set_unloaded(model)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,9 +298,12 @@ def init_unsaved_buffers(model: nn.Module) -> List[str]:
 
 @torch.no_grad()
 def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
-                       strict: bool = True) -> HFLoadResult:
+                       strict: bool = True,
+                       _who: str = "tpx.checkpoint.load_hf_checkpoint") -> HFLoadResult:
     """Loads a Hugging Face checkpoint (a ``.safetensors`` file, or a directory of them with or
-    without ``model.safetensors.index.json``, as ``save_pretrained`` writes it) into a model
+    without ``model.safetensors.index.json``, as ``save_pretrained`` writes it; or the
+    ``pytorch_model.bin`` files of older checkpoints, one or sharded with
+    ``pytorch_model.bin.index.json``, memory-mapped) into a model
     sharded by tpx (or any model: unsharded tensors are read whole). The files are
     memory-mapped and each rank reads only its own slices of the sharded tensors
     (``safe_open(...).get_slice``): no rank ever holds a full copy of a sharded weight (a
@@ -355,33 +319,50 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     slice by slice (each rank reads its rows of each expert). A conversion tpx cannot read by
     slices raises ``ValueError`` naming it, before anything is loaded.
 
-    What the files do not hold: tied parameters are filled through their tie; the
-    non-persistent buffers of a transformers model (rotary tables) are set as
-    ``from_pretrained`` sets them (the model's ``_init_weights``), so a model built on the meta
-    device and materialized with ``to_empty`` is complete after this call.
+    What the files do not hold: tied parameters are filled through their tie (transformers'
+    ``all_tied_weights_keys``: a tied parameter that a plan sharded apart from its tie reads
+    its part of the other's tensor); the non-persistent buffers of a transformers model
+    (rotary tables) are set as ``from_pretrained`` sets them (the model's ``_init_weights``),
+    so a model built on the meta device and materialized with ``to_empty`` is complete after
+    this call.
 
     ``strict=True``: a parameter or saved buffer of the model that the files do not hold (nor
-    one tied to it) raises ``ValueError`` before anything is loaded; so does a tensor whose
-    shape differs from the model's. ``strict=False``: missing ones keep their current values
-    and a warning names them. Returns an :class:`HFLoadResult`: the list of the files' keys the
-    model has no use for, with ``.missing_keys`` (the model's keys left untouched). No
-    communication: each rank reads on its own.
+    one tied to it) raises ``ValueError`` naming it before anything is loaded, as do keys
+    transformers reports missing; so does a tensor whose shape differs from the model's.
+    ``strict=False``: a warning names the missing ones; those fresh from ``to_empty`` (a model
+    tpx sharded on the meta device, or ``tpx.from_pretrained``'s) are set by the model's
+    ``_init_weights`` as ``from_pretrained`` sets them (from torch's default generator, whole
+    on every rank and each rank's part kept: seed every rank alike, as
+    ``tpx.random.manual_seed`` does), the others keep their current values; one that no
+    initialization sets is named and refused by the first forward. Keys the model's
+    ``_keys_to_ignore_on_load_missing`` names are set so too, and not reported. Returns an
+    :class:`HFLoadResult`: the list of the files' keys the model has no use for, with
+    ``.missing_keys`` (as transformers reports them) and ``.initialized``. No communication:
+    each rank reads on its own.
     """
-    from safetensors import safe_open
-
-    files = safetensors_files(path)
+    files = checkpoint_files(path, _who)
     with raw_state_dict():
         targets = dict(model.state_dict(keep_vars=True))
     reads = local_reads(model, targets)
     shapes = {k: v[0] for k, v in reads.items()}
     where = os.fspath(path)
     with contextlib.ExitStack() as stack:
-        opened = [stack.enter_context(safe_open(f, framework="pt", device="cpu"))
-                  for f in files]
-        lazy, unused = plan_reads(model, files, opened, targets, shapes, "load_hf_checkpoint")
-        # Every check before anything changes.
+        opened = [open_weights(f, stack, _who) for f in files]
+        lazy, unused = plan_reads(model, opened, targets, shapes, _who)
+        # Tied parameters the model holds apart (a plan that shards one of them): each is read
+        # from the files' tensor of the other, as from_pretrained ties it to the one present.
         found = {id(targets[k]) for k in lazy}
-        missing = [k for k, t in targets.items() if id(t) not in found]
+        for target, source in tied_keys(model).items():
+            for a, b in ((target, source), (source, target)):
+                if (a in targets and b in lazy and id(targets[a]) not in found
+                        and targets[a] is not targets[b]):
+                    lazy[a] = lazy[b]
+                    found.add(id(targets[a]))
+        # Every check before anything changes.
+        absent = [k for k, t in targets.items() if id(t) not in found]
+        ignored = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+        ignored = re.compile("|".join(f"({p})" for p in ignored)) if ignored else None
+        missing = [k for k in absent if ignored is None or ignored.search(k) is None]
         for key, src in lazy.items():
             full = shapes[key]
             if tuple(src.shape) != tuple(full):
@@ -396,22 +377,38 @@ def load_hf_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
             raise ValueError(f"tpx.checkpoint.load_hf_checkpoint: {meta[:4]} are on the meta "
                              "device: materialize the model first (model.to_empty(device=...)), "
                              "or use tpx.from_pretrained. Nothing was loaded")
-        more = " ..." if len(missing) > 8 else ""
         if missing and strict:
             raise ValueError(
-                f"tpx.checkpoint.load_hf_checkpoint: {where!r} does not hold {missing[:8]}{more} "
-                f"(nor keys that transformers maps to them); nothing was loaded. Load a "
-                f"checkpoint of this model, or pass strict=False to load the rest and leave "
-                f"these at their current values")
-        if missing:
-            warnings.warn(
-                f"tpx.checkpoint.load_hf_checkpoint(strict=False): {len(missing)} parameters or "
-                f"buffers of the model are not in {where!r} and keep their current values: "
-                f"{missing[:8]}{more}" + (f"; keys of the files not used: {unused[:8]}"
-                                          f"{' ...' if len(unused) > 8 else ''}" if unused else ""),
-                stacklevel=2)
+                f"tpx.checkpoint.load_hf_checkpoint: {where!r} does not hold {_few(missing)} "
+                "(nor keys that transformers maps to them, nor a parameter tied to them); "
+                "nothing was loaded. Load a checkpoint of this model, or pass strict=False to "
+                "load the rest (these then keep their values, or, fresh from to_empty, are set "
+                "by the model's _init_weights as transformers' from_pretrained sets them)")
         for key, src in lazy.items():
             _, ranges, dst = reads[key]
             read_local(src, ranges, dst)
-    recomputed = init_unsaved_buffers(model)
-    return HFLoadResult(unused, missing, recomputed)
+    fresh = set(unwritten(model)) if absent else set()
+    recomputed, initialized = set_unloaded(
+        model, {k: (targets[k], reads[k]) for k in absent if k in fresh and k in reads})
+    done = {id(targets[k]) for k in initialized}
+    initialized = [k for k in absent if id(targets[k]) in done]
+    if missing:
+        inited = [k for k in missing if id(targets[k]) in done]
+        kept = [k for k in missing if k not in fresh]
+        left = [k for k in missing if k in fresh and id(targets[k]) not in done]
+        warnings.warn(
+            f"tpx.checkpoint.load_hf_checkpoint(strict=False): {len(missing)} parameters or "
+            f"buffers of the model are not in {where!r}: {_few(missing)}"
+            + (f"; set by the model's _init_weights, as transformers' from_pretrained sets "
+               f"them: {_few(inited)}" if inited else "")
+            + (f"; keep their current values: {_few(kept)}" if kept else "")
+            + (f"; still hold what to_empty left (the model's _init_weights does not set "
+               f"them), which the first forward refuses until they are set: {_few(left)}"
+               if left else "")
+            + (f"; keys of the files not used: {_few(unused)}" if unused else ""),
+            stacklevel=2)
+    return HFLoadResult(unused, missing, recomputed, initialized)
+
+
+def _few(keys: List[str]) -> str:
+    return f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"

@@ -4,7 +4,8 @@ before any byte is read.
 A :class:`Lazy` knows its shape and dtype; ``read_into(region, out)`` reads only the part of
 it that ``region`` names (a ``(start, end)`` range per dim) into ``out``. The leaves are
 tensors of safetensors files (:class:`Source`, read through ``safe_open(...).get_slice``, which
-reads the bytes of the slice only); the other nodes stand for what a loader does to them:
+reads the bytes of the slice only) or of ``pytorch_model.bin`` files, memory-mapped
+(:class:`TensorSource`); the other nodes stand for what a loader does to them:
 stack the per-expert tensors of a mixture of experts (:class:`Stack`), concatenate gate and up
 projections (:class:`Cat`), chunk a fused tensor (:class:`Narrow`), transpose
 (:class:`Transpose`). A region of a node becomes regions of its inputs, so a rank that needs
@@ -231,6 +232,42 @@ class Source(Lazy):
 
     def sources(self) -> List["Source"]:
         return [self]
+
+
+class TensorSource(Lazy):
+    """One tensor of a pickled checkpoint (``pytorch_model.bin``), loaded memory-mapped
+    (:func:`map_pickled`): reading a region copies those bytes once, from the page cache into
+    the destination."""
+
+    def __init__(self, tensor: Tensor, key: str, file: str) -> None:
+        self.tensor, self.key, self.file = tensor, key, file
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+
+    def read_into(self, region: Region, out: Tensor) -> None:
+        if any(e <= s for s, e in region):
+            return
+        out.copy_(self.tensor[tuple(slice(s, e) for s, e in region)] if region else self.tensor)
+
+    def sources(self) -> List["Lazy"]:
+        return [self]
+
+
+def map_pickled(path: str, what: str) -> Dict[str, Tensor]:
+    """The tensors of a ``pytorch_model.bin`` file, memory-mapped (``torch.load(mmap=True,
+    weights_only=True)``: nothing is read until a slice is copied, and no code of the file
+    runs)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - one message for every way a file is not readable
+        raise ValueError(
+            f"{what}: {path} cannot be read memory-mapped with weights_only=True "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}); "
+            "convert it to safetensors (transformers' from_pretrained on one process, then "
+            "save_pretrained). Nothing was loaded") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{what}: {path} holds a {type(state).__name__}, not a state dict; "
+                         "nothing was loaded")
+    return {k: v for k, v in state.items() if isinstance(v, Tensor)}
 
 
 class Narrow(Lazy):

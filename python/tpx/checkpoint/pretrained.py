@@ -1,5 +1,6 @@
 """A pretrained Hugging Face model straight into TP: built on the meta device, sharded, then each
-rank's part read from the safetensors files (``tpx.from_pretrained``)."""
+rank's part read from the checkpoint's files, safetensors or ``pytorch_model.bin``
+(``tpx.from_pretrained``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from .hf import load_hf_checkpoint, safetensors_files
+from .hf import checkpoint_files, load_hf_checkpoint, open_weights
+from .quantized import check_quantization
+from ..comm.entry import collective_call
+from ..meta_init import watch as watch_meta
+
+
+_WHO = "tpx.from_pretrained"
 
 
 def _resolve(name_or_path: Union[str, os.PathLike], cache_dir=None) -> str:
@@ -31,18 +38,15 @@ def _resolve(name_or_path: Union[str, os.PathLike], cache_dir=None) -> str:
 
 
 def _files_dtype(path: str) -> Optional[torch.dtype]:
-    """The dtype of the first floating-point tensor of the files (what transformers'
-    ``dtype="auto"`` takes when the config names none)."""
-    from safetensors import safe_open
+    """The dtype of the first floating-point tensor of the files that is not quantized (what
+    transformers' ``dtype="auto"`` takes when the config names none)."""
+    import contextlib
 
-    from .lazy import SAFETENSORS_DTYPES
-
-    for file in safetensors_files(path, "from_pretrained"):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                dtype = SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
-                if dtype is not None and dtype.is_floating_point:
-                    return dtype
+    with contextlib.ExitStack() as stack:
+        for file in checkpoint_files(path, _WHO):
+            for _, t in open_weights(file, stack, _WHO):
+                if t.dtype.is_floating_point and t.dtype.itemsize > 1:
+                    return t.dtype
     return None
 
 
@@ -78,6 +82,8 @@ def _default_device(device_mesh) -> torch.device:
     return torch.device("cpu")
 
 
+@collective_call("tpx.from_pretrained", lambda *a, device_mesh=None, **k: device_mesh,
+                 lambda path, *a, **k: os.fspath(path))
 def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike], *,
                     model_class=None, config=None, dtype="auto", torch_dtype=None,
                     device_mesh=None, plan=None, layout: str = "1d",
@@ -93,10 +99,13 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike], *,
     The model is built on the meta device, sharded (``plan``, by default
     ``tpx.plans.auto(model, layout=, sequence_parallel=, loss_parallel=, experts=)``),
     materialized on ``device`` (``to_empty``: each rank allocates its shards and the tensors it
-    keeps whole) and filled by :func:`tpx.checkpoint.load_hf_checkpoint`: the safetensors files
-    are memory-mapped and each rank reads its slice of each tensor, through the conversions
+    keeps whole) and filled by :func:`tpx.checkpoint.load_hf_checkpoint`: the files (safetensors,
+    else ``pytorch_model.bin``, one or sharded with its index) are memory-mapped and each rank reads its slice of each tensor, through the conversions
     transformers applies on load (per-expert tensors into fused experts, renamed keys). No rank
-    holds more than its part of the model plus the slice being read. Rotary tables and other
+    holds more than its part of the model plus the slice being read. Quantized checkpoints
+    (block FP8, MXFP4: :mod:`tpx.checkpoint.quantized`) are read block by block, each rank the
+    blocks of its slice, and dequantized to ``dtype``; another quantization method raises
+    naming it. Rotary tables and other
     non-persistent buffers are set as transformers sets them, tied weights stay tied, the
     generation config is read, and the model is returned in eval mode, as
     ``from_pretrained`` returns it.
@@ -115,13 +124,17 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike], *,
       from ``tpx.init_mesh(layout)`` for the multi-dimensional layouts; ``plan``: a plan of your
       own instead of ``tpx.plans.auto``'s; ``device``: where the shards live (default: the
       current CUDA device when the group runs on NCCL, else the CPU).
-    - ``strict``: a parameter the files do not hold raises ``ValueError`` before anything is
-      loaded (``False``: it keeps its initialization, and the first forward raises unless it is
-      set by then); ``output_loading_info``: also return
+    - ``strict``: a parameter the files do not hold (nor a tied one) raises ``ValueError``
+      naming it on every rank before anything is loaded (``False``: a warning names it, and
+      the model's ``_init_weights`` sets it as transformers sets it, from torch's default
+      generator: seed every rank alike; one that no initialization sets is refused by the
+      first forward until it is set); ``output_loading_info``: also return
       ``{"missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"}`` as transformers
       does.
 
-    Collective: every rank of the group calls it with the same arguments."""
+    Collective: every rank of the group calls it with the same arguments (a rank that does
+    not come within ``TPX_ENTRY_GRACE`` seconds is an error on the others, before anything is
+    read)."""
     import transformers
 
     from ..parallel import parallelize_module, plans
@@ -132,9 +145,10 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike], *,
                              "`torch_dtype`), not both")
         dtype = torch_dtype
     path = _resolve(pretrained_model_name_or_path, cache_dir)
-    safetensors_files(path, "from_pretrained")  # no weights: raise before building anything
+    checkpoint_files(path, _WHO)  # no weights: raise before building anything
     if config is None:
         config = transformers.AutoConfig.from_pretrained(path)
+    quantized = check_quantization(config, _WHO) is not None
     dtype = _dtype(dtype, config, path)
     cls = model_class or transformers.AutoModelForCausalLM
     if attn_implementation is not None:
@@ -148,9 +162,14 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike], *,
         plan = plans.auto(model, layout=layout, sequence_parallel=sequence_parallel,
                           loss_parallel=loss_parallel, experts=experts)
     parallelize_module(model, device_mesh, plan)
+    watch_meta(model)  # an empty plan too: nothing to_empty leaves reaches a forward
+    shared = _shared_tensors(model)
     model.to_empty(device=torch.device(device) if device is not None
                    else _default_device(device_mesh))
-    info = load_hf_checkpoint(model, path, strict=strict)
+    _hold_again(shared)
+    info = load_hf_checkpoint(model, path, strict=strict, _who=_WHO)
+    if quantized and "quantization_config" in vars(model.config):
+        del model.config.quantization_config  # read dequantized: no longer a quantized model
     model.eval()
     try:
         model.config.name_or_path = os.fspath(pretrained_model_name_or_path)
@@ -164,3 +183,27 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike], *,
                        "unexpected_keys": list(info.unexpected_keys),
                        "mismatched_keys": [], "error_msgs": []}
     return model
+
+
+def _shared_tensors(model) -> list:
+    """Every tensor that several places of ``model`` hold (tied embeddings), as the places
+    that hold it: ``(module, "_parameters" | "_buffers", name)``."""
+    places: dict = {}
+    for m in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in m.__dict__[kind].items():
+                if t is not None:
+                    places.setdefault(id(t), []).append((m, kind, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
+def _hold_again(shared: list) -> None:
+    """The tensors of :func:`_shared_tensors` held again by all their places, as before
+    ``to_empty``: it gives a plain parameter of the meta device a new tensor at each place that
+    holds it (torch's ``_apply``), which unties the tied ones (the ``DTensor`` s of a sharded
+    tie are swapped in place, and stay tied)."""
+    for places in shared:
+        m, kind, name = places[0]
+        t = m.__dict__[kind][name]
+        for m, kind, name in places[1:]:
+            m.__dict__[kind][name] = t
