@@ -104,7 +104,9 @@ def _train_like_unsharded(rank, world, arch, sp, lp, steps=3, images=False):
         else:
             out = model(**batch)
             expected = out_ref.logits
-        torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=2e-5,
+        # after a step, the parameters' own tolerance (below) carries into the logits
+        torch.testing.assert_close(out.logits, expected, rtol=1e-4,
+                                   atol=2e-5 if step == 0 else 1e-4,
                                    msg=lambda m: f"logits ({what}, step {step}): {m}")
         torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"loss ({what}, step {step}): {m}")
@@ -115,14 +117,15 @@ def _train_like_unsharded(rank, world, arch, sp, lp, steps=3, images=False):
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
-    # After the steps, atol 5e-5 (5 % of one step, lr 1e-3): where a gradient element is close
+    # After the steps, atol 1e-4 (10 % of one step, lr 1e-3): where a gradient element is close
     # to zero, Adam's normalised step turns a difference in its last bits into a visible one
     # (phi's embedding had one element of 32064 off by 3.6e-5 at TP 2 and 4 when the GEMM of
-    # the small products changed library; in float64, benchmarks/hf_zoo.py, it passes). A
-    # wrong gradient moves its elements by up to lr, 20 times this; the gradients themselves
-    # are held to atol 2e-5 above.
+    # the small products changed library, SarvamMoE's one of 32128 by 7.0e-5 at TP 2 on
+    # another CPU; in float64, benchmarks/hf_zoo.py, they pass). A wrong gradient moves its
+    # elements by up to lr, 10 times this; the gradients themselves are held to atol 2e-5
+    # above.
     assert_like_unsharded(model, ref, f"{what} after {steps} AdamW steps", rtol=1e-4,
-                          atol=5e-5)
+                          atol=1e-4)
 
 
 def _generate_like_one_device(rank, world, arch, lp):
