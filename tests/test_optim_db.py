@@ -125,6 +125,6 @@ def _optim_db_cases(rank, world):
     assert ran + len(torch_limits) >= 57 and ran >= 48, (ran, not_applicable, torch_limits)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_optim_db_inputs_on_sharded_parameters(world):
     run_ranks(_optim_db_cases, world)
