@@ -252,6 +252,8 @@ def _draws_like_one_device(rank, world, order, layout, family, targets, extra):
 
 @pytest.mark.parametrize("order,world,layout,family,targets,extra", [
     ("tpx", 2, "1d", "llama", TARGETS, {}), ("peft", 3, "1d", "llama", TARGETS, {}),
+    # peft's shorthand for every linear layer but the head names tpx's layers too
+    ("tpx", 2, "1d", "llama", "all-linear", {}),
     # B's bias random (init_lora_weights=False), split with B's rows.
     ("tpx", 3, "1d", "qwen2", ["q_proj", "k_proj", "v_proj"], {"lora_bias": True}),
     pytest.param("peft", 2, "1d", "llama", TARGETS, {}, marks=pytest.mark.slow),

@@ -64,6 +64,7 @@ try:
 except ImportError as e:  # pragma: no cover - only imported when peft is in use
     raise ImportError("tpx.nn.lora needs peft (pip install peft)") from e
 
+from . import lora_targets as _targets
 from .. import mappings
 from .. import ops
 from .. import random as tpx_random
@@ -596,4 +597,4 @@ def shard_lora_layer(style, module: nn.Module, ctx) -> nn.Module:
 
 
 _install_dispatch()
-
+_targets.install()  # target_modules="all-linear" names tpx's layers too
