@@ -46,7 +46,7 @@ from .hf_styles import (
     VocabParallelEmbeddingStyle, own_embedding_forward, packed_colwise, style, text_config)
 from .hf_sequence import sequence_parallel_plan
 from .module_styles import ReplicatedWithGradAllReduce
-from .sequence import Chain
+from .sequence import Chain, is_pipeline_stage, stage_placeholders
 from .style import (
     ColwiseParallel, ParallelStyle, Replicate, RowwiseParallel, Shard, ShardedAttention)
 
@@ -152,7 +152,8 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                          "plan by hand")
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     modules = dict(model.named_modules())
-    names = [n for n in modules if n]
+    absent = set(stage_placeholders(model))  # a pipeline stage's stand-ins for other stages'
+    names = [n for n in modules if n and n not in absent]
     param_names = [n for n, _ in model.named_parameters()]
 
     # 1. Entries naming modules, entries naming parameters, entries naming nothing here.
@@ -217,11 +218,8 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                 plan[parent + ".gate_up_proj"] = packed_colwise(first(parent + ".gate_up_proj"))
                 plan[parent + "." + downs[0]] = RowwiseParallel()
 
-    emb_mod = (model.get_input_embeddings()
-               if callable(getattr(model, "get_input_embeddings", None)) else None)
+    emb_mod, head_mod = _embeddings(model)
     emb_name = _name_of(model, emb_mod)
-    head_mod = (model.get_output_embeddings()
-                if callable(getattr(model, "get_output_embeddings", None)) else None)
     head = _name_of(model, head_mod) if isinstance(head_mod, nn.Linear) else None
     # Tables kept whole: the input embedding where the model reads its rows itself, and every
     # embedding the plan would split whose class has a forward of its own (other than a
@@ -252,7 +250,8 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
         for k in [k for k in plan if fnmatch.fnmatchcase(head, k)]:
             del plan[k]
         plan[head] = ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())
-    elif loss_parallel:
+    elif loss_parallel and not is_pipeline_stage(model):
+        # (a pipeline stage without the head: the stage that holds it keeps its logits sharded)
         raise ValueError(f"tpx.plans.auto: loss_parallel=True needs a model with an LM head "
                          f"(model_type={model_type!r}, {type(model).__name__})")
     if sequence_parallel:
@@ -267,6 +266,27 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
                     ordered.setdefault(k, plan[k])
         ordered.setdefault(key, st)
     return with_generate(ordered, model, head, loss_parallel)
+
+
+def _embeddings(model: nn.Module) -> Tuple[Optional[nn.Module], Optional[nn.Module]]:
+    """The input embedding and the LM head of ``model`` (each ``None`` where it has none, or
+    a pipeline stage holds a placeholder in its place): its ``get_input_embeddings()`` and
+    ``get_output_embeddings()``; for a module without them (a pipeline stage of the user's,
+    holding a Hugging Face model's pieces under their names and its ``config``), the child
+    the config's ``base_model_pp_plan`` feeds ``input_ids`` (``embed_tokens``) and
+    ``lm_head``."""
+    if callable(getattr(model, "get_input_embeddings", None)):
+        emb = model.get_input_embeddings()
+    else:
+        pp = getattr(text_config(model), "base_model_pp_plan", None) or {}
+        name = next((k for k, (ins, _) in pp.items() if list(ins) == ["input_ids"]),
+                    "embed_tokens")
+        emb = getattr(model, name, None) if "." not in name else None
+    head = (model.get_output_embeddings()
+            if callable(getattr(model, "get_output_embeddings", None))
+            else getattr(model, "lm_head", None))
+    return tuple(m if isinstance(m, nn.Module) and not isinstance(m, nn.Identity) else None
+                 for m in (emb, head))
 
 
 def reads_table_rows(model: nn.Module) -> bool:

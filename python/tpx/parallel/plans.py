@@ -37,10 +37,10 @@ from . import hf_plan
 from .derive import DerivedPlan, derive
 from .generate import MeshInputFullLogits, with_generate
 from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
-from .sequence import Chain, find_module
+from .sequence import Chain, SeqLength, SplitSequence, find_module, owned_layers
 from .style import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, Replicate, RowwiseParallel,
-    SequenceParallel, Shard, ShardedAttention)
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, Replicate,
+    RowwiseParallel, SequenceParallel, Shard, ShardedAttention)
 
 __all__ = ["auto", "derive", "DerivedPlan", "ModelPlan", "llama", "gpt2", "gpt_neox", "decoder",
            "check", "PlanReport"]
@@ -177,7 +177,33 @@ def decoder(model: nn.Module, *, sequence_parallel: bool = False,
         plan[pre + "feed_forward"] = PrepareModuleInput(**gather)
         for norm in (pre + "attention_norm", pre + "ffn_norm", "norm"):
             plan[norm] = SequenceParallel(use_local_output=True)
+    _decoder_stage(model, plan, sequence_parallel)
     return plan
+
+
+def _decoder_stage(model: nn.Module, plan: Plan, sequence_parallel: bool) -> None:
+    """The plain decoder's plan on a pipeline stage (torchtitan's cut: ``tok_embeddings``,
+    ``norm``, ``output`` set to ``None``, the other stages' layers deleted from ``layers``):
+    entries only for the pieces it holds; under sequence parallelism the stage takes and
+    returns whole hidden states ``R``, as the stage unsharded does (the contract of
+    :func:`tpx.parallel.hf_sequence.sequence_parallel_plan`): without ``tok_embeddings`` its
+    first layer splits the sequence (in equal blocks: its length must divide by the TP size),
+    without ``output`` its ``norm``, or its last layer where it has no ``norm``, gathers it."""
+    present = {n for n, _ in model.named_modules()}
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in present:
+            plan.pop(name, None)
+    owned = owned_layers(model, "layers") if "layers" in present else []
+    if not sequence_parallel or not owned:
+        return
+    first, last = f"layers.{owned[0]}", f"layers.{owned[-1]}"
+    if "tok_embeddings" not in present:
+        plan[first] = SplitSequence(SeqLength(), pad=False)
+    if "output" not in present:
+        out = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                  use_local_output=True)
+        at = "norm" if "norm" in present else last
+        plan[at] = Chain(plan[at], out) if at in plan else out
 
 
 # Hugging Face families planned by hand: GPT-2's config has no base_model_tp_plan. Every other
@@ -307,6 +333,20 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
     ``experts`` (mixture-of-experts models, whose Hugging Face plan marks the experts
     ``moe_tp_experts``): ``"tp"`` (expert TP: every rank a slice of every expert) or ``"ep"``
     (expert parallelism: every rank whole experts); docs/experts.md.
+
+    A pipeline stage (any contiguous run of the decoder layers, with or without the
+    embedding, the final norm and the LM head) gets the plan of the pieces it holds. It may be
+    the model itself with what the stage does not own set to ``None`` and the other stages'
+    layers removed (torchtitan's cut), or replaced by an ``nn.Identity`` (transformers'
+    ``apply_pipeline_parallelism`` and its ``PipelineIdentityLayer``); or a module of the
+    user's holding a Hugging Face model's pieces under their names (``embed_tokens``,
+    ``layers``, ``norm``, ``lm_head``) and its ``config``. Its input and output hidden states
+    are whole (``Replicate()``) on the TP group, with ``sequence_parallel=True`` too (its
+    first layer splits the sequence, and where it holds no final norm its last layer gathers
+    it back), so the activations the stages exchange have the unsharded stage's shapes. A
+    stage without the LM head ignores ``loss_parallel=True``; the one holding it returns its
+    logits vocab-sharded. (The plain decoder's stages split the sequence in equal blocks:
+    its length must divide by the TP size.)
 
     The result is a :class:`tpx.plans.ModelPlan` (a ``dict``): applied, every
     parameter it does not split becomes a ``Replicate()`` ``DTensor``, in every block."""

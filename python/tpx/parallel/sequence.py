@@ -1,11 +1,12 @@
 """Pieces of the model-family plans (:mod:`tpx.parallel.plans`, :mod:`tpx.parallel.hf_plan`):
 sequence parallelism over a decoder's layers (the sequence split at the first layer, padded to
-a multiple of the TP size, gathered before attention and at the final norm), several styles on
-one module, and a module found by the end of its name."""
+a multiple of the TP size, gathered before attention and at the final norm, or after the last
+layer of a pipeline stage without it), several styles on one module, and a module found by the
+end of its name."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,8 +17,8 @@ from .. import mappings
 from .style import ParallelStyle, TPContext, apply_style
 
 __all__ = ["Chain", "ExpertsBlockSequence", "GatherSequence", "PadSequence", "SeqLength",
-           "WholeOnSequence",
-           "SplitSequence", "find_module"]
+           "WholeOnSequence", "SplitSequence", "find_module", "owned_layers",
+           "stage_placeholders", "is_pipeline_stage"]
 
 
 def find_module(model: nn.Module, suffix: str) -> Optional[str]:
@@ -26,6 +27,47 @@ def find_module(model: nn.Module, suffix: str) -> Optional[str]:
         if name == suffix or name.endswith("." + suffix):
             return name
     return None
+
+
+# ------------------------------------------------------------------ pipeline stages
+
+def owned_layers(model: nn.Module, layers: str) -> List[str]:
+    """The names (in the list or dict ``layers``) of the decoder layers ``model`` holds: all of
+    them, or on a pipeline stage those left in it that are not an ``nn.Identity`` standing in
+    for a layer of another stage (transformers' ``PipelineIdentityLayer``)."""
+    return [name for name, layer in model.get_submodule(layers).named_children()
+            if not isinstance(layer, nn.Identity)]
+
+
+def stage_placeholders(model: nn.Module) -> List[str]:
+    """The names of the modules that stand in for pieces a pipeline stage does not hold: an
+    ``nn.Identity`` (transformers' ``PipelineIdentityLayer`` is one) as a child of the model,
+    of its base model or of its ``layers``: in the place of the input embedding, a decoder
+    layer, the final norm or the LM head."""
+    layers = find_module(model, "layers")
+    parents = [model, getattr(model, "base_model", model)]
+    if layers is not None:
+        parents.append(model.get_submodule(layers))
+    ids = {id(m) for p in parents for m in p.children() if isinstance(m, nn.Identity)}
+    return [n for n, m in model.named_modules() if id(m) in ids]
+
+
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether ``model`` is a pipeline stage cut from a larger model: it holds placeholders
+    (:func:`stage_placeholders`), a piece set to ``None`` (``model.lm_head = None``, as
+    torchtitan cuts its stages) at its top or in its base model, or fewer decoder layers than
+    its config counts (``config.num_hidden_layers``)."""
+    if stage_placeholders(model):
+        return True
+    parents = [model, getattr(model, "base_model", model)]
+    if any(m is None for p in parents for m in p._modules.values()):
+        return True
+    layers = find_module(model, "layers")
+    cfg = getattr(model, "config", None)
+    get = getattr(cfg, "get_text_config", None)
+    count = getattr(get() if callable(get) else cfg, "num_hidden_layers", None)
+    return (layers is not None and isinstance(count, int)
+            and len(owned_layers(model, layers)) < count)
 
 
 class SeqLength:
@@ -51,14 +93,16 @@ class SplitSequence(ParallelStyle):
     """At the entry of the first decoder layer: ``hidden_states R -> S(1)``. A sequence whose
     length does not divide by the TP size P is padded at its end to the next multiple of P
     (rows of zeros that never reach a real position: attention reads the sequence trimmed
-    back, every other module works row by row), so every rank holds an equal block."""
+    back, every other module works row by row), so every rank holds an equal block; with
+    ``pad=False`` (a plan whose attention reads the blocks gathered as they are) it raises a
+    ``ValueError`` instead."""
 
-    def __init__(self, seq: SeqLength) -> None:
-        self.seq = seq
+    def __init__(self, seq: SeqLength, pad: bool = True) -> None:
+        self.seq, self.pad = seq, pad
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
-        seq, world, rank = self.seq, pg.size(), dist.get_rank(pg)
+        seq, world, rank, pad = self.seq, pg.size(), dist.get_rank(pg), self.pad
 
         def hook(mod, args, kwargs):
             x = _hidden(args, kwargs)
@@ -70,6 +114,10 @@ class SplitSequence(ParallelStyle):
                                  f"{tuple(x.shape)}")
             n = x.shape[1]
             per = -(-n // world)
+            if n % world and not pad:
+                raise ValueError(f"tpx.plans (sequence_parallel=True): a sequence of {n} "
+                                 f"positions does not split into {world} equal blocks; use a "
+                                 f"length that divides by the TP size {world}")
             seq.length, seq.padded = n, per * world
             if seq.padded != n:
                 x = F.pad(x, (0, 0, 0, seq.padded - n))
@@ -78,6 +126,9 @@ class SplitSequence(ParallelStyle):
 
         module.register_forward_pre_hook(copied_with_module(hook), with_kwargs=True)
         return module
+
+    def __repr__(self) -> str:
+        return "SplitSequence()" if self.pad else "SplitSequence(pad=False)"
 
 
 def _check_block(per: int, world: int, seq: SeqLength) -> None:
@@ -96,13 +147,19 @@ def _gather_sequence(x: Tensor, seq: SeqLength, pg: dist.ProcessGroup, trim: boo
         # their input gradients partial; their sum is reduce-scattered once.
         return mappings.gather_dim_for_partial_grads(x, 1, pg)
     x = mappings.gather_dim(x, 1, [per] * world, dist.get_rank(pg) * per, pg)
-    return x.narrow(1, 0, seq.length) if trim and seq.length != seq.padded else x
+    # contiguous: the projections reading it would each copy a strided view, and a pipeline
+    # stage sends its output from a buffer of the same strides
+    return x.narrow(1, 0, seq.length).contiguous() if trim and seq.length != seq.padded else x
 
 
 class GatherSequence(ParallelStyle):
     """``hidden_states S(1) -> R`` at a module's input (``where="input"``; attention: trimmed to
-    the real sequence) or at its output (``where="output"``: the final norm, so the model
-    returns the full sequence and the LM head reads every position, e.g. only the last)."""
+    the real sequence) or at its output (``where="output"``, trimmed too: the final norm, so the
+    model returns the full sequence and the LM head reads every position, e.g. only the last;
+    the last decoder layer of a pipeline stage without the final norm, so the stage hands the
+    next one whole hidden states; an output tuple has them first). Backward: of a gradient
+    whole on every rank (the next stage's) this rank keeps its block; the partial gradients of
+    column-parallel consumers (q/k/v, the LM head) are summed and reduce-scattered once."""
 
     def __init__(self, seq: SeqLength, where: str) -> None:
         self.seq, self.where = seq, where
@@ -119,9 +176,16 @@ class GatherSequence(ParallelStyle):
 
             module.register_forward_pre_hook(copied_with_module(pre), with_kwargs=True)
         else:
-            module.register_forward_hook(
-                copied_with_module(lambda mod, args, out: _gather_sequence(out, seq, pg, True)))
+            def post(mod, args, out):
+                if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+                    return (_gather_sequence(out[0], seq, pg, True),) + out[1:]
+                return _gather_sequence(out, seq, pg, True)
+
+            module.register_forward_hook(copied_with_module(post))
         return module
+
+    def __repr__(self) -> str:
+        return f"GatherSequence({self.where!r})"
 
 
 class ExpertsBlockSequence(ParallelStyle):
