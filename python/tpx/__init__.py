@@ -6,6 +6,7 @@ S(d) (sharded on dim d) and P (partial sums).
 """
 
 from . import mappings, ops, random
+from .ops import SAVE_OPS, checkpoint_policy
 from .comm.stats import CommStats, comm_stats
 from .comm.groups import resolve_group, shard_range
 from .parallel import MeshAttention, MeshInput, MeshParallel
@@ -107,6 +108,7 @@ __all__ = [
 ]
 __all__ += ["MeshParallel", "MeshAttention", "MeshInput"]
 __all__ += ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+__all__ += ["SAVE_OPS", "checkpoint_policy"]
 __all__ += ["init_mesh", "mesh", "Linear2D", "Linear2p5D", "Linear3D", "gather_output",
             "split_input", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D", "RMSNorm2D",
             "RMSNorm2p5D", "RMSNorm3D", "Embedding2D", "Embedding2p5D", "Embedding3D"]

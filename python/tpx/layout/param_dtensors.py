@@ -164,7 +164,10 @@ class _ToLocal(torch.autograd.Function):
         # not zeros: weight decay must not move it.
         ctx.set_materialize_grads(False)
         ctx.specs = [p._spec if isinstance(p, DTensor) else None for p in params]
-        return tuple(local_of(p).view_as(local_of(p)) for p in params)
+        # detached aliases (a new tensor each, the storage and version counter shared): no
+        # op that selective activation checkpointing would count, in the forward or in a
+        # recomputation alike
+        return tuple(local_of(p).detach() for p in params)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -30,8 +30,10 @@ The operators live by family, each with its wrapper, fake implementation and aut
 side: :mod:`tpx.ops.matmul` (the collective matmuls), :mod:`tpx.ops.vocab` (loss and
 embedding), :mod:`tpx.ops.multidim` (2-D / 2.5-D / 3-D and the mesh collectives);
 :mod:`tpx.ops.core` holds the call path they share, :mod:`tpx.ops.amp` their autocast
-kernels and :mod:`tpx.ops.reference` their decomposition into PyTorch's functional collectives
-(what runs while ``CommDebugMode`` watches). Nothing outside this package calls ``torch.ops.tpx`` itself.
+kernels, :mod:`tpx.ops.reference` their decomposition into PyTorch's functional collectives
+(what runs while ``CommDebugMode`` watches) and :mod:`tpx.ops.recompute` the ops a selective
+activation checkpointing policy saves (``tpx.SAVE_OPS``, ``tpx.checkpoint_policy``).
+Nothing outside this package calls ``torch.ops.tpx`` itself.
 """
 
 from . import amp
@@ -47,6 +49,7 @@ from .vocab import (
     linear_cross_entropy_rows, plain_embedding, vocab_parallel_cross_entropy_rows,
     vocab_parallel_embedding)
 from . import reference
+from .recompute import SAVE_OPS, checkpoint_policy
 
 reference.install()
 

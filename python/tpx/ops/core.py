@@ -1,6 +1,7 @@
 """What every tpx operator shares: the eager call path (an autograd Function per operator,
 or the operator itself where no gradient is wanted), the registration of an operator's
-autograd (:func:`register`), and the checks that resolve a group and, with
+autograd (:func:`register`; under activation checkpointing, the two nodes of
+:func:`register_saved_first`), and the checks that resolve a group and, with
 ``TPX_DEBUG_CHECKS=1``, compare the arguments that shape a collective across ranks."""
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from . import amp
 # Under torch.autocast the eager path casts before the Function (tpx.ops.amp.eager_call), where
 # the operator's own Autocast kernel would cast inside it.
 _EAGER_FUNCTIONS: dict = {}
+_SETUP: dict = {}  # op -> the setup_context its autograd was registered with
+# Operators whose autograd saves only their inputs and whose forward ends in a collective:
+# under saved-tensor hooks their eager path is two autograd nodes (register_saved_first).
+_SAVED_FIRST: dict = {}
 
 
 def register_eager_function(op: str, function: type) -> None:
@@ -39,6 +44,8 @@ def call(op: str, *args):
     function = _EAGER_FUNCTIONS.get(op)
     if function is None or torch.compiler.is_compiling():
         return getattr(torch.ops.tpx, op)(*args)
+    if op in _SAVED_FIRST and saving_hooks():
+        function = _SAVED_FIRST[op]  # (see register_saved_first)
     if torch._C._is_any_autocast_enabled():
         # Cast above the Function, so autograd records the casts (tpx.ops.amp).
         return amp.eager_call(op, function, args)
@@ -66,6 +73,8 @@ def call_on_params(op: str, args: tuple, transposed: tuple = ()):
         for i in transposed:
             local[i] = local[i].t()
         return call(op, *local)
+    if op in _SAVED_FIRST and saving_hooks():
+        return _SAVED_FIRST[op].apply_on_params(args, transposed)
     return on_params_function(op, transposed).apply(*args)
 
 
@@ -111,12 +120,14 @@ def lean_mode(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> int:
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
-def on_params_function(op: str, transposed: tuple = ()) -> type:
-    """The autograd Function of :func:`call_on_params` for ``op``, made once."""
-    key = (op, transposed)
+def on_params_function(op: str, transposed: tuple = (), function: Optional[type] = None) -> type:
+    """The autograd Function of :func:`call_on_params` for ``op`` (over ``function``, by
+    default the operator's eager Function), made once."""
+    function = function or _EAGER_FUNCTIONS[op]
+    key = (op, transposed, function)
     merged = _ON_PARAMS.get(key)
     if merged is None:
-        merged = _ON_PARAMS[key] = _on_params_function(op, _EAGER_FUNCTIONS[op], transposed)
+        merged = _ON_PARAMS[key] = _on_params_function(op, function, transposed)
     return merged
 
 
@@ -277,6 +288,7 @@ def register(op: str, backward, setup_context) -> None:
     the inputs before ``Function.apply`` (:func:`tpx.ops.amp.eager_call`), above autograd as the
     operator's own Autocast kernel does."""
     backward = guarded(backward)
+    _SETUP[op] = setup_context
     torch.library.register_autograd(f"tpx::{op}", backward, setup_context=setup_context)
     overload = getattr(torch.ops.tpx, op).default
 
@@ -294,6 +306,74 @@ def register(op: str, backward, setup_context) -> None:
         __module__="tpx.ops",
         __doc__=f"Eager autograd of ``torch.ops.tpx.{op}`` (see :func:`register`)."))
     register_eager_function(op, function)
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saving_hooks() -> bool:
+    """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``:
+    non-reentrant activation checkpointing, its recomputation, ``save_on_cpu``)."""
+    return _TOP_HOOKS is not None and _TOP_HOOKS(False) is not None
+
+
+def register_saved_first(op: str, out_shape) -> None:
+    """Under saved-tensor hooks, records ``torch.ops.tpx.<op>`` (registered by
+    :func:`register`, whose ``setup_context`` saves inputs only) as two autograd nodes: one
+    that saves the inputs and outputs a one-element placeholder expanded to the output's shape
+    (``out_shape(*args)``), whose backward is the operator's own; then the operator itself,
+    whose backward hands the output's gradient to the placeholder. Autograd packs the saved
+    tensors when the first node is recorded, before the operator's collective runs, so the
+    recomputation of non-reentrant activation checkpointing, which stops once the last saved
+    tensor is packed again, does not run a collective whose output the backward does not
+    need (PyTorch's TP, whose collective follows the GEMM as its own op, skips it the same
+    way). Same kernels, same gradients; without saved-tensor hooks the operator stays one node."""
+    function = _EAGER_FUNCTIONS[op]
+    _SAVED_FIRST[op] = _SavedFirst(op, function, out_shape)
+
+
+class _SavedFirst:
+    """The two nodes of :func:`register_saved_first` for one operator; ``apply`` and
+    ``operator`` as an eager Function's (``tpx.ops.core.call``, ``tpx.ops.amp.eager_call``)."""
+
+    def __init__(self, op: str, function: type, out_shape) -> None:
+        self.operator = overload = function.operator
+        setup_context = _SETUP[op]
+
+        def save(ctx, *args):
+            setup_context(ctx, args, None)
+            return args[0].new_empty(()).expand(out_shape(*args))
+
+        def run(ctx, placeholder, *args):
+            ctx.inputs = len(args)
+            with torch._C._AutoDispatchBelowAutograd():
+                return overload(*args)
+
+        def run_backward(ctx, grad):
+            return (grad,) + (None,) * ctx.inputs
+
+        self.save = type(f"{op}_save_function", (torch.autograd.Function,), dict(
+            forward=staticmethod(save), backward=staticmethod(function.backward),
+            __module__="tpx.ops", __doc__=f"``torch.ops.tpx.{op}``'s saved inputs and backward "
+            "(see :func:`register_saved_first`)."))
+        self.run = type(f"{op}_run_function", (torch.autograd.Function,), dict(
+            forward=staticmethod(run), backward=staticmethod(run_backward),
+            __module__="tpx.ops", __doc__=f"``torch.ops.tpx.{op}`` after its saved inputs "
+            "(see :func:`register_saved_first`)."))
+        self.op = op
+
+    def apply(self, *args):
+        return self.run.apply(self.save.apply(*args), *args)
+
+    def apply_on_params(self, args: tuple, transposed: tuple):
+        """:func:`call_on_params`'s call: the first node takes the ``DTensor`` parameters (their
+        gradients handed back as ``DTensor`` s), the operator their local tensors."""
+        placeholder = on_params_function(self.op, transposed, self.save).apply(*args)
+        DTensor = _dtensor_class()
+        local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+        for i in transposed:
+            local[i] = local[i].t()
+        return self.run.apply(placeholder, *local)
 
 
 def grad_or_zeros(grad, like: Tensor) -> Tensor:

@@ -27,7 +27,8 @@ from .. import _ext
 from ..comm.guard import guarded
 from ..comm.groups import GroupLike
 from .core import (
-    call, call_on_params, check_watched, dim_first_shape, dtensor_of, group_name, register, world)
+    call, call_on_params, check_watched, dim_first_shape, dtensor_of, group_name, register,
+    register_saved_first, saving_hooks, world)
 
 
 @guarded
@@ -241,6 +242,9 @@ def linear_on_params(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor],
     ``weight`` (a Linear weight, used transposed) and ``bias`` (``None`` or a ``DTensor``),
     as one autograd node whose backward hands their gradients back as ``DTensor`` s of their
     placements (as :func:`tpx.ops.core.call_on_params` does). Placements as in the op."""
+    if op == "matmul_all_reduce" and saving_hooks():
+        # the input saved before the all-reduce runs (tpx.ops.core.register_saved_first)
+        return call_on_params(op, (x, weight, group_name, chunks, bias), (1,))
     # Function.apply's own work before its C++ core is for functorch transforms (none are
     # active here, lean_mode checked) and costs about a tenth of the whole call.
     return _LINEAR_APPLY[op](torch._C._functorch.unwrap_if_dead(x), weight, bias, group_name,
@@ -436,6 +440,15 @@ def _matmul_reduce_scatter_backward(ctx, grad_out):
 register("matmul_reduce_scatter", _matmul_reduce_scatter_backward, _matmul_reduce_scatter_setup)
 
 
+def _reduce_scattered_shape(a, b, scatter_dim, group_name, chunks=None, bias=None):
+    shape = list(a.shape[:-1]) + [b.shape[1]]
+    shape[scatter_dim % a.dim()] //= world(group_name)
+    return shape
+
+
+register_saved_first("matmul_reduce_scatter", _reduce_scattered_shape)
+
+
 # matmul_all_reduce: the output is replicated, so the gradients are local ---------------------
 
 
@@ -455,6 +468,8 @@ def _matmul_all_reduce_backward(ctx, grad_out):
 
 
 register("matmul_all_reduce", _matmul_all_reduce_backward, _matmul_all_reduce_setup)
+register_saved_first("matmul_all_reduce",
+                     lambda a, b, group_name, chunks=None, bias=None: (*a.shape[:-1], b.shape[1]))
 
 
 # replicated_matmul ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..comm.guard import guarded
-from .core import call, mesh_groups, register, world
+from .core import call, mesh_groups, register, register_saved_first, world
 
 
 @guarded
@@ -155,6 +155,8 @@ def _linear_2d_backward(ctx, grad_out):
 
 
 register("linear_2d", _linear_2d_backward, _linear_2d_setup)
+register_saved_first("linear_2d", lambda x, weight, bias, row_group, col_group, depth_group=None:
+                     (*x.shape[:-1], weight.shape[0]))
 
 
 # linear_3d: the gathered input and weight are kept from the forward ---------------------------
