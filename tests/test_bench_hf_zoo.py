@@ -47,9 +47,11 @@ def test_zoo_subset(tmp_path):
         assert got[("apertus", "hf")]["status"] == "wrong", got[("apertus", "hf")]
 
 
+@pytest.mark.slow
 def test_zoo_load_subset(tmp_path):
     # written by transformers, read by tpx.from_pretrained at TP 2 (an MoE in the per-expert
-    # layout, a layer kept by a PyTorch style, a dense model), trained, written back
+    # layout, a layer kept by a PyTorch style, a dense model), trained, written back (the fast
+    # tier loads these layouts in test_pretrained.py)
     import hf_tiny
 
     archs = [a for a in ["llama", "qwen3_moe", "granite_swa"]

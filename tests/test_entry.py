@@ -18,7 +18,7 @@ from tpx.comm.entry import RanksMissingError
 
 transformers = pytest.importorskip("transformers")
 
-GRACE = 1.5
+GRACE = 1.0
 
 
 def _llama():

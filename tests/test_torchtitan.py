@@ -252,9 +252,9 @@ def _titan_models(tmp_path, world, only=None):
 
 
 def test_torchtitan_models_tp2(tmp_path):
-    # one of each kind: a mixture of experts (with torchtitan's scores applied after the
-    # experts too) and gpt-oss; every model in the slow tier
-    _titan_models(tmp_path, 2, only="qwen3_moe,gpt_oss")
+    # a mixture of experts, with torchtitan's scores applied after the experts too (its
+    # attention and dense layers are Qwen 3's); every model in the slow tier
+    _titan_models(tmp_path, 2, only="qwen3_moe")
 
 
 @pytest.mark.slow
