@@ -6,7 +6,6 @@ held, by the model's own ``_init_weights``, in transformers' order, on a model t
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -78,19 +77,11 @@ def _stand_in(module: nn.Module, full: Dict[str, torch.Tensor]) -> Optional[nn.M
 
 def _copy_part(full: torch.Tensor, ranges, dst: torch.Tensor) -> None:
     """Copies the blocks ``ranges`` (per dim, in local order) of the full tensor ``full`` into
-    ``dst``, as :func:`tpx.checkpoint.hf.read_local` reads them from the files."""
-    per_dim = []
-    for rs in ranges:
-        offs, o = [], 0
-        for s, e in rs:
-            offs.append((s, e, o))
-            o += e - s
-        per_dim.append(offs)
-    for combo in itertools.product(*per_dim):
-        view = dst
-        for d, (s, e, o) in enumerate(combo):
-            view = view.narrow(d, o, e - s)
-        view.copy_(full[tuple(slice(s, e) for s, e, _ in combo)])
+    ``dst``, as :func:`tpx.checkpoint.hf.read_local` reads them from the files (through it)."""
+    from .hf import read_local  # hf imports this module
+    from .lazy import TensorSource
+
+    read_local(TensorSource(full, "", ""), ranges, dst)
 
 
 def _mark(tensors, value) -> list:
