@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
-import itertools
 import json
 import os
 import re
@@ -20,15 +19,13 @@ from torch import nn
 
 from .full import mesh_params, sharded_params
 from .hf_init import set_unloaded, tied_keys
-from .lazy import Lazy, NotSliceable, Source, TensorSource, map_pickled, map_safetensors
+from .lazy import (Lazy, NotSliceable, Source, TensorSource, map_pickled, map_safetensors,
+                   read_local)
 from .quantized import check_no_raw_float8, check_quantization, dequantized_sources
 from ..layout.dtensor_io import DTensor
 from ..layout.param_dtensors import local_ranges
 from ..layout.sharding import raw_state_dict
 from ..meta_init import unwritten
-
-Ranges = List[List[Tuple[int, int]]]
-
 
 # ---------------------------------------------------------------------------------------------
 # The files.
@@ -258,25 +255,6 @@ def local_reads(model: nn.Module, targets: Dict[str, torch.Tensor], layouts: boo
         else:
             out[key] = (t.shape, [[(0, n)] for n in t.shape], t)
     return out
-
-
-def read_local(src: Lazy, ranges: Ranges, dst: torch.Tensor) -> None:
-    """Reads the blocks ``ranges`` (per dim, in local order) of ``src`` into ``dst``."""
-    per_dim = []
-    for rs in ranges:
-        offs, o = [], 0
-        for s, e in rs:
-            offs.append((s, e, o))
-            o += e - s
-        per_dim.append(offs)
-    if not per_dim:  # a scalar
-        src.read_into((), dst)
-        return
-    for combo in itertools.product(*per_dim):
-        view = dst
-        for d, (s, e, o) in enumerate(combo):
-            view = view.narrow(d, o, e - s)
-        src.read_into(tuple((s, e) for s, e, _ in combo), view)
 
 
 # ---------------------------------------------------------------------------------------------

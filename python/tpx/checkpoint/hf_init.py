@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .lazy import TensorSource, read_local
 from ..layout.dtensor_io import DTensor
 from ..layout.param_dtensors import local_of
 
@@ -77,10 +78,7 @@ def _stand_in(module: nn.Module, full: Dict[str, torch.Tensor]) -> Optional[nn.M
 
 def _copy_part(full: torch.Tensor, ranges, dst: torch.Tensor) -> None:
     """Copies the blocks ``ranges`` (per dim, in local order) of the full tensor ``full`` into
-    ``dst``, as :func:`tpx.checkpoint.hf.read_local` reads them from the files (through it)."""
-    from .hf import read_local  # hf imports this module
-    from .lazy import TensorSource
-
+    ``dst``, as :func:`tpx.checkpoint.lazy.read_local` reads them from the files."""
     read_local(TensorSource(full, "", ""), ranges, dst)
 
 

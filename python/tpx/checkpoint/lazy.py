@@ -23,6 +23,7 @@ input whole (one tensor of the files, never more) before it cuts the region out.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import mmap
@@ -176,6 +177,25 @@ class Lazy:
             raise NotSliceable(f"tpx: torch.{name} of checkpoint tensors is not read slice by "
                                "slice")
         return impl(*args, **kwargs)
+
+
+def read_local(src: Lazy, ranges: List[List[Tuple[int, int]]], dst: torch.Tensor) -> None:
+    """Reads the blocks ``ranges`` (per dim, in local order) of ``src`` into ``dst``."""
+    per_dim = []
+    for rs in ranges:
+        offs, o = [], 0
+        for s, e in rs:
+            offs.append((s, e, o))
+            o += e - s
+        per_dim.append(offs)
+    if not per_dim:  # a scalar
+        src.read_into((), dst)
+        return
+    for combo in itertools.product(*per_dim):
+        view = dst
+        for d, (s, e, o) in enumerate(combo):
+            view = view.narrow(d, o, e - s)
+        src.read_into(tuple((s, e) for s, e, _ in combo), view)
 
 
 def map_safetensors(path: str) -> Dict[str, Tensor]:
