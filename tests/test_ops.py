@@ -306,6 +306,34 @@ def test_all_gather_matmul_peak_memory(world):
     run_ranks(_check_gather_memory, world, fresh=True)
 
 
+_ONEDNN_UNDER_ACCOUNTING = """
+import torch, tpx
+x = torch.randn(64, 4096, dtype=torch.bfloat16)
+w = torch.randn(8, 3, 3, 3)
+img = torch.randn(2, 3, 32, 32)
+before = (torch.nn.functional.gelu(x), torch.nn.functional.conv2d(img, w))  # default allocator
+with tpx.memory.track_cpu() as mem:
+    after = (torch.nn.functional.gelu(x), torch.nn.functional.conv2d(img, w))
+for b, a in zip(before, after):
+    assert torch.equal(b, a)
+assert mem.peak_extra >= x.numel() * x.element_size(), mem.peak_extra
+del before  # memory oneDNN took before the wrapper, freed through it
+print("ok")
+"""
+
+
+def test_memory_accounting_under_onednn():
+    """oneDNN (bf16 GELU, convolutions) allocates through the CPU allocator's raw_allocate(),
+    which requires a DataPtr whose context is its data: the counting wrapper must keep that,
+    and free through the wrapped allocator what was taken before it was installed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ONEDNN_UNDER_ACCOUNTING], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_engine_issues_only_flat_gathers_and_scatters():
     """Every all-gather and reduce-scatter in the C++ engine is the flat form
     (``_allgather_base`` / ``_reduce_scatter_base``) into one contiguous block, chunked or not.

@@ -5,10 +5,15 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 namespace tpx {
 namespace {
 
+// Wraps torch's CPU allocator and counts the bytes it holds. The DataPtr it returns keeps the
+// data pointer as its context (as the default allocator does): oneDNN's engine allocates
+// through raw_allocate(), which requires that, and frees through raw_deleter(). The wrapped
+// allocation lives in a table keyed by the data pointer until it is freed.
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
@@ -16,11 +21,17 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) return inner;  // empty allocations hold nothing to count
     const c10::Device device = inner.device();
+    {
+      std::lock_guard<std::mutex> lock(table_mutex_);
+      live_.emplace(data, Entry{std::move(inner), static_cast<int64_t>(n)});
+    }
     add(static_cast<int64_t>(n));
-    auto* ctx = new Context{std::move(inner), static_cast<int64_t>(n), this};
-    return {data, ctx, &Context::release, device};
+    return {data, data, &release, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -30,16 +41,12 @@ class CountingAllocator final : public c10::Allocator {
   void reset_peak() { peak_.store(current_.load()); }
 
  private:
-  struct Context {
-    c10::DataPtr inner;
-    int64_t bytes;
-    CountingAllocator* owner;
-    static void release(void* p) {
-      auto* ctx = static_cast<Context*>(p);
-      ctx->owner->add(-ctx->bytes);
-      delete ctx;  // frees the memory through the wrapped allocator's deleter
-    }
+  struct Entry {
+    c10::DataPtr inner;  // frees the memory through the wrapped allocator's deleter
+    int64_t bytes = 0;
   };
+
+  static void release(void* data);
 
   void add(int64_t delta) {
     const int64_t now = current_.fetch_add(delta) + delta;
@@ -51,10 +58,37 @@ class CountingAllocator final : public c10::Allocator {
   c10::Allocator* base_;
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
+  std::mutex table_mutex_;
+  std::unordered_map<void*, Entry> live_;
 };
 
 CountingAllocator* counting = nullptr;
 std::mutex install_mutex;
+
+void CountingAllocator::release(void* data) {
+  Entry entry;
+  bool found = true;
+  {
+    std::lock_guard<std::mutex> lock(counting->table_mutex_);
+    auto it = counting->live_.find(data);
+    if (it != counting->live_.end()) {
+      entry = std::move(it->second);
+      counting->live_.erase(it);
+    } else {
+      found = false;
+    }
+  }
+  if (!found) {
+    // Memory taken through raw_allocate() before the wrapper was installed, freed through
+    // raw_deallocate() after it: it belongs to the wrapped allocator.
+    c10::DeleterFnPtr base_delete = counting->base_->raw_deleter();
+    TORCH_INTERNAL_ASSERT(base_delete != nullptr, "tpx memory stats: freeing an unknown pointer");
+    base_delete(data);
+    return;
+  }
+  counting->add(-entry.bytes);
+  // entry.inner frees the memory here, outside the lock.
+}
 
 }  // namespace
 
