@@ -41,7 +41,8 @@ an older transformers on an older torch).
     python benchmarks/hf_zoo.py [--tp 2 4] [--set plan|no-plan] [--archs llama,qwen3,...]
                                 [--impls tpx,hf,tpx-sp,tpx-load,tpx-derive]
 
-prints the table and writes ``benchmarks/results/hf_zoo.json``.
+prints the table and writes ``benchmarks/results/hf_zoo.json``. ``--share`` measures instead
+how much of each model one rank holds at its released size (``benchmarks/zoo_share.py``).
 """
 
 from __future__ import annotations
@@ -324,8 +325,27 @@ def main() -> None:
     parser.add_argument("--impls", default="tpx,hf")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    parser.add_argument("--out", default=str(HERE / "results" / "hf_zoo.json"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/"
+                        "hf_zoo.json (hf_zoo_share.json with --share)")
+    parser.add_argument("--share", action="store_true",
+                        help="instead: each type at its released size on the meta device, "
+                             "rank 0 of a simulated TP group (benchmarks/zoo_share.py); --tp "
+                             "defaults to 8 there")
     args = parser.parse_args()
+    if args.share:
+        import zoo_share
+
+        world = args.tp[0] if args.tp != [2, 4] else 8
+        rows = zoo_share.run_share(args.archs.split(",") if args.archs else None, world,
+                                   args.set)
+        print(zoo_share.summary(rows, world))
+        payload = dict(command="python benchmarks/hf_zoo.py " + " ".join(sys.argv[1:]),
+                       environment=environment(torch.device("cpu"), 1, "fake"),
+                       tp=world, results=rows)
+        print("wrote", write_json(args.out or str(HERE / "results" / "hf_zoo_share.json"),
+                                  payload))
+        return
+    args.out = args.out or str(HERE / "results" / "hf_zoo.json")
     archs = (args.archs.split(",") if args.archs else
              dict(plan=hf_tiny.zoo_types, multimodal=hf_tiny.multimodal_types,
                   **{"no-plan": hf_tiny.no_plan_types})[args.set]())

@@ -223,3 +223,35 @@ def unreplicate_kept_whole(module: nn.Module) -> Dict[int, nn.Parameter]:
                 out[id(q)] = p
             owner._parameters[name] = q
     return out
+
+
+WHOLE_WARNING_SHARE = 0.25  # of the model's parameters held whole on every rank
+
+
+def warn_if_mostly_whole(module: nn.Module, world: int, shown: int = 3) -> None:
+    """Warns when the plan left over a quarter of ``module``'s parameters whole on every rank
+    (each rank then holds far more than 1/``world`` of the model), naming the largest whole
+    modules, as parameter-name patterns with their share of the model."""
+    import re
+    import warnings
+
+    total = whole = 0
+    by: Dict[str, int] = {}
+    for name, p in module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        n = p.numel()
+        total += n
+        if local.numel() == n and n:
+            whole += n
+            owner = re.sub(r"\.\d+\.", ".*.", name.rpartition(".")[0] or name)
+            by[owner] = by.get(owner, 0) + n
+    if not total or whole <= WHOLE_WARNING_SHARE * total:
+        return
+    largest = sorted(by.items(), key=lambda kv: -kv[1])[:shown]
+    warnings.warn(
+        f"tpx.parallelize_module: the plan leaves {whole / total:.0%} of "
+        f"{type(module).__name__}'s parameters whole on every rank, so each of the {world} ranks "
+        f"holds {(whole + (total - whole) / world) / total:.0%} of the model; the largest whole "
+        "modules: " + ", ".join(f"{k} ({v / total:.0%})" for k, v in largest)
+        + ". Add entries for them to the plan (tpx.parallel.style's ColwiseParallel / "
+        "RowwiseParallel) to split them", UserWarning, stacklevel=3)

@@ -25,7 +25,8 @@ from ..layout.sharding import lays_out_params, params_laid_out_by, sharding_of
 from ..layout.param_dtensors import REPLICATED
 from .integrations import guard_save_pretrained, offer_lora_layers
 from ..kept_whole import (
-    is_default_replica, planned_owners, replicate_kept_whole, unreplicate_kept_whole)
+    is_default_replica, planned_owners, replicate_kept_whole, unreplicate_kept_whole,
+    warn_if_mostly_whole)
 from .base import ModelPlan, check_layout
 from .style import ParallelStyle, TPContext, apply_style
 
@@ -181,6 +182,8 @@ def _shard(module: nn.Module, target, ctx: TPContext, plan, src_rank: Optional[i
     _keep_parameter_objects(module, before, keep)
     if ctx.layout == "1d":
         _warn_plain_layouts(module)
+        if whole_model and ctx.world > 1:
+            warn_if_mostly_whole(module, ctx.world)
     guard_save_pretrained(module)
     offer_lora_layers(module)
     if src_rank is not None and ctx.world > 1:

@@ -183,6 +183,7 @@ class DerivedPlan(ModelPlan):
         self.model_name, self.example = model_name, example
         self.proof_plan, self.kept_whole = proof_plan, kept_whole
         self.report = None
+        self.failed_at: Optional[str] = None  # the module a failed proof names
 
     def prove_before_use(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
         """Applies the plan to a copy of ``model`` and compares it with the unsharded model
@@ -223,6 +224,7 @@ class DerivedPlan(ModelPlan):
                 if dtype is not None and isinstance(e, RuntimeError):
                     continue
                 where = f" in {failing[0]!r}" if failing else ""
+                self.failed_at = failing[0] if failing else ""
                 raise ValueError(
                     f"tpx.plans.auto: the plan tpx derived for {self.model_name} fails on a copy "
                     f"of the model at TP {pg.size()}{where}: {type(e).__name__}: {e}. Nothing "
@@ -232,6 +234,8 @@ class DerivedPlan(ModelPlan):
                 del trial
         self.report = report
         if not report.ok:
+            self.failed_at = (report.first_divergent_module[0]
+                              if report.first_divergent_module else "")
             where = (f"the first module whose output differs is "
                      f"{report.first_divergent_module[0]!r}"
                      if report.first_divergent_module else

@@ -140,7 +140,8 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
     (module docstring). Entries whose pattern matches nothing in this model (a module the
     config leaves out) are dropped, as transformers does. ``experts``: how the experts a plan
     marks ``moe_tp_experts`` are split: ``"tp"`` (expert TP, Hugging Face's meaning) or ``"ep"``
-    (expert parallelism: whole experts per rank; docs/experts.md)."""
+    (expert parallelism: whole experts per rank; docs/experts.md). ``tpx.plans.auto`` adds
+    to this the entries for what the plan leaves whole (:mod:`tpx.parallel.completed`)."""
     if experts not in ("tp", "ep"):
         raise ValueError(f"tpx.hf_plan.translate: `experts` must be 'tp' or 'ep'; got "
                          f"{experts!r}")
@@ -150,6 +151,13 @@ def translate(model: nn.Module, *, tp_plan: Optional[Dict[str, str]] = None,
         raise ValueError(f"tpx.hf_plan.translate: {type(model).__name__} has no Hugging Face TP "
                          "plan (config.base_model_tp_plan is empty); pass tp_plan= or write the "
                          "plan by hand")
+    return translate_entries(model, hf, sequence_parallel=sequence_parallel,
+                      loss_parallel=loss_parallel, experts=experts)
+
+
+def translate_entries(model: nn.Module, hf: Dict[str, str], *, sequence_parallel: bool,
+               loss_parallel: bool, experts: str) -> Plan:
+    """:func:`translate` of the Hugging Face plan ``hf`` as it is."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     modules = dict(model.named_modules())
     absent = set(stage_placeholders(model))  # a pipeline stage's stand-ins for other stages'

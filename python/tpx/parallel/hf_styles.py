@@ -160,6 +160,12 @@ def is_scaled_embedding(module: nn.Module) -> bool:
             and "* self.embed_scale" in body[0])
 
 
+# Fused experts whose class says nothing of its layout: (transposed, interleaved).
+# gpt-oss: gate_up_proj [E, H, 2I] with the gate and up features alternating (its
+# ``_apply_gate`` reads ``[..., ::2]`` and ``[..., 1::2]``), down_proj [E, I, H].
+EXPERT_LAYOUTS = {"GptOssExperts": (True, True)}
+
+
 def _experts_style(module: nn.Module, name: str, params: Dict[str, str],
                    experts: str = "tp") -> ParallelStyle:
     """``moe_tp_experts``: tpx's experts style (``experts="tp"``: expert TP,
@@ -213,6 +219,8 @@ def _experts_style(module: nn.Module, name: str, params: Dict[str, str],
         if down:
             kwargs["down"] = down[0]
         kwargs["packed"] = True
+    if type(module).__name__ in EXPERT_LAYOUTS:  # a layout its class does not say
+        kwargs["transposed"], kwargs["interleaved"] = EXPERT_LAYOUTS[type(module).__name__]
     cls = ExpertsParallel if experts == "ep" else ExpertsTensorParallel
     return cls(**kwargs)
 

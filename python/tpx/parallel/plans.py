@@ -33,7 +33,7 @@ from torch import nn
 
 from . import derive as derived
 from .base import ModelPlan
-from . import hf_plan
+from . import completed, hf_plan
 from .derive import DerivedPlan, derive
 from .generate import MeshInputFullLogits, with_generate
 from .mesh_styles import ATTENTION_INPUTS, MeshAttention, MeshInput, MeshParallel
@@ -387,8 +387,8 @@ def _auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fal
                                             loss_parallel=loss_parallel)
         if hf_plan.has_plan(model):
             try:
-                return hf_plan.translate(model, sequence_parallel=sequence_parallel,
-                                         loss_parallel=loss_parallel, experts=experts)
+                return completed.translate(model, sequence_parallel=sequence_parallel,
+                                           loss_parallel=loss_parallel, experts=experts)
             except ValueError as e:
                 if sequence_parallel or experts != "tp":
                     raise

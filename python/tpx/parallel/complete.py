@@ -1,0 +1,183 @@
+"""Completing a Hugging Face TP plan that leaves splittable modules whole.
+
+Several of transformers' plans name only part of the model: gpt-oss's names the embedding
+(its experts are in ``base_model_ep_plan`` only, its attention nowhere), Bamba's, Falcon-H1's
+and LFM2's name the embedding and nothing of their MLPs or attention, GraniteMoE's names the
+experts but not the attention, Qwen2-MoE's leaves the shared expert out. Applied as written,
+each rank holds most of the model. :func:`complete` adds, in Hugging Face's own style names
+(so that :func:`tpx.parallel.hf_plan.translate` reads them exactly as a shipped entry), the
+entries for the modules of a known structure that no entry covers:
+
+* **attention**: a module with ``q_proj``, ``k_proj``, ``v_proj`` and one output projection
+  (``o_proj``, ``out_proj``, ``dense``), all ``nn.Linear``: q/k/v ``colwise`` (split in whole
+  heads, KV heads replicated where fewer than ranks), the output ``rowwise``; a per-head
+  parameter of the attention (gpt-oss's ``sinks``, one per query head) split with its heads;
+* **gated MLPs**: ``gate_proj`` / ``up_proj`` / ``down_proj`` or ``w1`` / ``w3`` / ``w2``
+  (``nn.Linear``): the first two ``colwise``, the last ``rowwise``;
+* **fused experts** a model's ``base_model_ep_plan`` names (``ep_dispatch_experts``) that its
+  TP plan does not: ``moe_tp_experts``, their 3-D ``gate_up_proj`` / ``down_proj`` read in the
+  layout the module's class uses (its ``is_transposed`` / ``is_concatenated``, or
+  :data:`tpx.parallel.hf_styles.EXPERT_LAYOUTS` for a class that has neither).
+
+A group whose entries the translation refuses (a head count it cannot read, a parameter
+inside the attention it does not know) is left whole and reported. The completed entries
+are tpx's reading of the module structure, not the model's: the plan they are part of is a
+:class:`~tpx.parallel.completed.CompletedPlan`, proved against the unsharded model before it
+is used.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Dict, List, Optional
+
+from torch import Tensor, nn
+
+from .hf_styles import EXPERT_LAYOUTS, text_config
+
+__all__ = ["complete", "Completion"]
+
+_ATTN_IN = ("q_proj", "k_proj", "v_proj")
+_ATTN_OUT = ("o_proj", "out_proj", "dense")
+_MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Per-head parameters of an attention module: one row per query head.
+_HEAD_PARAMS = ("sinks",)
+
+
+
+class Completion:
+    """What :func:`complete` added: ``entries`` (pattern -> Hugging Face style name, the
+    parameter entries of experts included), ``groups`` (a readable name of each group added
+    -> its patterns) and ``left`` (a group it could not add -> why)."""
+
+    def __init__(self) -> None:
+        self.entries: Dict[str, str] = {}
+        self.groups: Dict[str, List[str]] = {}
+        self.modules: Dict[str, str] = {}  # group -> the pattern of the module it splits
+        self.left: Dict[str, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def without(self, label: str, why: str) -> "Completion":
+        """This completion with the group ``label`` left whole (``why``)."""
+        out = Completion()
+        for k in self.groups:
+            if k != label:
+                out.groups[k], out.modules[k] = self.groups[k], self.modules[k]
+                out.entries.update({e: self.entries[e] for e in self.groups[k]})
+        out.left = dict(self.left, **{label: why})
+        return out
+
+    def group_of(self, module: Optional[str]) -> Optional[str]:
+        """The group whose module is ``module`` or holds it (``None``: no single one)."""
+        if not module:
+            return None
+        for label, pat in self.modules.items():
+            if pat and (fnmatch.fnmatchcase(module, pat)
+                        or fnmatch.fnmatchcase(module, pat + ".*")):
+                return label
+        return None
+
+
+def _pattern(name: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp`` (every index a wildcard)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name) if name else name
+
+
+def _covered(name: str, keys: List[str]) -> bool:
+    """Whether a plan key names ``name`` or a module above it."""
+    parts = name.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(fnmatch.fnmatchcase(p, k) for p in prefixes for k in keys)
+
+
+def _linear(module: Optional[nn.Module]) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def _groups(model: nn.Module, keys: List[str]):
+    """Candidate groups, one per module pattern: (kind, pattern, {child: style name})."""
+    seen = set()
+    for name, mod in model.named_modules():
+        pat = _pattern(name)
+        if pat in seen:
+            continue
+        kids = dict(mod.named_children())
+        found = None
+        if all(_linear(kids.get(c)) for c in _ATTN_IN):
+            outs = [c for c in _ATTN_OUT if _linear(kids.get(c))]
+            if len(outs) == 1:
+                found = ("attention", {**{c: "colwise" for c in _ATTN_IN}, outs[0]: "rowwise"})
+        if found is None:
+            for gate, up, down in _MLPS:
+                if all(_linear(kids.get(c)) for c in (gate, up, down)):
+                    found = ("mlp", {gate: "colwise", up: "colwise", down: "rowwise"})
+                    break
+        if found is None:
+            continue
+        kind, entries = found
+        children = [f"{name}.{c}" if name else c for c in entries]
+        if any(_covered(c, keys) for c in children) or (name and _covered(name, keys)):
+            continue
+        seen.add(pat)
+        prefix = f"{pat}." if pat else ""
+        group = {prefix + c: s for c, s in entries.items()}
+        if kind == "attention":
+            for p in _HEAD_PARAMS:
+                if isinstance(getattr(mod, p, None), nn.Parameter):
+                    group[prefix + p] = "colwise"
+        yield kind, pat, group
+
+
+def _ep_experts(model: nn.Module, keys: List[str]):
+    """Fused experts the EP plan names and the TP plan does not: (pattern, entries)."""
+    ep = getattr(text_config(model), "base_model_ep_plan", None) or {}
+    base = getattr(model, "base_model", model)
+    prefix = "" if base is model else next(n for n, m in model.named_modules() if m is base) + "."
+    modules = dict(model.named_modules())
+    for key, style in ep.items():
+        if style != "ep_dispatch_experts":
+            continue
+        pat = prefix + key
+        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pat)]
+        if not names or any(_covered(n, keys) for n in names):
+            continue
+        mod = modules[names[0]]
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if not (isinstance(gu, Tensor) and isinstance(dn, Tensor) and gu.dim() == 3
+                and dn.dim() == 3):
+            continue
+        layout = EXPERT_LAYOUTS.get(type(mod).__name__)
+        if layout is None:
+            transposed = bool(getattr(mod, "is_transposed", False))
+            if not hasattr(mod, "is_transposed") and gu.shape[1] != 2 * dn.shape[2]:
+                continue  # a layout tpx cannot read from the class: left whole
+            layout = (transposed, not bool(getattr(mod, "is_concatenated", True)))
+        entries = {pat: "moe_tp_experts",
+                   pat + ".gate_up_proj": "packed_rowwise" if layout[0] else "packed_colwise",
+                   pat + ".down_proj": "colwise" if layout[0] else "rowwise"}
+        yield pat, entries
+
+
+def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:
+    """The entries to add to ``hf`` (a Hugging Face plan, keys relative to ``model``), each
+    group kept only if ``accept(plan)`` (translating ``hf`` with the groups kept so far and
+    this one) raises nothing. See the module docstring."""
+    done = Completion()
+    keys = list(hf)
+    candidates = [(f"experts {pat}", pat, entries) for pat, entries in _ep_experts(model, keys)]
+    candidates += [(f"{kind} {pat or '(the model)'}", pat, entries)
+                   for kind, pat, entries in _groups(model, keys)]
+    for label, pat, entries in candidates:
+        try:
+            accept(dict(hf, **done.entries, **entries))
+        except (ValueError, NotImplementedError) as e:
+            done.left[label] = str(e).split("\n")[0]
+            continue
+        done.entries.update(entries)
+        done.groups[label] = list(entries)
+        done.modules[label] = pat
+    return done
+
