@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
 GroupLike = Union[None, "dist.ProcessGroup", "DeviceMesh"]
 
 __all__ = ["GroupLike", "resolve_group", "shard_range", "shard_bounds", "shard_sizes", "head_rows",
-           "group_ranks", "mesh_for_group", "remember_mesh", "SharesGroupOnCopy",
+           "head_split", "balanced_bounds", "group_ranks", "mesh_for_group", "remember_mesh", "SharesGroupOnCopy",
            "copied_with_module"]
 
 
@@ -147,15 +147,76 @@ def shard_sizes(size: int, world: int) -> list:
     return [e - s for s, e in (shard_bounds(size, r, world) for r in range(world))]
 
 
+def balanced_bounds(size: int, rank: int, world: int) -> Tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s block when ``size`` units are dealt as evenly as
+    they go: the first ``size % world`` ranks take one more (20 over 8: 3,3,3,3,2,2,2,2)."""
+    base, extra = divmod(size, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def head_split(heads: int, kv_heads: int, world: int) -> List[Tuple[Tuple[int, int],
+                                                                     Tuple[int, int]]]:
+    """Per rank, ``((first query head, end), (first KV head, end))`` of attention with
+    ``heads`` query heads reading ``kv_heads`` KV heads (``heads / kv_heads`` each) split over
+    ``world`` ranks, the query heads of each rank reading whole KV heads it holds:
+
+    * as many KV heads as ranks or more: the KV heads dealt as evenly as they go, each rank
+      with their query heads (12 heads of multi-head attention at TP 8: 2,2,2,2,1,1,1,1);
+    * fewer: the ranks dealt over the KV heads as evenly as they go, each KV head replicated
+      on its ranks, and its query heads dealt among them (20 heads, 4 KV heads, TP 8: each
+      KV head on 2 ranks, its 5 query heads as 3 and 2).
+
+    When the counts divide, this is the usual even split (KV heads replicated when fewer than
+    ranks). ``ValueError`` where a rank would hold no query head."""
+    if heads % kv_heads:
+        raise ValueError(f"the model has {heads} query heads and {kv_heads} KV heads: not a GQA "
+                         "layout")
+    if heads < world:
+        raise ValueError(f"the model has {heads} attention heads, fewer than the TP size "
+                         f"{world}: each rank needs at least one; use a TP size of at most "
+                         f"{heads}")
+    per_kv = heads // kv_heads
+    out = []
+    if kv_heads >= world:
+        for r in range(world):
+            ks, ke = balanced_bounds(kv_heads, r, world)
+            out.append(((ks * per_kv, ke * per_kv), (ks, ke)))
+        return out
+    for r in range(world):
+        kv = next(i for i in range(kv_heads) if balanced_bounds(world, i, kv_heads)[1] > r)
+        first, end = balanced_bounds(world, kv, kv_heads)
+        if per_kv < end - first:
+            raise ValueError(
+                f"the model has {heads} query heads over {kv_heads} KV heads: at TP size {world} "
+                f"KV head {kv} is held by {end - first} ranks but reads {per_kv} query heads, "
+                f"so a rank would hold none; use a TP size of at most {kv_heads * per_kv} that "
+                "gives each KV head's ranks a query head each")
+        qs, qe = balanced_bounds(per_kv, r - first, end - first)
+        out.append(((kv * per_kv + qs, kv * per_kv + qe), (kv, kv + 1)))
+    return out
+
+
 def head_rows(segments: Sequence[int], head_size: Optional[int], replicate_heads: bool,
-               world: int) -> List[List[Tuple[int, int]]]:
+               world: int, heads: Optional[Tuple[int, int]] = None
+               ) -> List[List[Tuple[int, int]]]:
     """Per rank, the row ranges it holds of a projection whose output is the concatenation of
     ``segments``, each split over the ranks separately (in whole heads of ``head_size`` when
-    given; a segment with fewer heads than ranks is replicated when ``replicate_heads``)."""
+    given; a segment with fewer heads than ranks is replicated when ``replicate_heads``).
+    ``heads``: ``(query heads, KV heads)`` of the attention the projection feeds; each
+    segment of that many heads is split as :func:`head_split` deals them (evenly where the
+    counts divide, in blocks that differ by one head where they do not)."""
     rows: List[List[Tuple[int, int]]] = [[] for _ in range(world)]
+    split = head_split(heads[0], heads[1], world) if heads is not None else None
     offset = 0
     for i, n in enumerate(segments):
-        if head_size is None:
+        if split is not None and head_size is not None and n // head_size in heads \
+                and n % head_size == 0:
+            role = 0 if n // head_size == heads[0] else 1
+            for r in range(world):
+                s, e = split[r][role]
+                rows[r].append((offset + s * head_size, offset + e * head_size))
+        elif head_size is None:
             for r in range(world):
                 s, e = shard_bounds(n, r, world)
                 rows[r].append((offset + s, offset + e))

@@ -72,6 +72,20 @@ def full_linear_init(in_features: int, out_features: int, bias: bool, device, dt
     return w, b
 
 
+def _check_in_cols(in_cols, in_features: int, world: int) -> List[Tuple[int, int]]:
+    """``in_cols`` (per rank, the one range of input features it holds, in rank order and
+    covering them all) checked, or ``tpx.shard_range``'s split when ``None``."""
+    if in_cols is None:
+        return [shard_bounds(in_features, r, world) for r in range(world)]
+    cols = [(int(s), int(e)) for s, e in in_cols]
+    if len(cols) != world or cols[0][0] != 0 or cols[-1][1] != in_features or any(
+            e < s for s, e in cols) or any(cols[r][1] != cols[r + 1][0] for r in range(world - 1)):
+        raise ValueError(f"tpx.RowParallelLinear: `in_cols` must give each of the {world} ranks "
+                         f"one range of the {in_features} input features, in rank order, "
+                         f"together covering them once; got {cols}")
+    return cols
+
+
 def _check_out_rows(out_rows, out_features: int, world: int
                     ) -> Tuple[List[List[Tuple[int, int]]], bool]:
     """Validates ``out_rows`` (per rank, the row ranges of the full weight it holds) and says
@@ -402,6 +416,10 @@ class RowParallelLinear(_ParallelLinear):
         device, dtype: as in ``nn.Linear``.
         src_rank: the rank whose initial weights every rank takes (default 0); ``None``: every
             rank draws and keeps its part (ranks seeded alike, checked), no communication.
+        in_cols: for each rank, the ``(start, end)`` range of input features it holds (in
+            rank order, covering them once); default ``tpx.shard_range``'s split. Attention
+            whose heads do not divide the TP size holds whole heads:
+            ``tpx.parallel.RowwiseParallel(head_size=..., heads=...)`` gives them.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -409,7 +427,8 @@ class RowParallelLinear(_ParallelLinear):
                  sequence_parallel: bool = False, sequence_dim: int = 1,
                  reduce_output: bool = True,
                  chunks: Optional[int] = None, device=None, dtype=None,
-                 src_rank: Optional[int] = 0, _full_weights=None) -> None:
+                 src_rank: Optional[int] = 0,
+                 in_cols: Optional[Sequence[Tuple[int, int]]] = None, _full_weights=None) -> None:
         super().__init__()
         _check_features("RowParallelLinear", in_features=in_features, out_features=out_features)
         _check_chunks("RowParallelLinear", chunks)
@@ -422,8 +441,9 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim, self.chunks = sequence_dim, chunks
-        self.in_start, self.in_end = shard_bounds(in_features, self.rank, self.world_size)
-        self.in_sizes = shard_sizes(in_features, self.world_size)
+        self.in_cols = _check_in_cols(in_cols, in_features, self.world_size)
+        self.in_start, self.in_end = self.in_cols[self.rank]
+        self.in_sizes = [e - s for s, e in self.in_cols]
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(
             torch.empty(out_features, self.in_end - self.in_start, **factory))
@@ -454,18 +474,18 @@ class RowParallelLinear(_ParallelLinear):
 
     def _layer_config(self) -> dict:
         return self._config(input_is_parallel=self.input_is_parallel,
-                            reduce_output=self.reduce_output)
+                            reduce_output=self.reduce_output,
+                            in_cols=[list(c) for c in self.in_cols])
 
     def _weight_layout(self):
-        return [[shard_bounds(self.in_features, r, self.world_size)] for r in range(self.world_size)], 1
+        return [[c] for c in self.in_cols], 1
 
     def _bias_layout(self):
         return None, 0  # replicated
 
     def _shards(self):
         """(parameter name, sharded dim, columns of the full weight held by each rank)."""
-        yield "weight", 1, [[shard_bounds(self.in_features, r, self.world_size)]
-                            for r in range(self.world_size)]
+        yield "weight", 1, [[c] for c in self.in_cols]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: GroupLike = None, *,

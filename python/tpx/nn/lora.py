@@ -69,7 +69,7 @@ from .. import mappings
 from .. import ops
 from .. import random as tpx_random
 from ..comm.guard import guarded
-from ..comm.groups import shard_bounds, SharesGroupOnCopy
+from ..comm.groups import SharesGroupOnCopy
 from ..layout.initial import load_initial, ShardSpec
 from ..kept_whole import is_default_replica, replicate_kept_whole
 from ..layout.sharding import KeepsParamSharding, describe_params, sharded_by_tpx, sharded_save
@@ -251,7 +251,7 @@ class _ParallelLora:
         ``src_rank``'s are kept) by this rank's parts."""
         self._tpx_check_adapter(adapter)
         base = self.base_layer
-        pg, world, rank = base.group, base.world_size, base.rank
+        pg, rank = base.group, base.rank
         A, B = self.lora_A[adapter], self.lora_B[adapter]
         r = A.weight.shape[0]
         a_full, b_full = (r, base.in_features), (base.out_features, r)
@@ -269,7 +269,7 @@ class _ParallelLora:
             if new_b.bias is not None:
                 specs.append(ShardSpec(new_b.bias, rows, 0))
         else:
-            cols = [[shard_bounds(base.in_features, q, world)] for q in range(world)]
+            cols = [[c] for c in base.in_cols]  # the base layer's columns (whole heads)
             s, e = cols[rank][0]
             new_a = _LoraFactor(A, (r, e - s), [("weight", 1, cols)], pg, a_full)
             new_b = _LoraFactor(B, b_full, [], pg, b_full)

@@ -32,6 +32,7 @@ only under a module marked ``moe_tp_experts``, whose tpx style
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import inspect
 import re
@@ -381,6 +382,10 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
                 or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     sharded = [c for c, s in kids.items() if s in _COLWISE_OUT]  # the plan's order
     update = _local_heads_update
+    # Heads that do not divide the TP size are dealt in blocks that differ by one head: the
+    # projections, the output projection's columns and the module's counts alike.
+    counts, uneven = (heads, kv), True
+    v_dim = getattr(attn, "v_head_dim", None) or head_dim
     if _reads_config_heads(attn):
         raise ValueError(
             f"tpx.hf_plan: {parent!r} ({type(attn).__name__}) reads config.num_attention_heads "
@@ -392,16 +397,15 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
         proj = attn.get_submodule(c)
         out = getattr(proj, "out_features", None)
         if c in _Q:
-            expected, st = heads * head_dim, ColwiseParallel(head_size=head_dim)
+            expected, st = heads * head_dim, ColwiseParallel(head_size=head_dim, heads=counts)
             if out == 2 * expected and _gated_query(attn):  # [q_h | gate_h] for each head h
-                expected, st = out, ColwiseParallel(head_size=2 * head_dim)
+                expected, st = out, ColwiseParallel(head_size=2 * head_dim, heads=counts)
         elif c in _K:
             expected = kv * head_dim
-            st = ColwiseParallel(head_size=head_dim, replicate_heads=True)
+            st = ColwiseParallel(head_size=head_dim, replicate_heads=True, heads=counts)
         elif c in _V:
-            v_dim = getattr(attn, "v_head_dim", None) or head_dim
             expected = kv * v_dim
-            st = ColwiseParallel(head_size=v_dim, replicate_heads=True)
+            st = ColwiseParallel(head_size=v_dim, replicate_heads=True, heads=counts)
         elif c == _FUSED_QKV and isinstance(getattr(attn, "mp_num", None), int):
             # CodeGen: mp_num blocks, each [q | v | k] of heads / mp_num heads; the forward
             # reads however many whole blocks its input holds.
@@ -412,15 +416,17 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
             expected = 3 * heads * head_dim
             st = ColwiseParallel(head_size=expected // blocks)
             update = _blocks_update(blocks, heads)
+            uneven = False
         elif c == _FUSED_QKV:
             expected = (heads + 2 * kv) * head_dim
             st = ColwiseParallel(segments=(heads * head_dim, kv * head_dim, kv * head_dim),
-                                 head_size=head_dim, replicate_heads=True)
+                                 head_size=head_dim, replicate_heads=True, heads=counts)
         elif c == _PER_HEAD_QKV:
             if kv != heads:
                 raise ValueError(f"tpx.hf_plan: {parent}.{c}: a per-head [q k v] projection "
                                  f"with {kv} KV heads for {heads} query heads")
-            expected, st = 3 * heads * head_dim, ColwiseParallel(head_size=3 * head_dim)
+            expected, st = 3 * heads * head_dim, ColwiseParallel(head_size=3 * head_dim,
+                                                                 heads=counts)
         else:
             continue
         if out != expected:
@@ -468,8 +474,15 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
             plan[n] = ShardedAttention(heads, kv_n, out_proj=outs[0], update=update)
         keys[:] = list(own_kv)
         return
+    out_key = f"{parent}.{outs[0]}"
+    if uneven and type(plan.get(out_key)) is RowwiseParallel:
+        out_st = copy.copy(plan[out_key])
+        out_st.head_size, out_st.heads = v_dim, counts
+        plan[out_key] = out_st
+    else:
+        uneven = False
     for key in keys:
-        plan[key] = ShardedAttention(heads, kv, out_proj=outs[0], update=update)
+        plan[key] = ShardedAttention(heads, kv, out_proj=outs[0], update=update, uneven=uneven)
 
 
 def _per_head_norm(name: str, module: nn.Module, head_dim: int) -> bool:
@@ -537,7 +550,10 @@ def _head_params(model: nn.Module, plan: Plan, owner: str, params: Dict[str, str
                     f"of attention split by heads needs one row per query head ({heads}); got "
                     f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
     for k in attn_parents[owner] if owner in attn_parents else ():
-        plan[k] = Chain(plan[k], HeadParams(tuple(params), heads))
+        st = plan[k]
+        kv = (getattr(cfg, "num_key_value_heads", None) or heads) if getattr(
+            st, "uneven", False) else None
+        plan[k] = Chain(st, HeadParams(tuple(params), heads, kv))
 
 
 def _blocks_update(blocks: int, heads: int):

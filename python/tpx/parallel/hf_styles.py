@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.groups import copied_with_module
+from ..comm.groups import copied_with_module, head_split
 from .. import mappings
 from ..layout.param_dtensors import compute_on_locals, replicate_params, sum_partial_grads
 from .moe import MoEIdentityExpert
@@ -417,8 +417,11 @@ class HeadParams(ParallelStyle):
     whole); the module's forward reads their local tensors (Hugging Face's ``local_params``),
     and their gradients land as ``DTensor`` s. Values from ``src_rank``."""
 
-    def __init__(self, names: Tuple[str, ...], num_heads: int) -> None:
+    def __init__(self, names: Tuple[str, ...], num_heads: int,
+                 num_kv_heads: Optional[int] = None) -> None:
         self.names, self.num_heads = tuple(names), int(num_heads)
+        # given: the heads are split as ShardedAttention(uneven=True) splits them
+        self.num_kv_heads = int(num_kv_heads) if num_kv_heads is not None else None
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg, src_rank = ctx.group, ctx.src_rank
@@ -428,7 +431,7 @@ class HeadParams(ParallelStyle):
         from ..layout.sharding import describe_params
 
         world, rank = pg.size(), dist.get_rank(pg)
-        if self.num_heads % world:
+        if self.num_heads % world and self.num_kv_heads is None:
             raise ValueError(f"tpx.HeadParams: {self.num_heads} heads do not divide by the TP "
                              f"size {world}")
         names = tuple(n for n in self.names if getattr(module, n, None) is not None)
@@ -438,11 +441,15 @@ class HeadParams(ParallelStyle):
         if src_rank is not None and world > 1:
             with torch.no_grad():
                 broadcast_(pg, src_rank, [p.data for p in params])
-        per = self.num_heads // world
-        rows = tuple(((r * per, (r + 1) * per),) for r in range(world))
+        if self.num_kv_heads is not None:
+            rows = tuple((q,) for q, _ in head_split(self.num_heads, self.num_kv_heads, world))
+        else:
+            per = self.num_heads // world
+            rows = tuple(((r * per, (r + 1) * per),) for r in range(world))
+        lo, hi = rows[rank][0]
         with torch.no_grad():
             for p in params:
-                p.data = p.detach()[rank * per:(rank + 1) * per].clone()
+                p.data = p.detach()[lo:hi].clone()
         # Described as a tpx layer's parameters are: tpx.checkpoint, clipping and the checks
         # read the layout; describe_params makes them DTensors (Shard(0), full shape).
         module._shards = lambda names=names, rows=rows: [(n, 0, rows) for n in names]

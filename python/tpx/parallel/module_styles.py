@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ..comm.groups import copied_with_module
+from ..comm.groups import copied_with_module, head_split
 from ..layout.param_dtensors import compute_on_locals, replicate_params
 from .base import ParallelStyle, TPContext, redistribute
 
@@ -247,14 +248,21 @@ class ShardedAttention(ParallelStyle):
         the projections' output shapes)."""
 
     def __init__(self, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 update=None, out_proj: Optional[str] = None) -> None:
+                 update=None, out_proj: Optional[str] = None, uneven: bool = False) -> None:
         self.num_heads = int(num_heads)
         self.num_kv_heads = int(num_kv_heads) if num_kv_heads is not None else self.num_heads
         self.update, self.out_proj = update, out_proj
+        self.uneven = bool(uneven)
 
-    def local_heads(self, world: int) -> Tuple[int, int]:
-        """(query heads, KV heads) held by each rank at TP size ``world``."""
+    def local_heads(self, world: int, rank: Optional[int] = None) -> Tuple[int, int]:
+        """(query heads, KV heads) held by rank ``rank`` at TP size ``world``. With
+        ``uneven=True`` (the projections split with ``heads=(num_heads, num_kv_heads)``) heads
+        that do not divide are dealt as ``tpx.comm.groups.head_split`` deals them, and the
+        counts may differ by rank; otherwise they must divide (``ValueError``)."""
         h, kv = self.num_heads, self.num_kv_heads
+        if self.uneven and rank is not None:
+            (qs, qe), (ks, ke) = head_split(h, kv, world)[rank]
+            return qe - qs, ke - ks
         if h % world:
             divisors = [d for d in range(1, h + 1) if h % d == 0]
             raise ValueError(
@@ -273,7 +281,7 @@ class ShardedAttention(ParallelStyle):
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
-        heads, kv_heads = self.local_heads(pg.size())
+        heads, kv_heads = self.local_heads(pg.size(), dist.get_rank(pg))
         if self.update is not None:
             self.update(module, heads, kv_heads)
         else:
@@ -327,4 +335,5 @@ class ShardedAttention(ParallelStyle):
         module.register_forward_hook(copied_with_module(lambda m, a, o: leave()), always_call=True)
 
     def __repr__(self) -> str:
-        return f"ShardedAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})"
+        return (f"ShardedAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+                f"{', uneven=True' if self.uneven else ''})")

@@ -93,13 +93,15 @@ def gpt2(model: nn.Module, *, sequence_parallel: bool = False,
     base = _prefix(h, "h")
     plan: Plan = {
         pre + "attn": ShardedAttention(
-            heads, out_proj="c_proj",
+            heads, out_proj="c_proj", uneven=True,
             update=_set_attrs(split_size=lambda h, k, m: h * m.head_dim,
                               embed_dim=lambda h, k, m: h * m.head_dim,
                               num_heads=lambda h, k, m: h)),
         base + "wte": RowwiseParallel(input_layouts=Replicate()),
-        pre + "attn.c_attn": ColwiseParallel(segments=(d, d, d), head_size=d // heads),
-        pre + "attn.c_proj": RowwiseParallel(),
+        # heads that do not divide the TP size (GPT-2's 12 at TP 8) in blocks of 2 and 1
+        pre + "attn.c_attn": ColwiseParallel(segments=(d, d, d), head_size=d // heads,
+                                             heads=(heads, heads)),
+        pre + "attn.c_proj": RowwiseParallel(head_size=d // heads, heads=(heads, heads)),
         pre + "mlp.c_fc": ColwiseParallel(),
         pre + "mlp.c_proj": RowwiseParallel(),
     }

@@ -7,12 +7,12 @@ carries the same full gradient on every rank.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.groups import copied_with_module, head_rows, shard_bounds
+from ..comm.groups import copied_with_module, head_rows, head_split, shard_bounds
 from ..nn import (
     ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 from ..layout.dtensor_io import DTensor, Partial, Replicate, Shard, wrap_output
@@ -175,11 +175,17 @@ class ColwiseParallel(ParallelStyle):
         replicate_heads: a part with fewer heads than ranks (GQA's KV heads) is replicated so
             that rank ``r`` holds head ``r * heads // P``, the one its query heads use
             (needs P to be a multiple of the head count).
+        heads: ``(query heads, KV heads)`` of the attention this projection feeds: a part of
+            that many heads is split as ``tpx.comm.groups.head_split`` deals them, so that
+            heads that do not divide by the TP size are split in blocks that differ by one
+            head (12 at TP 8: 2,2,2,2,1,1,1,1), each rank's query heads with the KV heads they
+            read; where the counts divide, the same split as without it.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
                  chunks: Optional[int] = None, segments: Optional[Sequence[int]] = None,
-                 head_size: Optional[int] = None, replicate_heads: bool = False) -> None:
+                 head_size: Optional[int] = None, replicate_heads: bool = False,
+                 heads: Optional[Tuple[int, int]] = None) -> None:
         check_placement("ColwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
         check_placement("ColwiseParallel", "output_layouts", output_layouts, (Replicate, Shard))
         if isinstance(output_layouts, Shard) and output_layouts.dim != -1:
@@ -190,6 +196,7 @@ class ColwiseParallel(ParallelStyle):
         self.chunks = chunks
         self.segments = tuple(segments) if segments is not None else None
         self.head_size, self.replicate_heads = head_size, bool(replicate_heads)
+        self.heads = tuple(heads) if heads is not None else None
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg, src_rank = ctx.group, ctx.src_rank
@@ -234,7 +241,7 @@ class ColwiseParallel(ParallelStyle):
         if sum(segments) != out_f:
             raise ValueError(f"tpx.ColwiseParallel: segments={segments} add up to "
                              f"{sum(segments)}, but the layer has {out_f} output features")
-        return head_rows(segments, self.head_size, self.replicate_heads, world)
+        return head_rows(segments, self.head_size, self.replicate_heads, world, self.heads)
 
     def _wrap(self, new: nn.Module, pg: dist.ProcessGroup, features: int) -> nn.Module:
         """With ``use_local_output=False`` the output leaves as a ``DTensor`` (from_local, no
@@ -260,7 +267,8 @@ class ColwiseParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in (("segments", self.segments),
-                                                    ("head_size", self.head_size))
+                                                    ("head_size", self.head_size),
+                                                    ("heads", self.heads))
                         if v is not None)
         if self.replicate_heads:
             extra += ", replicate_heads=True"
@@ -277,10 +285,16 @@ class RowwiseParallel(ParallelStyle):
     sequence) or ``Partial()`` (this rank's partial sum, no communication: a local tensor, or a
     ``Partial()`` ``DTensor`` with ``use_local_output=False``). Embedding: input
     ``Replicate()``; output ``Replicate()`` or ``Shard(d)``.
+
+    ``head_size`` and ``heads`` (``(query heads, KV heads)``): the output projection of
+    attention, its input features the query heads' outputs; each rank holds the columns of
+    the query heads ``ColwiseParallel(heads=...)`` gives it (whole heads where they do not
+    divide by the TP size).
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
-                 chunks: Optional[int] = None) -> None:
+                 chunks: Optional[int] = None, head_size: Optional[int] = None,
+                 heads: Optional[Tuple[int, int]] = None) -> None:
         check_placement("RowwiseParallel", "input_layouts", input_layouts, (Replicate, Shard))
         check_placement("RowwiseParallel", "output_layouts", output_layouts,
                          (Replicate, Shard, Partial))
@@ -291,6 +305,21 @@ class RowwiseParallel(ParallelStyle):
         self.input_layouts, self.output_layouts = input_layouts, output_layouts or Replicate()
         self.use_local_output = bool(use_local_output)
         self.chunks = chunks
+        if (head_size is None) != (heads is None):
+            raise ValueError("tpx.RowwiseParallel: pass head_size and heads together (the "
+                             "attention's head width and its (query heads, KV heads))")
+        self.head_size, self.heads = head_size, tuple(heads) if heads is not None else None
+
+    def _in_cols(self, in_f: int, world: int):
+        """Per rank, the input features it holds; ``None`` for ``tpx.shard_range``'s split."""
+        if self.heads is None:
+            return None
+        if in_f != self.heads[0] * self.head_size:
+            raise ValueError(f"tpx.RowwiseParallel: {in_f} input features are not "
+                             f"{self.heads[0]} query heads of head_size={self.head_size}")
+        split = head_split(self.heads[0], self.heads[1], world)
+        cols = [(s * self.head_size, e * self.head_size) for (s, e), _ in split]
+        return None if cols == [shard_bounds(in_f, r, world) for r in range(world)] else cols
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg, src_rank = ctx.group, ctx.src_rank
@@ -312,6 +341,13 @@ class RowwiseParallel(ParallelStyle):
                                                         sequence_dim=seq_dim, src_rank=src_rank)
             return self._wrap(new, pg)
         if _own_forward_linear(module) and not partial:
+            if self.heads is not None and _linear_parts("RowwiseParallel", module)[0] and \
+                    self._in_cols(_linear_parts("RowwiseParallel", module)[0], pg.size()):
+                raise ValueError(
+                    f"tpx.RowwiseParallel: {type(module).__name__} has a forward of its own, "
+                    "which tpx shards through PyTorch's RowwiseParallel (contiguous columns); "
+                    f"its {self.heads[0]} heads do not divide by the TP size {pg.size()}: use a "
+                    "TP size that divides them")
             from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
             return _linear_with_pytorch("RowwiseParallel", TorchRowwise(
@@ -325,8 +361,9 @@ class RowwiseParallel(ParallelStyle):
         new = RowParallelLinear(
             in_f, out_f, bias=bias is not None, group=pg,
             input_is_parallel=isinstance(layout, Shard), sequence_parallel=sp,
-            sequence_dim=seq_dim, reduce_output=not partial, chunks=self.chunks, device=weight.device, dtype=weight.dtype,
-            src_rank=src_rank, _full_weights=(weight, bias))
+            sequence_dim=seq_dim, reduce_output=not partial, chunks=self.chunks,
+            device=weight.device, dtype=weight.dtype, src_rank=src_rank,
+            in_cols=self._in_cols(in_f, pg.size()), _full_weights=(weight, bias))
         if transposed:
             mark_transposed_weight(new)
         return self._wrap(new, pg)
