@@ -14,6 +14,8 @@ entries for the modules of a known structure that no entry covers:
   parameter of the attention (gpt-oss's ``sinks``, one per query head) split with its heads;
 * **gated MLPs**: ``gate_proj`` / ``up_proj`` / ``down_proj`` or ``w1`` / ``w3`` / ``w2``
   (``nn.Linear``): the first two ``colwise``, the last ``rowwise``;
+* **vocabulary tables** beside the input embedding (Gemma 4's per-layer embeddings), as
+  many rows as a vocabulary of the config: vocab-parallel (``embedding_rowwise``);
 * **fused experts** a model's ``base_model_ep_plan`` names (``ep_dispatch_experts``) that its
   TP plan does not: ``moe_tp_experts``, their 3-D ``gate_up_proj`` / ``down_proj`` read in the
   layout the module's class uses (its ``is_transposed`` / ``is_concatenated``, or
@@ -100,6 +102,9 @@ def _linear(module: Optional[nn.Module]) -> bool:
 def _groups(model: nn.Module, keys: List[str]):
     """Candidate groups, one per module pattern: (kind, pattern, {child: style name})."""
     seen = set()
+    cfg = text_config(model) if getattr(model, "config", None) is not None else None
+    vocabularies = {getattr(cfg, k, None) for k in ("vocab_size", "vocab_size_per_layer_input")
+                    } - {None}
     for name, mod in model.named_modules():
         pat = _pattern(name)
         if pat in seen:
@@ -115,15 +120,18 @@ def _groups(model: nn.Module, keys: List[str]):
                 if all(_linear(kids.get(c)) for c in (gate, up, down)):
                     found = ("mlp", {gate: "colwise", up: "colwise", down: "rowwise"})
                     break
+        if found is None and isinstance(mod, nn.Embedding) and name \
+                and mod.num_embeddings in vocabularies:
+            found = ("embedding", {"": "embedding_rowwise"})
         if found is None:
             continue
         kind, entries = found
-        children = [f"{name}.{c}" if name else c for c in entries]
+        children = [f"{name}.{c}" if c else name for c in entries]
         if any(_covered(c, keys) for c in children) or (name and _covered(name, keys)):
             continue
         seen.add(pat)
         prefix = f"{pat}." if pat else ""
-        group = {prefix + c: s for c, s in entries.items()}
+        group = {(prefix + c if c else pat): s for c, s in entries.items()}
         if kind == "attention":
             for p in _HEAD_PARAMS:
                 if isinstance(getattr(mod, p, None), nn.Parameter):

@@ -289,7 +289,8 @@ class RowwiseParallel(ParallelStyle):
     ``head_size`` and ``heads`` (``(query heads, KV heads)``): the output projection of
     attention, its input features the query heads' outputs; each rank holds the columns of
     the query heads ``ColwiseParallel(heads=...)`` gives it (whole heads where they do not
-    divide by the TP size).
+    divide by the TP size). A layer whose heads are wider than ``head_size`` (Gemma 4's
+    global layers) is split by its own width, ``in_features / heads[0]``.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
@@ -314,11 +315,12 @@ class RowwiseParallel(ParallelStyle):
         """Per rank, the input features it holds; ``None`` for ``tpx.shard_range``'s split."""
         if self.heads is None:
             return None
-        if in_f != self.heads[0] * self.head_size:
+        if in_f % self.heads[0]:
             raise ValueError(f"tpx.RowwiseParallel: {in_f} input features are not "
-                             f"{self.heads[0]} query heads of head_size={self.head_size}")
+                             f"{self.heads[0]} query heads of one width")
+        size = in_f // self.heads[0]  # head_size, or a layer's own (Gemma 4's differ)
         split = head_split(self.heads[0], self.heads[1], world)
-        cols = [(s * self.head_size, e * self.head_size) for (s, e), _ in split]
+        cols = [(s * size, e * size) for (s, e), _ in split]
         return None if cols == [shard_bounds(in_f, r, world) for r in range(world)] else cols
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
