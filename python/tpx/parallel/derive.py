@@ -65,7 +65,7 @@ Plan = Dict[str, ParallelStyle]
 # ------------------------------------------------------------------ styles
 
 
-class _UnitColwise(ColwiseParallel):
+class UnitColwise(ColwiseParallel):
     """A source of a derived pair: column-parallel, each rank holding the rows its units of
     the row-parallel projection read."""
 
@@ -97,7 +97,7 @@ class _Rowwise(RowwiseParallel):
         return super().apply(module, ctx)
 
 
-class _HeadInputs(ParallelStyle):
+class HeadInputs(ParallelStyle):
     """Cuts the attention module's tensor inputs that hold one entry per head (ALiBi biases:
     ``[heads, ...]`` or ``[batch * heads, ...]``) to this rank's heads."""
 
@@ -139,7 +139,8 @@ class _HeadInputs(ParallelStyle):
 _NOT_COUNTS = ("dim", "size", "idx", "layer", "window", "position", "bucket", "rotary", "rope")
 
 
-def _local_counts(heads: int, kv_heads: int, width: int, projections: List[str]):
+def local_counts(heads: int, kv_heads: int, width: int, projections: List[str],
+                 sink: Optional[str] = None):
     """``update`` for the attention module of a derived pair: the integer attributes equal to
     the heads, the KV heads or their widths, of the module and of the modules under it on the
     way to its projections (BERT's ``attention.self``), take this rank's values."""
@@ -168,6 +169,8 @@ def _local_counts(heads: int, kv_heads: int, width: int, projections: List[str])
                 setattr(module, attr, widths[value])
             elif value in counts and not any(w in attr for w in _NOT_COUNTS):
                 setattr(module, attr, counts[value])
+    # what it was made from, for a plan carried to a model of other widths (derive_twin)
+    update._tpx_counts = (heads, kv_heads, width, list(projections), sink)
     return update
 
 
@@ -310,15 +313,16 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
                 kept[sink] = f"a second attention under {owner!r}"
                 continue
             style = ShardedAttention(pair.heads, pair.kv_heads,
-                                     update=_local_counts(pair.heads, pair.kv_heads, pair.width,
+                                     update=local_counts(pair.heads, pair.kv_heads, pair.width,
                                                           [n[len(owner) + 1:] if owner else n
-                                                           for n in pair.sources + [pair.sink]]),
+                                                           for n in pair.sources + [pair.sink]],
+                                                          sink=pair.sink),
                                      out_proj=sink[len(owner) + 1:] if owner else sink)
             if pair.head_inputs:
-                style = Chain(style, _HeadInputs(pair.heads, pair.head_inputs))
+                style = Chain(style, HeadInputs(pair.heads, pair.head_inputs))
             plan[owner] = style
         for s in sources:
-            plan[s] = _UnitColwise(pair, s)
+            plan[s] = UnitColwise(pair, s)
         plan[sink] = _Rowwise()
         for r in pair.region:
             plan[r] = ReplicatedWithGradAllReduce()

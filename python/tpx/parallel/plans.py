@@ -403,7 +403,12 @@ def _auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fal
                               "proved against the unsharded model when it is applied",
                               UserWarning, stacklevel=2)
                 return derived.derive(model, loss_parallel=loss_parallel)
-        # No plan shipped: derived from the model's computation, proved when applied.
+        # No plan shipped: derived from the model's computation, proved when applied; on the
+        # meta device (no values to run) derived on its twins and carried over.
+        if not sequence_parallel and any(p.device.type == "meta" for p in model.parameters()):
+            from .derive_twin import derive_on_twins
+
+            return derive_on_twins(model, loss_parallel=loss_parallel)
         return derived.derive(model, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel)
     if _torchtitan_names(model):

@@ -80,7 +80,7 @@ AT_MOST = dict(
 )
 # Out-of-vocabulary special tokens go to the ids that the random inputs (3..V-1) never use.
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 # Lists of layer indices (the other per-layer lists have one entry per layer).
 INDEX_LISTS = ("moe_layers", "mlp_only_layers", "full_attn_idxs", "local_layer_ids",
                "attn_layer_indices")
@@ -359,8 +359,8 @@ def shrunk_fields(cfg, nested: bool = False) -> dict:
 
 # Counts a plan depends on, kept from the model's config: heads divide (or not) the TP size,
 # KV heads are split or replicated, experts are dealt out whole under expert parallelism.
-KEPT = ("num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts",
-        "num_local_experts", "moe_num_experts")
+KEPT = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "num_kv_heads",
+        "n_heads", "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 TWIN_HEAD_DIM = 8
 
 
@@ -372,12 +372,15 @@ def twin_config(config):
     for k in KEPT:
         if _is_int(d.get(k)) and d[k] > 0:
             c[k] = d[k]
-    heads = c.get("num_attention_heads")
-    width = c.get("hidden_size", d.get("hidden_size"))
+    hkey = next((k for k in ("num_attention_heads", "n_head", "n_heads", "num_heads")
+                 if _is_int(c.get(k))), None)
+    wkey = next((k for k in ("hidden_size", "n_embd", "d_model") if _is_int(d.get(k))), None)
+    heads = c.get(hkey) if hkey else None
+    width = c.get(wkey, d.get(wkey)) if wkey else None
     mamba = any("mamba" in k or "ssm" in k for k in d)  # its widths are tied to the hidden size
     if (_is_int(heads) and _is_int(width) and d.get("head_dim") is None and not mamba
             and (width % heads or width // heads < 2)):
-        c["hidden_size"] = heads * TWIN_HEAD_DIM  # head_dim derived from the width
+        c[wkey] = heads * TWIN_HEAD_DIM  # head_dim derived from the width
     # The model's own settings where they differ from its class's defaults, then the twin's
     # sizes: only changed fields are set, so that what the class derives is derived again.
     try:

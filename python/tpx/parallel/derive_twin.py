@@ -1,0 +1,278 @@
+"""A derived plan for a model on the meta device, found and proved on its twins.
+
+:func:`tpx.parallel.derive.derive` traces the model's computation, which a model without
+values (as ``tpx.from_pretrained`` builds it, at any size) cannot run. :func:`derive_on_twins`
+derives instead on two twins of the model (:mod:`tpx.parallel.twin`: its class at small
+sizes, the heads and KV heads kept), the second with every width doubled, and carries the
+plan to the model:
+
+1. **The same structure.** Both twins give the same pairs, attention modules and kept-whole
+   modules, layer for layer, and every layer of a kind the same entries: the plan's keys
+   become patterns over the layers (``transformer.h.*.mlp.dense_h_to_4h``), and the model's
+   modules under each pattern are of the twin's classes.
+2. **Rows that scale.** Each pair's row ranges, read on the first twin, are mapped to the
+   second twin's sizes by one rule and must equal what the second twin's trace found:
+   attention heads scale with the head width (every boundary times the width's ratio, a
+   fused ``[q | k | v]`` or per-head ``[q k v]`` alike), elementwise units keep their place
+   in each segment of the sink's width (``[gate | up]``: unit ``i`` reads rows ``i`` and
+   ``I + i``). The rule that held between the twins gives the model's rows.
+3. **Proved on the twin.** ``tpx.parallelize_module`` proves the first twin's plan against
+   the unsharded twin at the group's TP size, as a derived plan is proved on a copy, before
+   it changes anything; then the model's plan is applied.
+
+A model this cannot carry (layers of several kinds, rows that do not scale, a twin that does
+not build or trace) raises ``ValueError`` naming what differs, before anything is changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .derive import DerivedPlan, HeadInputs, UnitColwise, derive, local_counts
+from .module_styles import ShardedAttention
+from .sequence import Chain
+from .trace import Pair, example_inputs
+from .twin import twin
+
+__all__ = ["derive_on_twins", "TwinDerivedPlan"]
+
+_WIDTHS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "ffn_dim", "n_inner",
+           "head_dim", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_hidden_size", "d_ff", "d_kv",
+           "emb_dim", "d_inner", "word_embed_proj_dim")
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def _widened(model: nn.Module, base: nn.Module) -> nn.Module:
+    """The second twin: ``base``'s config with every width doubled."""
+    cfg = copy.deepcopy(base.config)
+    for k in _WIDTHS:
+        if isinstance(getattr(type(cfg), k, None), property):
+            continue  # derived from the others (Falcon's head_dim)
+        v = getattr(cfg, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            setattr(cfg, k, 2 * v)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            out = type(model)(cfg)
+    return out.to(torch.float64).eval()
+
+
+def _features(model: nn.Module, name: str, out: bool) -> int:
+    mod = model.get_submodule(name)
+    if hasattr(mod, "nf"):  # Hugging Face's Conv1D
+        return mod.nf if out else mod.weight.shape[0]
+    return mod.out_features if out else mod.in_features
+
+
+def _scale_heads(p: Pair, model_a: nn.Module, model_x: nn.Module, names: Dict[str, str]):
+    """``p`` (a heads pair of twin A) at ``model_x``'s sizes: every boundary times the ratio
+    of the projection's width; ``None`` where a boundary does not scale to a whole row."""
+    def ratio(name, out):
+        a, x = _features(model_a, name, out), _features(model_x, names[name], out)
+        return x, a
+
+    wx, wa = ratio(p.sink, False)
+    if (wx * p.units[0][1]) % wa:
+        return None
+    units = [(s * wx // wa, e * wx // wa) for s, e in p.units]
+    rows = {}
+    for src in p.sources:
+        ox, oa = ratio(src, True)
+        per = []
+        for unit in p.rows[src]:
+            if any((b * ox) % oa for rng in unit for b in rng):
+                return None
+            per.append([(s * ox // oa, e * ox // oa) for s, e in unit])
+        rows[src] = per
+    return dataclasses.replace(p, width=wx, units=units, rows=rows)
+
+
+def _scale_elementwise(p: Pair, model_a: nn.Module, model_x: nn.Module, names: Dict[str, str]):
+    """``p`` (an elementwise pair of twin A) at ``model_x``'s sizes: column ``i`` of the sink
+    reads row ``k * width + i`` of each segment ``k`` its unit reads on the twin (units of
+    any one size); ``None`` where the twin's rows are not of that form."""
+    wa, size = p.width, p.units[0][1] - p.units[0][0]
+    if p.units != [(j * size, (j + 1) * size) for j in range(wa // size)] or wa % size:
+        return None
+    wx = _features(model_x, names[p.sink], False)
+    segments = {}
+    for src in p.rows:
+        first = _merged(sorted(p.rows[src][0]))
+        ks = sorted(s // wa for s, _ in first)
+        if any(s % wa or e - s != size for s, e in first) or any(
+                _merged(sorted(p.rows[src][j])) != [(k * wa + j * size, k * wa + (j + 1) * size)
+                                                    for k in ks]
+                for j in range(wa // size)):
+            return None
+        segments[src] = ks
+    rows = {src: [[(k * wx + i, k * wx + i + 1) for k in ks] for i in range(wx)]
+            for src, ks in segments.items()}
+    return dataclasses.replace(p, width=wx, units=[(i, i + 1) for i in range(wx)], rows=rows)
+
+
+def _merged(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for s, e in sorted(ranges):
+        if out and s == out[-1][1]:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _scaled(p: Pair, model_a, model_x, names) -> Optional[Pair]:
+    return (_scale_heads if p.heads else _scale_elementwise)(p, model_a, model_x, names)
+
+
+def _same(p: Pair, q: Pair) -> bool:
+    """Whether the pairs give every rank the same rows at TP 2 to 8, and one unit per rank
+    (where both split)."""
+    if p.width != q.width:
+        return False
+    compared = 0
+    worlds = list(range(2, 9)) + ([len(q.units)] if 8 < len(q.units) <= 512 else [])
+    for world in worlds:  # (a prime head count splits only into single heads)
+        try:
+            mine = {s: p.rank_rows(s, world) for s in p.sources}
+            theirs = {s: q.rank_rows(s, world) for s in q.sources}
+        except ValueError:
+            continue
+        if mine != theirs:
+            return False
+        compared += 1
+    return compared > 0
+
+
+def _identity(model: nn.Module) -> Dict[str, str]:
+    return {n: n for n, _ in model.named_modules()}
+
+
+class TwinDerivedPlan(DerivedPlan):
+    """A plan :func:`derive_on_twins` carried from the model's twin (module docstring):
+    ``tpx.parallelize_module`` proves the twin's plan on the twin (collective over the
+    group), then applies this one."""
+
+    def __init__(self, plan, *, model_name: str, twin_model: nn.Module, twin_plan: DerivedPlan,
+                 kept_whole: Dict[str, str]) -> None:
+        super().__init__(plan, model_name=model_name, example=twin_plan.example,
+                         proof_plan=dict(plan), kept_whole=kept_whole)
+        self.twin_model, self.twin_plan = twin_model, twin_plan
+
+    def prove_before_use(self, model: nn.Module, target, src_rank) -> None:
+        self.twin_plan.prove_before_use(self.twin_model, target, None)
+        self.report = self.twin_plan.report
+
+
+def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDerivedPlan:
+    """The derived plan of the Hugging Face ``model`` (on the meta device, or any size),
+    found on its twins and carried to it (module docstring)."""
+    name = (f"Hugging Face model_type={model.config.model_type!r} ({type(model).__name__})"
+            if getattr(getattr(model, "config", None), "model_type", None)
+            else type(model).__name__)
+
+    def refuse(why: str):
+        return ValueError(
+            f"tpx.plans.auto: {name} ships no TP plan; on the meta device tpx derives one on "
+            f"small twins of the model and carries it over, which cannot be done here: {why}. "
+            "Load the model with its weights first (transformers' from_pretrained), then "
+            "tpx.parallelize_module(model, None, tpx.plans.auto(model)); or pass plan= with a "
+            "plan of your own")
+
+    try:
+        a = twin(model)
+        b = _widened(model, a)
+        plan_a = derive(a, loss_parallel=loss_parallel, example=example_inputs(a))
+        plan_b = derive(b, loss_parallel=loss_parallel, example=example_inputs(a))
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a twin that does not build or trace: said
+        raise refuse(f"its twin fails ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    if [(k, type(v)) for k, v in plan_a.items()] != [(k, type(v)) for k, v in plan_b.items()]:
+        raise refuse("its two twins give different plans")
+    real_names = {n: type(m) for n, m in model.named_modules()}
+    twin_names = {n: type(m) for n, m in a.named_modules()}
+    # 1. one entry per pattern, every layer of the twin alike
+    by_pattern: Dict[str, List[str]] = {}
+    for k in plan_a:
+        by_pattern.setdefault(_pattern(k), []).append(k)
+    for pat, keys in by_pattern.items():
+        kinds = {type(plan_a[k]) for k in keys}
+        if len(kinds) != 1:
+            raise refuse(f"the twin's layers differ at {pat!r}")
+        want = {twin_names[k] for k in keys if k in twin_names}
+        have = {c for n, c in real_names.items() if _pattern(n) == pat}
+        if pat and (not have or have != want):
+            raise refuse(f"the model's modules at {pat!r} are {sorted(c.__name__ for c in have)}"
+                         f", the twin's {sorted(c.__name__ for c in want)}")
+    # 2. every pair scales from twin A to twin B by the rule, then to the model
+    real_plan: Dict[str, object] = {}
+    scaled: Dict[int, Pair] = {}
+    for pat, keys in by_pattern.items():
+        st = plan_a[keys[0]]
+        real_plan[pat] = _carried(st, keys[0], a, b, plan_b, model, scaled, refuse)
+    return TwinDerivedPlan(real_plan, model_name=name, twin_model=a, twin_plan=plan_a,
+                           kept_whole={_pattern(k): v for k, v in plan_a.kept_whole.items()})
+
+
+def _real_names(model: nn.Module, twin_names: List[str]) -> Dict[str, str]:
+    """Twin module name -> the model's module of the same pattern (its first)."""
+    first: Dict[str, str] = {}
+    for n, _ in model.named_modules():
+        first.setdefault(_pattern(n), n)
+    return {t: first.get(_pattern(t), t) for t in twin_names}
+
+
+def _pair_of(st) -> Optional[Pair]:
+    if isinstance(st, UnitColwise):
+        return st.pair
+    return None
+
+
+def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse):
+    """The style ``st`` of twin A's entry ``key``, for the model."""
+    if isinstance(st, UnitColwise):
+        p = st.pair
+        if id(p) not in scaled:
+            names = list(p.sources) + [p.sink]
+            to_b = _scaled(p, a, b, _identity(b))
+            pb = _pair_of(plan_b[key])
+            if to_b is None or pb is None or not _same(to_b, pb):
+                raise refuse(f"the rows of {p.sink}'s pair do not scale between the twins")
+            real = _scaled(p, a, model, _real_names(model, names))
+            if real is None:
+                raise refuse(f"the rows of {p.sink}'s pair do not scale to the model's sizes")
+            scaled[id(p)] = real
+        new = copy.copy(st)
+        new.pair = scaled[id(p)]
+        return new
+    if isinstance(st, (ShardedAttention, Chain)):
+        return _carried_attention(st, model, a)
+    return st
+
+
+def _carried_attention(st, model: nn.Module, a: nn.Module):
+    """An attention style of the twin with the model's widths in its update."""
+    parts = list(st.styles) if isinstance(st, Chain) else [st]
+    out = []
+    for part in parts:
+        if isinstance(part, ShardedAttention):
+            update = part.update
+            info = getattr(update, "_tpx_counts", None)
+            if info is not None:
+                heads, kv, width_a, projections, sink = info
+                width = _features(model, _real_names(model, [sink])[sink], False)
+                update = local_counts(heads, kv, width, projections, sink=sink)
+            part = ShardedAttention(part.num_heads, part.num_kv_heads, update=update,
+                                    out_proj=part.out_proj)
+        out.append(part)  # HeadInputs: counts of heads, the same on the model
+    return Chain(*out) if len(out) > 1 else out[0]
