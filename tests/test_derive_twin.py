@@ -1,0 +1,115 @@
+"""Plans for models that ship none, derived on the model's twins and carried to a model on
+the meta device (tpx.parallel.derive_twin): the carried plan equals the plan derived on the
+model itself, checkpoints load sharded and train equal to one device, and a model it cannot
+carry gets a clear error."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+
+import tpx
+from harness import run_ranks
+from tpx.parallel.derive import UnitColwise
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hf_tiny  # noqa: E402
+
+
+def _rows(plan, world):
+    """Pattern -> every rank's rows, for the derived column-parallel entries of ``plan``."""
+    from tpx.parallel.derive_twin import _pattern
+
+    out = {}
+    for key, st in plan.items():
+        if isinstance(st, UnitColwise):
+            out.setdefault(_pattern(key), st.pair.rank_rows(st.source, world))
+    return out
+
+
+@pytest.mark.parametrize("mt,overrides", [
+    ("opt", dict(hidden_size=96, ffn_dim=160, num_attention_heads=12, num_hidden_layers=2,
+                 word_embed_proj_dim=96, vocab_size=500)),
+    ("falcon", dict(hidden_size=96, num_attention_heads=6, num_hidden_layers=2,
+                    vocab_size=500, multi_query=True)),
+    ("gpt_bigcode", dict(n_embd=96, n_head=6, n_layer=2, n_inner=200, vocab_size=500)),
+])
+def test_carried_plan_equals_the_plan_derived_on_the_model(mt, overrides):
+    # a model of neither twin's sizes: its own trace gives the reference rows
+    cfg = transformers.AutoConfig.for_model(mt, **overrides)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    own = tpx.plans.derive(model)
+    with torch.device("meta"):
+        on_meta = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    carried = tpx.plans.auto(on_meta)
+    from tpx.parallel.derive_twin import TwinDerivedPlan
+
+    assert isinstance(carried, TwinDerivedPlan)
+    for world in (2, 3, 6):
+        try:
+            want = _rows(own, world)
+        except ValueError:  # heads that do not divide: the carried plan refuses alike
+            with pytest.raises(ValueError):
+                _rows(carried, world)
+            continue
+        assert _rows(carried, world) == want, world
+
+
+def _load_like_one_device(rank, world, path, mt):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(mt)
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
+                                model_class=hf_tiny.auto_class(mt)).train()
+    split = [p for p in model.parameters()
+             if (p.to_local() if hasattr(p, "to_local") else p).numel() < p.numel()]
+    assert split, "nothing was split"
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    ref.train()
+    for step in range(2):
+        ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(step))
+        out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+        torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4,
+                                   atol=2e-5 if step == 0 else 1e-4)
+        out.loss.backward()
+        out_ref.loss.backward()
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("mt", ["bloom", "falcon", "gpt_bigcode"])
+def test_from_pretrained_without_a_plan(tmp_path, mt):
+    run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mt,world", [("opt", 4), ("mpt", 4), ("bert-generation", 2),
+                                      ("gpt_neo", 4), ("bloom", 4), ("falcon", 4)])
+def test_from_pretrained_without_a_plan_slow(tmp_path, mt, world):
+    run_ranks(_load_like_one_device, world, str(tmp_path / mt), mt)
+
+
+def test_a_model_whose_twin_cannot_be_built_is_a_clear_error(monkeypatch):
+    from tpx.parallel import derive_twin
+
+    def broken(model, dtype=torch.float64):
+        raise RuntimeError("no twin here")
+
+    monkeypatch.setattr(derive_twin, "twin", broken)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model("opt"))
+    with pytest.raises(ValueError, match=r"(?s)ships no TP plan.*twins of the model.*"
+                                         r"no twin here.*from_pretrained"):
+        tpx.plans.auto(model)
