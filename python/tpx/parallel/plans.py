@@ -319,9 +319,13 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
     derived from its computation (:func:`tpx.parallel.derive.derive`: a
     :class:`~tpx.parallel.derive.DerivedPlan`, which ``tpx.parallelize_module`` proves on a
     copy of the model against the unsharded one before it changes anything, raising
-    ``ValueError`` naming the first module that differs). Head counts are checked against the
-    TP size when the plan is applied: heads that do not divide raise a ``ValueError`` naming
-    the numbers.
+    ``ValueError`` naming the first module that differs). A Hugging Face plan that leaves
+    attention, gated MLPs or experts whole is completed (:mod:`tpx.parallel.completed`), and a
+    model without a plan on the meta device gets its plan from its twins
+    (:mod:`tpx.parallel.derive_twin`); both are proved before use. Heads that do not divide
+    the TP size are split in whole heads as evenly as they go in Hugging Face's plans and
+    GPT-2's (:func:`tpx.comm.groups.head_split`); elsewhere they raise a ``ValueError``
+    naming the numbers.
 
     ``layout``: ``"1d"`` (the default: Megatron-style column/row parallelism over a TP group)
     or ``"2d"``, ``"2.5d"``, ``"3d"`` (apply the plan with a mesh from

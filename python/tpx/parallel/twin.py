@@ -33,7 +33,6 @@ from __future__ import annotations
 
 
 import torch
-import transformers
 from torch import nn
 
 __all__ = ["twin_config", "twin", "shrunk_fields"]
@@ -132,6 +131,13 @@ TYPES = {
 }
 
 
+def _config_class():
+    """transformers' config base class (imported when a twin is built, not with tpx)."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig
+
+
 def _fields(cfg) -> dict:
     """The config's serialised fields with their live values (``to_dict`` may re-encode)."""
     out = {}
@@ -140,7 +146,7 @@ def _fields(cfg) -> dict:
             live = getattr(cfg, k, v)
         except Exception:  # a per-layer attribute that may differ between layers
             live = v
-        plain = (int, float, str, list, tuple, dict, type(None), transformers.PretrainedConfig)
+        plain = (int, float, str, list, tuple, dict, type(None), _config_class())
         out[k] = live if isinstance(live, plain) else v
     return out
 
@@ -350,7 +356,7 @@ def shrunk_fields(cfg, nested: bool = False) -> dict:
         c["rope_parameters"] = _mrope(d, c)
     c.update(_layers(d, c))
     for k, v in d.items():
-        if isinstance(v, transformers.PretrainedConfig):
+        if isinstance(v, _config_class()):
             sub = shrunk_fields(v, nested=True)
             c[k] = {**v.to_dict(), **sub}
     c.update(TYPES.get(d.get("model_type"), {}))
@@ -401,7 +407,7 @@ def twin(model: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
     """The twin of the Hugging Face ``model``: its class built from :func:`twin_config` on
     the CPU, in ``dtype``, its values drawn from a fixed seed (the same on every rank)."""
     cfg = getattr(model, "config", None)
-    if cfg is None or not isinstance(cfg, transformers.PretrainedConfig):
+    if cfg is None or not isinstance(cfg, _config_class()):
         raise ValueError(f"tpx: {type(model).__name__} has no Hugging Face config to build a "
                          "twin from; build the model with its weights and shard it then")
     tc = twin_config(cfg)
