@@ -66,6 +66,7 @@ def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
     except Exception as e:  # noqa: BLE001 - transformers' own default does not build
         return dict(row, status="no-build", detail=f"{type(e).__name__}: {str(e)[:160]}")
     total = sum(p.numel() for p in model.parameters())
+    full = {n: p.numel() for n, p in model.named_parameters()}  # before sharding
     row["parameters"] = total
     try:
         plan = tpx.plans.auto(model)
@@ -78,8 +79,8 @@ def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
     for name, p in model.named_parameters():
         n = _local(p)
         local += n
-        if n == p.numel() and p.numel() > 0:
-            whole[re.sub(r"\.\d+\.", ".*.", name)] += p.numel()
+        if n == full.get(name, -1) and n > 0:  # an uneven split is a plain tensor: compare sizes
+            whole[re.sub(r"\.\d+\.", ".*.", name)] += n
     row.update(status="split", share=local / total, seconds=round(time.perf_counter() - t0, 2),
                completed=sorted(getattr(getattr(plan, "completion", None), "groups", {})),
                left_whole=getattr(plan, "kept_whole", {}) or {},

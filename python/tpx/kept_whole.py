@@ -241,7 +241,8 @@ def warn_if_mostly_whole(module: nn.Module, world: int, shown: int = 3) -> None:
         local = p.to_local() if hasattr(p, "to_local") else p
         n = p.numel()
         total += n
-        if local.numel() == n and n:
+        # a plain tensor with a layout description is this rank's part (an uneven split)
+        if local.numel() == n and n and getattr(p, "_tpx_sharding", None) is None:
             whole += n
             owner = re.sub(r"\.\d+\.", ".*.", name.rpartition(".")[0] or name)
             by[owner] = by.get(owner, 0) + n
