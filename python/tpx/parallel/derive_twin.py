@@ -193,7 +193,7 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
         b = _widened(model, a)
         plan_a = derive(a, loss_parallel=loss_parallel, example=example_inputs(a))
         plan_b = derive(b, loss_parallel=loss_parallel, example=example_inputs(a))
-    except ValueError:
+    except ValueError:  # derive's own refusal, naming the module
         raise
     except Exception as e:  # noqa: BLE001 - a twin that does not build or trace: said
         raise refuse(f"its twin fails ({type(e).__name__}: {str(e).splitlines()[0]})") from e
@@ -256,11 +256,11 @@ def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse)
         new.pair = scaled[id(p)]
         return new
     if isinstance(st, (ShardedAttention, Chain)):
-        return _carried_attention(st, model, a)
+        return _carried_attention(st, model)
     return st
 
 
-def _carried_attention(st, model: nn.Module, a: nn.Module):
+def _carried_attention(st, model: nn.Module):
     """An attention style of the twin with the model's widths in its update."""
     parts = list(st.styles) if isinstance(st, Chain) else [st]
     out = []
@@ -269,7 +269,7 @@ def _carried_attention(st, model: nn.Module, a: nn.Module):
             update = part.update
             info = getattr(update, "_tpx_counts", None)
             if info is not None:
-                heads, kv, width_a, projections, sink = info
+                heads, kv, _, projections, sink = info
                 width = _features(model, _real_names(model, [sink])[sink], False)
                 update = local_counts(heads, kv, width, projections, sink=sink)
             part = ShardedAttention(part.num_heads, part.num_kv_heads, update=update,
