@@ -75,6 +75,30 @@ def test_disproved_group_stays_whole():
     run_ranks(_disproved_group_stays_whole, 2)
 
 
+def _proof_finds_aligned_expert_parts(rank, world):
+    # float64 experts split in units of 2 (16-byte strides): 22 features as 12 + 10. Rank 1's
+    # part of each expert's activation sits at feature 12, no multiple of its width; the proof
+    # looked only there and at multiples of 10, called the shared expert's entries wrong and
+    # left it whole (with example batches where an expert's activation is compared first)
+    import test_lora
+
+    for seed in (0, 1, 2):
+        model = test_lora.tiny("qwen2_moe")
+        torch.manual_seed(seed)
+        plan = tpx.plans.auto(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tpx.parallelize_module(model, None, plan)
+        said = [str(w.message) for w in caught if "do not compute" in str(w.message)]
+        assert not said, (seed, said)
+        up = model.model.layers[1].mlp.shared_expert.up_proj.weight
+        assert up.to_local().shape[0] < up.shape[0], seed
+
+
+def test_proof_finds_parts_split_in_aligned_units():
+    run_ranks(_proof_finds_aligned_expert_parts, 2)
+
+
 def _loaded_on_meta_proved_on_twin(rank, world, path, arch):
     import torch.distributed as dist
 

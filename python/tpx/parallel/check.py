@@ -153,8 +153,14 @@ def _parts_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> List[Tensor
     per = -(-full.shape[d] // world)
     own = min(rank * per, full.shape[d])
     starts = [own] if own + width <= full.shape[d] else []
-    starts += [o for o in range(0, full.shape[d] - width + 1, width) if o != own]
+    # Every offset where there are few (a split in aligned units, as the experts' 16-byte
+    # strides give: 22 features as 12 + 10), else the blocks of this width.
+    step = 1 if full.shape[d] - width < _ALL_OFFSETS else width
+    starts += [o for o in range(0, full.shape[d] - width + 1, step) if o != own]
     return [full.narrow(d, o, width) for o in starts]
+
+
+_ALL_OFFSETS = 256  # up to this many, a part of an output is looked for at every offset
 
 
 def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Callable] = None,
