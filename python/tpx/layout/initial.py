@@ -13,13 +13,14 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..comm import collectives
 from ..config import init_chunk_bytes
 from ..comm.agree import check_same_on_ranks, tensor_checksum
 
 __all__ = ["ShardSpec", "broadcast_", "check_src_rank", "comm_device", "init_chunk_bytes",
-           "load_initial", "scatter_blocks", "scatter_shard"]
+           "load_initial", "scatter_blocks", "scatter_shard", "shard_in_place"]
 
 
 
@@ -338,3 +339,29 @@ def load_initial(pg: dist.ProcessGroup, what: str, config: dict, specs: Sequence
         if rank != src_rank:
             gen.set_state(state)
     del fulls
+
+
+def shard_in_place(module: nn.Module, shards, pg: dist.ProcessGroup, src_rank: Optional[int],
+                   what: str, config: dict, replicated=()) -> None:
+    """Each parameter ``(name, dim, rows per rank)`` of ``shards`` (attributes of ``module``)
+    keeps this rank's rows, the ``replicated`` ones whole, all with the values of rank
+    ``src_rank`` of ``pg`` (the ``Parameter`` objects stay; ``config`` is compared across the
+    ranks first, the same ``ValueError`` on every rank where it differs)."""
+    rank = dist.get_rank(pg)
+    specs, fulls = [], []
+    for name, dim, rows in shards:
+        p = getattr(module, name)
+        shape = list(p.shape)
+        shape[dim] = sum(e - s for s, e in rows[rank])
+        specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
+                               ranges=rows, dim=dim))
+        fulls.append(p)
+    for p in replicated:
+        specs.append(ShardSpec(torch.empty_like(p)))
+        fulls.append(p)
+    load_initial(pg, what, dict(config, dtype=str(fulls[0].dtype)), specs,
+                 lambda: [p.detach() for p in fulls], src_rank=src_rank, drawn=False)
+    with torch.no_grad():
+        for p, spec in zip(fulls, specs):
+            p.data = spec.out
+            p.grad = None

@@ -16,6 +16,9 @@ entries for the modules of a known structure that no entry covers:
   (``nn.Linear``): the first two ``colwise``, the last ``rowwise``;
 * **vocabulary tables** beside the input embedding (Gemma 4's per-layer embeddings), as
   many rows as a vocabulary of the config: vocab-parallel (``embedding_rowwise``);
+* **Mamba-2 mixers** (:func:`tpx.parallel.ssm.is_mamba2_mixer`: Bamba's, Falcon-H1's,
+  Nemotron-H's, ...): :class:`tpx.parallel.ssm.Mamba2Parallel`, a tpx style (no Hugging Face
+  style states it), split by heads and groups with every per-channel parameter;
 * **fused experts** a model's ``base_model_ep_plan`` names (``ep_dispatch_experts``) that its
   TP plan does not: ``moe_tp_experts``, their 3-D ``gate_up_proj`` / ``down_proj`` read in the
   layout the module's class uses (its ``is_transposed`` / ``is_concatenated``, or
@@ -50,11 +53,11 @@ _HEAD_PARAMS = ("sinks",)
 
 class Completion:
     """What :func:`complete` added: ``entries`` (pattern -> Hugging Face style name, the
-    parameter entries of experts included), ``groups`` (a readable name of each group added
+    parameter entries of experts included, or a tpx style where none states it), ``groups`` (a readable name of each group added
     -> its patterns) and ``left`` (a group it could not add -> why)."""
 
     def __init__(self) -> None:
-        self.entries: Dict[str, str] = {}
+        self.entries: Dict[str, object] = {}
         self.groups: Dict[str, List[str]] = {}
         self.modules: Dict[str, str] = {}  # group -> the pattern of the module it splits
         self.left: Dict[str, str] = {}
@@ -169,18 +172,41 @@ def _ep_experts(model: nn.Module, keys: List[str]):
         yield pat, entries
 
 
+def _mamba2_mixers(model: nn.Module, keys: List[str]):
+    """Mamba-2 mixers no plan key covers: (pattern, {key: Mamba2Parallel()}). A pattern that
+    would also name other modules (Nemotron-H's ``mixer`` is attention or an MLP in some
+    layers) is given as each mixer's own name."""
+    from .ssm import Mamba2Parallel, is_mamba2_mixer, mamba2_rows
+
+    modules = dict(model.named_modules())
+    found: Dict[str, List[str]] = {}
+    for name, mod in modules.items():
+        if name and is_mamba2_mixer(mod) and not _covered(name, keys):
+            try:
+                mamba2_rows(mod, 1)  # sizes that fit its parts
+            except ValueError:
+                continue
+            found.setdefault(_pattern(name), []).append(name)
+    for pat, names in found.items():
+        same = [n for n in modules if n and fnmatch.fnmatchcase(n, pat)]
+        listed = [pat] if sorted(same) == sorted(names) else names
+        yield pat, {k: Mamba2Parallel() for k in listed}
+
+
 def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:
     """The entries to add to ``hf`` (a Hugging Face plan, keys relative to ``model``), each
     group kept only if ``accept(plan)`` (translating ``hf`` with the groups kept so far and
-    this one) raises nothing. See the module docstring."""
+    this one, its Hugging Face style names only) raises nothing. See the module docstring."""
     done = Completion()
     keys = list(hf)
     candidates = [(f"experts {pat}", pat, entries) for pat, entries in _ep_experts(model, keys)]
     candidates += [(f"{kind} {pat or '(the model)'}", pat, entries)
                    for kind, pat, entries in _groups(model, keys)]
+    candidates += [(f"mixer {pat}", pat, entries) for pat, entries in _mamba2_mixers(model, keys)]
     for label, pat, entries in candidates:
         try:
-            accept(dict(hf, **done.entries, **entries))
+            accept({k: v for k, v in dict(hf, **done.entries, **entries).items()
+                    if isinstance(v, str)})
         except (ValueError, NotImplementedError) as e:
             done.left[label] = str(e).split("\n")[0]
             continue

@@ -40,13 +40,26 @@ def translate(model: nn.Module, *, sequence_parallel: bool = False,
     hf = hf_tp_plan(model)
     kw = dict(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, experts=experts)
     done = complete(model, hf, lambda trial: translate_entries(model, trial, **kw))
+    if sequence_parallel:
+        for label in [g for g in done.groups if g.startswith("mixer ")]:
+            done = done.without(label, "a Mamba-2 mixer scans the whole sequence: under "
+                                "sequence parallelism it stays whole")
     if not done:
         return plain
-    plan = translate_entries(model, {**hf, **done.entries}, **kw)
-    proof = plan if not loss_parallel else translate_entries(
-        model, {**hf, **done.entries}, **dict(kw, loss_parallel=False))
+    plan = _translated(model, {**hf, **done.entries}, kw)
+    proof = plan if not loss_parallel else _translated(
+        model, {**hf, **done.entries}, dict(kw, loss_parallel=False))
     return CompletedPlan(plan, model=model, completion=done, proof_plan=proof,
                          translate_kwargs=kw, shipped=hf)
+
+
+def _translated(model: nn.Module, entries: Dict[str, object], kw) -> Dict[str, object]:
+    """``entries`` as a tpx plan: the Hugging Face style names translated, a tpx style (an
+    entry no Hugging Face style states: a Mamba-2 mixer) as it is."""
+    plan = translate_entries(model, {k: v for k, v in entries.items() if isinstance(v, str)},
+                             **kw)
+    plan.update({k: v for k, v in entries.items() if not isinstance(v, str)})
+    return plan
 
 
 class CompletedPlan(DerivedPlan):
@@ -95,12 +108,12 @@ class CompletedPlan(DerivedPlan):
 
     def _retranslate(self, model: nn.Module) -> None:
         hf = {**self.shipped, **self.completion.entries}
-        plan = translate_entries(model, hf, **self.translate_kwargs)
+        plan = _translated(model, hf, self.translate_kwargs)
         self.clear()
         self.update(plan)
         self.proof_plan = (plan if not self.translate_kwargs.get("loss_parallel") else
-                           translate_entries(model, hf, **dict(self.translate_kwargs,
-                                                        loss_parallel=False)))
+                           _translated(model, hf, dict(self.translate_kwargs,
+                                                       loss_parallel=False)))
         self.kept_whole = dict(self.completion.left)
 
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from .. import mappings
 from ..comm.groups import copied_with_module, shard_bounds
-from ..layout.initial import load_initial, ShardSpec
+from ..layout.initial import shard_in_place
 from ..layout.dtensor_io import DTensor, Partial, Replicate
 from ..layout.param_dtensors import compute_on_locals
 from ..layout.sharding import describe_params, guard_state_dict
@@ -192,8 +192,8 @@ class ExpertsTensorParallel(ParallelStyle):
                       transposed=lay["transposed"], gated=lay["gated"],
                       interleaved=lay["interleaved"], names=[s[0] for s in shards])
         # the down bias is replicated: each rank adds bias / P
-        _shard_in_place(module, shards, ctx, type(self).__name__, config,
-                        replicated=[] if dn_bias is None else [dn_bias])
+        shard_in_place(module, shards, ctx.group, ctx.src_rank, type(self).__name__, config,
+                       replicated=[] if dn_bias is None else [dn_bias])
         module._shards = lambda shards=shards: [(n, d, rows) for n, d, rows in shards]
         module.group = pg
         module._tpx_experts_group = pg
@@ -301,32 +301,6 @@ def _output_layout(what: str, given, default):
         raise ValueError(f"tpx.{what}: `output_layouts` must be Partial() (the caller reduces) "
                          f"or Replicate(); got {out!r}")
     return out
-
-
-def _shard_in_place(module: nn.Module, shards, ctx: TPContext, what: str, config: dict,
-                    replicated=()) -> None:
-    """Each parameter ``(name, dim, rows per rank)`` of ``shards`` keeps this rank's rows, the
-    ``replicated`` ones whole, all with the values of rank ``ctx.src_rank`` (the
-    ``Parameter`` objects stay; ``config`` is compared across the ranks first)."""
-    pg = ctx.group
-    rank = dist.get_rank(pg)
-    specs, fulls = [], []
-    for name, dim, rows in shards:
-        p = getattr(module, name)
-        shape = list(p.shape)
-        shape[dim] = rows_of(rows, rank)
-        specs.append(ShardSpec(torch.empty(shape, dtype=p.dtype, device=p.device),
-                               ranges=rows, dim=dim))
-        fulls.append(p)
-    for p in replicated:
-        specs.append(ShardSpec(torch.empty_like(p)))
-        fulls.append(p)
-    load_initial(pg, what, dict(config, dtype=str(fulls[0].dtype)), specs,
-                 lambda: [p.detach() for p in fulls], src_rank=ctx.src_rank, drawn=False)
-    with torch.no_grad():
-        for p, spec in zip(fulls, specs):
-            p.data = spec.out
-            p.grad = None
 
 
 def _expert_range(experts: int, rank: int, world: int) -> Tuple[int, int]:
@@ -460,9 +434,9 @@ class GroupedExpertsTensorParallel(ParallelStyle):
         experts, inter, hidden = self._layout(module)
         world, rank = pg.size(), dist.get_rank(pg)
         shards = self._plan(module, experts, inter, world)
-        _shard_in_place(module, shards, ctx, type(self).__name__,
-                        dict(experts=experts, inter=inter, hidden=hidden, names=self._names(),
-                             reduce=self._reduce))
+        shard_in_place(module, shards, ctx.group, ctx.src_rank, type(self).__name__,
+                       dict(experts=experts, inter=inter, hidden=hidden, names=self._names(),
+                            reduce=self._reduce))
         module._shards = lambda shards=shards: list(shards)
         module.group = pg
         module._tpx_dtensor_params = True

@@ -1,0 +1,177 @@
+"""Mamba-2 mixers split by heads (tpx.parallel.ssm.Mamba2Parallel), added by the completed
+plans of the hybrids built on them (Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hybrid), and their
+gated norm over features split across ranks (tpx.nn.ssm.GatedRMSNormParallel), each against
+the unsharded computation."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+import tpx
+from harness import assert_like_unsharded, local_part, run_ranks
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hf_tiny  # noqa: E402
+from test_hf_zoo import _batch, _train_like_unsharded  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+def _mixers(model):
+    from tpx.parallel.ssm import is_mamba2_mixer
+
+    return [(n, m) for n, m in model.named_modules() if is_mamba2_mixer(m)]
+
+
+def _split_like_one_device(rank, world, arch, overrides):
+    """The mixers' parts hold this rank's rows; logits and every gradient equal one device's
+    (float64; the models' norms compute in float32, hence the tolerances)."""
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch, **overrides).double()
+    model = copy.deepcopy(ref)
+    plan = tpx.plans.auto(model)
+    assert any(g.startswith("mixer ") for g in plan.completion.groups), plan.completion.left
+    tpx.parallelize_module(model, None, plan)
+    mixers = _mixers(ref)
+    assert mixers
+    for name, whole in mixers:
+        m = model.get_submodule(name)
+        heads = whole.num_heads
+        assert m.A_log.shape[0] < heads and \
+            local_part(m.in_proj.weight).shape[0] < whole.in_proj.out_features
+        assert local_part(m.out_proj.weight).shape[1] == m.intermediate_size == \
+            m.num_heads * m.head_dim
+    ids, labels = _batch(0)
+    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, f"{arch} TP {world}", grad=True, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch,world,overrides", [
+    ("bamba", 2, {}),  # one group of B/C on both ranks; the norm's group spans them
+    # 6 heads at TP 4: 2, 2, 1, 1 heads; two groups, each on two ranks
+    ("bamba", 4, dict(mamba_n_heads=6, mamba_n_groups=2, hidden_size=48, mamba_d_head=16)),
+    pytest.param("falcon_h1", 4, {}, marks=pytest.mark.slow),  # its multipliers per row
+    pytest.param("nemotron_h", 2, {}, marks=pytest.mark.slow),  # a group on each rank
+    pytest.param("granitemoehybrid", 4, {}, marks=pytest.mark.slow)])
+def test_mixers_split_by_heads(arch, world, overrides):
+    run_ranks(_split_like_one_device, world, arch, overrides)
+
+
+@pytest.mark.parametrize("arch,world", [
+    ("bamba", 2), pytest.param("bamba", 4, marks=pytest.mark.slow),
+    pytest.param("falcon_h1", 2, marks=pytest.mark.slow),
+    pytest.param("nemotron_h", 4, marks=pytest.mark.slow)])
+def test_hybrids_train_like_one_device(arch, world):
+    # three AdamW steps: logits, loss, every gradient and every parameter against one device
+    run_ranks(_train_like_unsharded, world, arch, False, False)
+
+
+def _norm_over_ranks(rank, world):
+    from tpx.comm.groups import balanced_bounds
+    from tpx.nn.ssm import GatedRMSNormParallel
+
+    features, group_size = 24, 12  # two groups; 24 features over 3 ranks: 8 each
+    g = torch.Generator().manual_seed(0)
+    # float32: the norm computes in float32 whatever its input (as the models' own)
+    x = torch.randn(2, 5, features, generator=g, requires_grad=True)
+    z = torch.randn(2, 5, features, generator=g, requires_grad=True)
+    w = torch.randn(features, generator=g, requires_grad=True)
+    for before in (False, True):
+        xs = x * torch.nn.functional.silu(z) if not before else x
+        groups = xs.view(2, 5, 2, group_size)
+        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + 1e-5)).view_as(x) * w
+        if before:
+            y = y * torch.nn.functional.silu(z)
+        grads = torch.autograd.grad(y.pow(2).sum(), (x, z, w))
+        cols = [balanced_bounds(features, r, world) for r in range(world)]
+        s, e = cols[rank]
+        part = torch.nn.Parameter(w.detach()[s:e].clone())
+        norm = GatedRMSNormParallel(part, cols=cols, features=features, group_size=group_size,
+                                    eps=1e-5, group=torch.distributed.group.WORLD,
+                                    norm_before_gate=before, cast_before_weight=not before)
+        assert not norm.local  # rank 1's features cross the groups' boundary
+        xl = x.detach()[..., s:e].clone().requires_grad_()
+        zl = z.detach()[..., s:e].clone().requires_grad_()
+        yl = norm(xl, zl)
+        torch.testing.assert_close(yl, y.detach()[..., s:e], rtol=1e-5, atol=1e-6)
+        # the loss is the sum over ranks of each rank's part
+        gl = torch.autograd.grad(yl.pow(2).sum(), (xl, zl, part))
+        for got, want in zip(gl, (grads[0][..., s:e], grads[1][..., s:e], grads[2][s:e])):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_norm_over_features_split_across_ranks():
+    run_ranks(_norm_over_ranks, 3)
+
+
+def _fused_kernel_refused(rank, world):
+    import importlib
+
+    torch.manual_seed(0)
+    model = hf_tiny.tiny("bamba")
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    modeling = importlib.import_module(type(model.model.layers[0].mamba).__module__)
+    fused = modeling.mamba2_split_conv1d_scan_combined
+    # a fused kernel returns the mixer's output without calling its out_proj
+    modeling.mamba2_split_conv1d_scan_combined = lambda zxbcdt, *a, **k: zxbcdt[..., :64]
+    try:
+        model.train()
+        with pytest.raises(RuntimeError, match="without calling its out_proj"):
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+    finally:
+        modeling.mamba2_split_conv1d_scan_combined = fused
+    ids = torch.tensor([[5, 6, 7]])
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size  # works again
+
+
+def test_a_fused_kernel_on_local_weights_is_refused():
+    run_ranks(_fused_kernel_refused, 2)
+
+
+def test_mixer_sizes_that_do_not_fit_are_refused():
+    from tpx.parallel.ssm import mamba2_rows
+
+    torch.manual_seed(0)
+    mixer = _mixers(hf_tiny.tiny("bamba"))[0][1]
+    with pytest.raises(ValueError, match="8 heads in 1 groups at TP size 16"):
+        mamba2_rows(mixer, 16)
+    mixer.num_heads = 4  # its parts say 8
+    with pytest.raises(ValueError, match=r"num_heads \* head_dim = 64, not intermediate_size"):
+        mamba2_rows(mixer, 2)
+
+
+def _loaded_and_saved(rank, world, d, arch):
+    import torch.distributed as dist
+
+    from test_plain_loop import _assert_same_files
+
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch)
+    one, tp = os.path.join(d, "one"), os.path.join(d, "tp")
+    if rank == 0:
+        ref.save_pretrained(one)
+    dist.barrier()
+    # built on the meta device: the completed plan proved on the model's twin
+    model = tpx.from_pretrained(one, dtype=torch.float32, config=copy.deepcopy(ref.config),
+                                model_class=type(ref))
+    mixer = model.model.layers[0].mamba
+    assert local_part(mixer.in_proj.weight).shape[0] < ref.model.layers[0].mamba.in_proj.out_features
+    ids, _ = _batch(1)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               rtol=1e-4, atol=2e-5)
+    model.save_pretrained(tp)  # every rank writes its part
+    dist.barrier()
+    _assert_same_files(tp, one, f"{arch} TP {world}", atol=0)
+
+
+@pytest.mark.parametrize("arch,world", [
+    ("bamba", 2), pytest.param("bamba", 4, marks=pytest.mark.slow),
+    pytest.param("falcon_h1", 2, marks=pytest.mark.slow)])  # its mup_vector set whole on load
+def test_hybrid_loads_and_saves_with_its_mixers_split(tmp_path, arch, world):
+    run_ranks(_loaded_and_saved, world, str(tmp_path), arch)
