@@ -12,8 +12,12 @@ entries for the modules of a known structure that no entry covers:
   (``o_proj``, ``out_proj``, ``dense``), all ``nn.Linear``: q/k/v ``colwise`` (split in whole
   heads, KV heads replicated where fewer than ranks), the output ``rowwise``; a per-head
   parameter of the attention (gpt-oss's ``sinks``, one per query head) split with its heads;
-* **gated MLPs**: ``gate_proj`` / ``up_proj`` / ``down_proj`` or ``w1`` / ``w3`` / ``w2``
-  (``nn.Linear``): the first two ``colwise``, the last ``rowwise``;
+* **multi-head latent attention** (DeepSeek-V3's, whose plan leaves it out): the entries
+  DeepSeek-V2's plan gives it (``q_proj`` or ``q_b_proj`` and ``kv_b_proj`` ``colwise``,
+  ``kv_a_proj_with_mqa`` ``mla_kv_a_proj``, ``o_proj`` ``rowwise``);
+* **MLPs**: ``gate_proj`` / ``up_proj`` / ``down_proj`` or ``w1`` / ``w3`` / ``w2``
+  (``nn.Linear``), and the plain pairs ``up_proj`` / ``down_proj`` and ``fc1`` / ``fc2``: the
+  inputs ``colwise``, the output ``rowwise``;
 * **vocabulary tables** beside the input embedding (Gemma 4's per-layer embeddings), as
   many rows as a vocabulary of the config: vocab-parallel (``embedding_rowwise``);
 * **Mamba-2 mixers** (:func:`tpx.parallel.ssm.is_mamba2_mixer`: Bamba's, Falcon-H1's,
@@ -45,7 +49,26 @@ __all__ = ["complete", "Completion"]
 
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 _ATTN_OUT = ("o_proj", "out_proj", "dense")
-_MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Column-parallel inputs first, the row-parallel output last; gated ones before the plain
+# pair their names contain.
+_MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("up_proj", "down_proj"),
+         ("fc1", "fc2"))
+# Multi-head latent attention (DeepSeek-V2/V3's): the per-head projections out of the latent.
+_MLA_Q = ("q_proj", "q_b_proj")
+
+
+def _mla(kids: Dict[str, nn.Module]):
+    """``("mla attention", entries)`` for a module with MLA's projections, as DeepSeek-V2's
+    own plan states them: the query heads (``q_proj``, or ``q_b_proj`` out of the query
+    latent) and ``kv_b_proj`` (keys' no-rope part and values, per head) column-parallel, the
+    shared rope key of ``kv_a_proj_with_mqa`` with its gradient summed, ``o_proj``
+    row-parallel; the latents and their norms whole."""
+    q = [c for c in _MLA_Q if _linear(kids.get(c))]
+    if len(q) != 1 or not all(_linear(kids.get(c)) for c in
+                              ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
+        return None
+    return ("mla attention", {q[0]: "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj",
+                              "kv_b_proj": "colwise", "o_proj": "rowwise"})
 # Per-head parameters of an attention module: one row per query head.
 _HEAD_PARAMS = ("sinks",)
 
@@ -79,6 +102,10 @@ class Completion:
         """The group whose module is ``module`` or holds it (``None``: no single one)."""
         if not module:
             return None
+        for label, keys in self.groups.items():  # an entry's module, or one inside it
+            if any(fnmatch.fnmatchcase(module, k) or fnmatch.fnmatchcase(module, k + ".*")
+                   for k in keys):
+                return label
         for label, pat in self.modules.items():
             if pat and (fnmatch.fnmatchcase(module, pat)
                         or fnmatch.fnmatchcase(module, pat + ".*")):
@@ -102,43 +129,54 @@ def _linear(module: Optional[nn.Module]) -> bool:
     return isinstance(module, nn.Linear)
 
 
+def _found(name: str, mod: nn.Module, vocabularies):
+    """``(kind, {child: style name})`` of a module of a known structure, or None."""
+    kids = dict(mod.named_children())
+    found = _mla(kids)
+    if found is None and all(_linear(kids.get(c)) for c in _ATTN_IN):
+        outs = [c for c in _ATTN_OUT if _linear(kids.get(c))]
+        if len(outs) == 1:
+            found = ("attention", {**{c: "colwise" for c in _ATTN_IN}, outs[0]: "rowwise"})
+    if found is None:
+        for parts in _MLPS:
+            if all(_linear(kids.get(c)) for c in parts):
+                found = ("mlp", {**{c: "colwise" for c in parts[:-1]}, parts[-1]: "rowwise"})
+                break
+    if found is None and isinstance(mod, nn.Embedding) and name \
+            and mod.num_embeddings in vocabularies:
+        found = ("embedding", {"": "embedding_rowwise"})
+    return found
+
+
 def _groups(model: nn.Module, keys: List[str]):
-    """Candidate groups, one per module pattern: (kind, pattern, {child: style name})."""
+    """Candidate groups, one per kind and module pattern: (kind, pattern, {key: style name}).
+    Where the pattern also names modules of another structure (Nemotron-H's ``mixer`` is
+    attention in some layers and an MLP in others) the keys name each module instead."""
     seen = set()
     cfg = text_config(model) if getattr(model, "config", None) is not None else None
     vocabularies = {getattr(cfg, k, None) for k in ("vocab_size", "vocab_size_per_layer_input")
                     } - {None}
-    for name, mod in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, mod in modules.items():
         pat = _pattern(name)
-        if pat in seen:
-            continue
-        kids = dict(mod.named_children())
-        found = None
-        if all(_linear(kids.get(c)) for c in _ATTN_IN):
-            outs = [c for c in _ATTN_OUT if _linear(kids.get(c))]
-            if len(outs) == 1:
-                found = ("attention", {**{c: "colwise" for c in _ATTN_IN}, outs[0]: "rowwise"})
-        if found is None:
-            for gate, up, down in _MLPS:
-                if all(_linear(kids.get(c)) for c in (gate, up, down)):
-                    found = ("mlp", {gate: "colwise", up: "colwise", down: "rowwise"})
-                    break
-        if found is None and isinstance(mod, nn.Embedding) and name \
-                and mod.num_embeddings in vocabularies:
-            found = ("embedding", {"": "embedding_rowwise"})
-        if found is None:
+        found = _found(name, mod, vocabularies)
+        if found is None or (found[0], pat) in seen:
             continue
         kind, entries = found
         children = [f"{name}.{c}" if c else name for c in entries]
         if any(_covered(c, keys) for c in children) or (name and _covered(name, keys)):
             continue
-        seen.add(pat)
-        prefix = f"{pat}." if pat else ""
-        group = {(prefix + c if c else pat): s for c, s in entries.items()}
-        if kind == "attention":
-            for p in _HEAD_PARAMS:
-                if isinstance(getattr(mod, p, None), nn.Parameter):
-                    group[prefix + p] = "colwise"
+        seen.add((kind, pat))
+        same = [n for n in modules if _pattern(n) == pat]
+        fits = [n for n in same if _found(n, modules[n], vocabularies) == found]
+        group: Dict[str, object] = {}
+        for owner in ([pat] if len(fits) == len(same) else fits):
+            prefix = f"{owner}." if owner else ""
+            group.update({(prefix + c if c else owner): st for c, st in entries.items()})
+            if kind == "attention":
+                for p in _HEAD_PARAMS:
+                    if isinstance(getattr(mod, p, None), nn.Parameter):
+                        group[prefix + p] = "colwise"
         yield kind, pat, group
 
 
@@ -207,7 +245,7 @@ def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:
         try:
             accept({k: v for k, v in dict(hf, **done.entries, **entries).items()
                     if isinstance(v, str)})
-        except (ValueError, NotImplementedError) as e:
+        except (ValueError, NotImplementedError, AttributeError) as e:
             done.left[label] = str(e).split("\n")[0]
             continue
         done.entries.update(entries)
