@@ -32,12 +32,20 @@ def test_completed_groups_of_the_plans_that_leave_modules_whole():
     assert _groups("qwen2_moe") == ["mlp model.layers.*.mlp.shared_expert"]
     assert _groups("granitemoe") == ["attention model.layers.*.self_attn"]
     assert _groups("llama") == []  # a plan that covers the model is left as it is
+    # DeepSeek-V3: its MLA attention, as DeepSeek-V2's plan states it
+    assert _groups("deepseek_v3") == ["mla attention model.layers.*.self_attn"]
+    # Nemotron-H: each layer's `mixer` is attention, a Mamba-2 mixer or an MLP
+    assert _groups("nemotron_h") == ["attention model.layers.*.mixer", "mixer model.layers.*.mixer",
+                                     "mlp model.layers.*.mixer",
+                                     "mlp model.layers.*.mixer.shared_experts"]
+    assert _groups("bamba") == ["attention model.layers.*.self_attn", "mixer model.layers.*.mamba",
+                                "mlp model.layers.*.feed_forward"]
     plan = tpx.plans.auto(hf_tiny.tiny("gpt_oss"))
     assert isinstance(plan, tpx.parallel.completed.CompletedPlan)
     assert "model.layers.*.self_attn.sinks" in plan.completion.entries
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen2_moe", "deepseek_v3"])
 def test_completed_plan_trains_like_one_device(arch):
     run_ranks(_train_like_unsharded, 2, arch, False, False)
 

@@ -73,11 +73,11 @@ def _mla(kids: Dict[str, nn.Module]):
 _HEAD_PARAMS = ("sinks",)
 
 
-
 class Completion:
     """What :func:`complete` added: ``entries`` (pattern -> Hugging Face style name, the
-    parameter entries of experts included, or a tpx style where none states it), ``groups`` (a readable name of each group added
-    -> its patterns) and ``left`` (a group it could not add -> why)."""
+    parameter entries of experts included, or a tpx style where none states it), ``groups``
+    (a readable name of each group added -> its patterns) and ``left`` (a group it could not
+    add -> why)."""
 
     def __init__(self) -> None:
         self.entries: Dict[str, object] = {}
