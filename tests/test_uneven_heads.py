@@ -140,3 +140,40 @@ def _lora_on_uneven_heads(rank, world):
 
 def test_lora_on_uneven_heads():
     run_ranks(_lora_on_uneven_heads, 3)
+
+
+# Derived plans (models that ship none): 8 heads at TP 3 as 3, 3, 2 (OPT's multi-head,
+# GPT BigCode's and Falcon's multi-query, Bloom's ALiBi biases cut to each rank's heads).
+@pytest.mark.parametrize("arch", ["opt", pytest.param("gpt_bigcode", marks=pytest.mark.slow),
+                                  pytest.param("falcon", marks=pytest.mark.slow),
+                                  pytest.param("bloom", marks=pytest.mark.slow)])
+def test_derived_plans_split_uneven_heads(arch):
+    run_ranks(_train_like_unsharded, 3, arch, False, False)
+
+
+def _derived_uneven_loaded(rank, world, path, arch):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch)
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    # on the meta device: the plan derived on the model's twins and carried over
+    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
+                                model_class=type(ref))
+    sink = dict(model.named_modules())[_ATTN_OUT[arch]]
+    assert _local(sink.weight).shape[1] == (3, 3, 2)[rank] * 8  # whole heads, 3, 3, 2
+    ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=2e-5)
+
+
+# BERT's attention output (attention.output.dense) also matches the pattern of its MLP's
+# (layer.*.output.dense): the carried plan names each module where a pattern would name both
+_ATTN_OUT = {"opt": "model.decoder.layers.0.self_attn.out_proj",
+             "bert-generation": "bert.encoder.layer.0.attention.output.dense"}
+
+
+@pytest.mark.parametrize("arch", ["bert-generation", pytest.param("opt", marks=pytest.mark.slow)])
+def test_derived_plan_with_uneven_heads_loads(tmp_path, arch):
+    run_ranks(_derived_uneven_loaded, 3, str(tmp_path / arch), arch)

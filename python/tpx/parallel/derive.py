@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..comm.groups import head_split
 from .base import ModelPlan, ParallelStyle, TPContext
 from .generate import with_generate
 from .hf_styles import VocabParallelEmbeddingStyle, own_embedding_forward
@@ -88,9 +89,18 @@ class UnitColwise(ColwiseParallel):
         return f"ColwiseParallel(derived: the rows {self.pair.sink}'s {kind} read)"
 
 
-class _Rowwise(RowwiseParallel):
-    """The row-parallel projection of a derived pair (a subclass of ``nn.Linear`` whose
-    traced forward computes ``F.linear`` is replaced as a plain one)."""
+class UnitRowwise(RowwiseParallel):
+    """The row-parallel projection of a derived pair: the input columns of the units its
+    sources give each rank (whole heads dealt as evenly as they go where they do not divide
+    the TP size). A subclass of ``nn.Linear`` whose traced forward computes ``F.linear`` is
+    replaced as a plain one."""
+
+    def __init__(self, pair: Pair) -> None:
+        super().__init__()
+        self.pair = pair
+
+    def _in_cols(self, in_f: int, world: int):
+        return self.pair.sink_cols(world)
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         module._tpx_plain_equivalent = True
@@ -101,13 +111,14 @@ class HeadInputs(ParallelStyle):
     """Cuts the attention module's tensor inputs that hold one entry per head (ALiBi biases:
     ``[heads, ...]`` or ``[batch * heads, ...]``) to this rank's heads."""
 
-    def __init__(self, heads: int, where: List[Tuple[object, int]]) -> None:
-        self.heads, self.where = heads, list(where)
+    def __init__(self, heads: int, where: List[Tuple[object, int]],
+                 kv_heads: Optional[int] = None) -> None:
+        self.heads, self.where, self.kv_heads = heads, list(where), kv_heads
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         world, rank = ctx.group.size(), dist.get_rank(ctx.group)
-        h = self.heads // world
-        lo = rank * h
+        (lo, hi), _ = head_split(self.heads, self.kv_heads or self.heads, world)[rank]
+        h = hi - lo
 
         def cut(t: Tensor, d: int) -> Tensor:
             n = t.shape[d]
@@ -317,13 +328,14 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
                                                           [n[len(owner) + 1:] if owner else n
                                                            for n in pair.sources + [pair.sink]],
                                                           sink=pair.sink),
-                                     out_proj=sink[len(owner) + 1:] if owner else sink)
+                                     out_proj=sink[len(owner) + 1:] if owner else sink,
+                                     uneven=True)
             if pair.head_inputs:
-                style = Chain(style, HeadInputs(pair.heads, pair.head_inputs))
+                style = Chain(style, HeadInputs(pair.heads, pair.head_inputs, pair.kv_heads))
             plan[owner] = style
         for s in sources:
             plan[s] = UnitColwise(pair, s)
-        plan[sink] = _Rowwise()
+        plan[sink] = UnitRowwise(pair)
         for r in pair.region:
             plan[r] = ReplicatedWithGradAllReduce()
     kept.update(why)

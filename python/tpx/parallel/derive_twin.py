@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .derive import DerivedPlan, HeadInputs, UnitColwise, derive, local_counts
+from .derive import DerivedPlan, HeadInputs, UnitColwise, UnitRowwise, derive, local_counts
 from .module_styles import ShardedAttention
 from .sequence import Chain
 from .trace import Pair, example_inputs
@@ -219,7 +220,14 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
     scaled: Dict[int, Pair] = {}
     for pat, keys in by_pattern.items():
         st = plan_a[keys[0]]
-        real_plan[pat] = _carried(st, keys[0], a, b, plan_b, model, scaled, refuse)
+        carried = _carried(st, keys[0], a, b, plan_b, model, scaled, refuse)
+        # fnmatch's * also matches dots: a pattern that would name other modules too (BERT's
+        # layer.*.output.dense, its attention's attention.output.dense) names its own
+        own = [n for n in real_names if _pattern(n) == pat]
+        if pat and any(fnmatch.fnmatchcase(n, pat) and _pattern(n) != pat for n in real_names):
+            real_plan.update({n: carried for n in own})
+        else:
+            real_plan[pat] = carried
     return TwinDerivedPlan(real_plan, model_name=name, twin_model=a, twin_plan=plan_a,
                            kept_whole={_pattern(k): v for k, v in plan_a.kept_whole.items()})
 
@@ -233,14 +241,14 @@ def _real_names(model: nn.Module, twin_names: List[str]) -> Dict[str, str]:
 
 
 def _pair_of(st) -> Optional[Pair]:
-    if isinstance(st, UnitColwise):
+    if isinstance(st, (UnitColwise, UnitRowwise)):
         return st.pair
     return None
 
 
 def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse):
     """The style ``st`` of twin A's entry ``key``, for the model."""
-    if isinstance(st, UnitColwise):
+    if isinstance(st, (UnitColwise, UnitRowwise)):
         p = st.pair
         if id(p) not in scaled:
             names = list(p.sources) + [p.sink]
@@ -273,6 +281,6 @@ def _carried_attention(st, model: nn.Module):
                 width = _features(model, _real_names(model, [sink])[sink], False)
                 update = local_counts(heads, kv, width, projections, sink=sink)
             part = ShardedAttention(part.num_heads, part.num_kv_heads, update=update,
-                                    out_proj=part.out_proj)
+                                    out_proj=part.out_proj, uneven=part.uneven)
         out.append(part)  # HeadInputs: counts of heads, the same on the model
     return Chain(*out) if len(out) > 1 else out[0]

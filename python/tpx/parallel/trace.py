@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..comm.groups import shard_bounds
+from ..comm.groups import head_split, shard_bounds
 from .check import first_tensor
 from .hf_styles import text_config
 from .style import is_conv1d
@@ -203,7 +203,32 @@ class Pair:
     region: List[str] = field(default_factory=list)  # modules with parameters in between
     head_inputs: List[Tuple[object, int]] = field(default_factory=list)  # (arg key, dim)
 
+    def head_split(self, world: int):
+        """Per rank, ``(first, end)`` of the units (query heads) it holds, for a pair split in
+        attention heads: dealt as :func:`tpx.comm.groups.head_split` deals them (the even
+        split where they divide; blocks that differ by one head where not), each rank's
+        query heads with the KV heads they read, as the attention module's counts
+        (``ShardedAttention(uneven=True)``). ``None`` for an elementwise pair."""
+        if not self.heads or len(self.units) != self.heads:
+            return None
+        try:
+            return [q for q, _ in head_split(self.heads, self.kv_heads or self.heads, world)]
+        except ValueError as e:
+            raise ValueError(f"tpx.plans.derive: {self.sink} reads {self.heads} attention "
+                             f"heads: {e}") from None
+
+    def sink_cols(self, world: int) -> Optional[List[Tuple[int, int]]]:
+        """Per rank, the sink's input columns it holds; ``None``: ``shard_range``'s."""
+        split = self.head_split(world)
+        if split is None:
+            return None
+        return [(self.units[s][0], self.units[e - 1][1]) for s, e in split]
+
     def rank_rows(self, source: str, world: int) -> List[List[Tuple[int, int]]]:
+        split = self.head_split(world)
+        if split is not None:
+            return [_merge([rng for i in range(s, e) for rng in self.rows[source][i]])
+                    for s, e in split]
         out = []
         for r in range(world):
             a, b = shard_bounds(self.width, r, world)
