@@ -247,3 +247,24 @@ if __name__ == "__main__":
     span = f", {min(counts):,d} to {max(counts):,d} parameters" if counts else ""
     print(f"{len(counts)}/{len(types)} OK, {len(types) - len(counts)} failed{span}, "
           f"{time.perf_counter() - start:.1f}s")
+
+
+def written_and_loaded(mt: str, path: str):
+    """``(ref, model)``: the tiny ``mt`` drawn from seed 0 on every rank, written by rank 0
+    with transformers' ``save_pretrained`` and read back by ``tpx.from_pretrained`` at
+    float32 over the default group (built on the meta device, so a plan tpx completes or
+    derives is proved on the model's twin). Collective."""
+    import copy
+
+    import torch.distributed as dist
+
+    import tpx
+
+    torch.manual_seed(0)
+    ref = tiny(mt)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
+                                model_class=auto_class(mt))
+    return ref, model

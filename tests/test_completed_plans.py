@@ -108,15 +108,7 @@ def test_proof_finds_parts_split_in_aligned_units():
 
 
 def _loaded_on_meta_proved_on_twin(rank, world, path, arch):
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    ref = hf_tiny.tiny(arch)
-    if rank == 0:
-        ref.save_pretrained(path)
-    dist.barrier()
-    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
-                                model_class=hf_tiny.auto_class(arch))
+    ref, model = hf_tiny.written_and_loaded(arch, path)
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     q = model.model.layers[0].self_attn.q_proj.weight
     assert experts.to_local().numel() * world == experts.numel()  # split, from the EP plan

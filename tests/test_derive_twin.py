@@ -61,15 +61,8 @@ def test_carried_plan_equals_the_plan_derived_on_the_model(mt, overrides):
 
 
 def _load_like_one_device(rank, world, path, mt):
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    ref = hf_tiny.tiny(mt)
-    if rank == 0:
-        ref.save_pretrained(path)
-    dist.barrier()
-    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
-                                model_class=hf_tiny.auto_class(mt)).train()
+    ref, model = hf_tiny.written_and_loaded(mt, path)
+    model.train()
     split = [p for p in model.parameters()
              if (p.to_local() if hasattr(p, "to_local") else p).numel() < p.numel()]
     assert split, "nothing was split"

@@ -151,15 +151,9 @@ def _loaded_and_saved(rank, world, d, arch):
 
     from test_plain_loop import _assert_same_files
 
-    torch.manual_seed(0)
-    ref = hf_tiny.tiny(arch)
     one, tp = os.path.join(d, "one"), os.path.join(d, "tp")
-    if rank == 0:
-        ref.save_pretrained(one)
-    dist.barrier()
     # built on the meta device: the completed plan proved on the model's twin
-    model = tpx.from_pretrained(one, dtype=torch.float32, config=copy.deepcopy(ref.config),
-                                model_class=type(ref))
+    ref, model = hf_tiny.written_and_loaded(arch, one)
     mixer = model.model.layers[0].mamba
     whole = ref.model.layers[0].mamba.in_proj
     assert local_part(mixer.in_proj.weight).shape[0] < whole.out_features

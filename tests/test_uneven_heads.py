@@ -152,16 +152,8 @@ def test_derived_plans_split_uneven_heads(arch):
 
 
 def _derived_uneven_loaded(rank, world, path, arch):
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    ref = hf_tiny.tiny(arch)
-    if rank == 0:
-        ref.save_pretrained(path)
-    dist.barrier()
     # on the meta device: the plan derived on the model's twins and carried over
-    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
-                                model_class=type(ref))
+    ref, model = hf_tiny.written_and_loaded(arch, path)
     sink = dict(model.named_modules())[_ATTN_OUT[arch]]
     assert _local(sink.weight).shape[1] == (3, 3, 2)[rank] * 8  # whole heads, 3, 3, 2
     ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -170,11 +170,10 @@ class Mamba2Parallel(ParallelStyle):
 
 
 def _column(linear: nn.Linear, out_rows, ctx: TPContext) -> ColumnParallelLinear:
-    new = ColumnParallelLinear(
+    return ColumnParallelLinear(
         linear.in_features, linear.out_features, bias=linear.bias is not None, group=ctx.group,
         device=linear.weight.device, dtype=linear.weight.dtype, out_rows=out_rows,
         src_rank=ctx.src_rank, _full_weights=(linear.weight, linear.bias))
-    return new
 
 
 def _row(linear: nn.Linear, cols, ctx: TPContext) -> RowParallelLinear:
