@@ -10,7 +10,8 @@ share (1/TP is the ideal); the largest modules it holds whole say what keeps it 
 
 The plans tpx completes or derives are proved before use by running a copy or a twin of the
 model; a fake group moves no data, so here the plan is applied unproved (its proof is what
-``benchmarks/hf_zoo.py`` and the tests run on real ranks). A model that needs a derived plan
+``benchmarks/hf_zoo.py`` and the tests run on real ranks), after leaving whole what the TP
+size cannot split, as ``tpx.parallelize_module`` does before the proof. A model that needs a derived plan
 (no plan shipped) cannot be derived on the meta device: ``refused``, with tpx's message.
 
     python benchmarks/hf_zoo.py --share [--tp 8] [--archs llama,gpt_oss,...]
@@ -70,6 +71,9 @@ def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
     row["parameters"] = total
     try:
         plan = tpx.plans.auto(model)
+        fit = getattr(plan, "fit_to", None)  # what cannot be split at this TP size stays whole
+        if fit is not None:
+            fit(model, world)
         # applied unproved: a fake group moves no data (module docstring)
         tpx.parallelize_module(model, None, tpx.plans.ModelPlan(dict(plan)))
     except Exception as e:  # noqa: BLE001 - tpx refuses the model: its message is the row

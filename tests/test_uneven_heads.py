@@ -3,6 +3,7 @@
 against one device, loaded from transformers' files, and the split itself."""
 
 import copy
+import fnmatch
 import os
 import sys
 
@@ -169,3 +170,43 @@ _ATTN_OUT = {"opt": "model.decoder.layers.0.self_attn.out_proj",
 @pytest.mark.parametrize("arch", ["bert-generation", pytest.param("opt", marks=pytest.mark.slow)])
 def test_derived_plan_with_uneven_heads_loads(tmp_path, arch):
     run_ranks(_derived_uneven_loaded, 3, str(tmp_path / arch), arch)
+
+
+_FEW = {"opt": ("model.decoder.layers.0.self_attn", "out_proj", "model.decoder.layers.0.fc1"),
+        "llama": ("model.layers.0.self_attn", "o_proj", "model.layers.0.mlp.gate_proj")}
+
+
+def _fewer_heads_than_ranks(rank, world, arch):
+    # 2 heads at TP 3, in a derived plan (OPT ships none) and a shipped one (Llama's): the
+    # attention cannot give every rank a head, so it stays whole, with a warning naming it
+    # and what it costs; the MLPs are split, and the model trains like one device
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch, num_attention_heads=2, num_key_value_heads=2)
+    model = copy.deepcopy(ref)
+    plan = tpx.plans.auto(model)
+    with pytest.warns(UserWarning, match=r"cannot be split over TP size 3 .*2 attention heads.*"
+                                         r"self_attn.*of the model's parameters"):
+        tpx.parallelize_module(model, None, plan)
+    attn_name, out_name, mlp_name = _FEW[arch]
+    mods = dict(model.named_modules())
+    out = getattr(mods[attn_name], out_name)
+    assert _local(out.weight).shape == out.weight.shape  # whole
+    assert any(fnmatch.fnmatchcase(attn_name, k) for k in plan.kept_whole)
+    mlp = mods[mlp_name]
+    lo, hi = tpx.shard_range(mlp.weight.shape[0])
+    assert _local(mlp.weight).shape[0] == hi - lo  # split
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
+    for step in range(2):
+        ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(step))
+        outs = [m(input_ids=ids, labels=ids) for m in (ref, model)]
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-4, atol=1e-4)
+        for o, res in zip(opts, outs):
+            res.loss.backward()
+            o.step()
+            o.zero_grad()
+    assert_like_unsharded(model, ref, f"{arch}, 2 heads at TP 3", rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_fewer_heads_than_ranks_stay_whole(arch):
+    run_ranks(_fewer_heads_than_ranks, 3, arch)

@@ -151,6 +151,8 @@ def _shard(module: nn.Module, target, ctx: TPContext, plan, src_rank: Optional[i
     # A plan of the whole model (tpx.plans.auto's): every parameter it leaves whole becomes a
     # replica, in the blocks no entry reaches too.
     whole_model = isinstance(plan, ModelPlan)
+    if whole_model and ctx.layout == "1d":
+        plan.fit_to(module, ctx.world)  # what this TP size cannot split stays whole, said
     prove = getattr(plan, "prove_before_use", None)
     if isinstance(plan, dict) and callable(prove):
         # A plan tpx derived from the model (tpx.parallel.derive.DerivedPlan): proved on a

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from typing import Optional
+from typing import Dict, Optional
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -176,7 +176,72 @@ class ModelPlan(dict):
     that names the embedding only), so that torch's ``clip_grad_norm_`` and foreach / fused
     optimizers take every parameter. A plain ``dict`` (a plan written by hand) leaves such
     blocks plain: PyTorch's and torchtitan's code parallelize the root and the blocks in
-    separate calls."""
+    separate calls.
+
+    :meth:`fit_to` leaves whole what a given TP size cannot split (``tpx.parallelize_module``
+    calls it before it applies the plan)."""
+
+    def unsplittable_entries(self, world: int) -> Dict[str, str]:
+        """The entries that cannot be applied over ``world`` ranks, and why: each attention
+        module whose heads cannot be dealt over them (6 heads at TP 8; KV heads that leave
+        a rank without a query head), with every entry under it."""
+        out: Dict[str, str] = {}
+        for key, style in self.items():
+            for part in getattr(style, "styles", (style,)):
+                if not callable(getattr(part, "local_heads", None)):
+                    continue
+                try:
+                    for rank in range(world):
+                        part.local_heads(world, rank)
+                except ValueError as e:
+                    out[key] = str(e)
+                    out.update({k: str(e) for k in self if k.startswith(key + ".")})
+        return out
+
+    def fit_to(self, model: nn.Module, world: int) -> Dict[str, str]:
+        """Leaves whole, on every rank, what cannot be split over ``world`` ranks
+        (:meth:`unsplittable_entries`) instead of refusing the model: those entries are
+        removed, with one warning naming the modules and the share of the model's parameters
+        they keep whole, and recorded in ``kept_whole``. Returns the modules left whole (the
+        outermost of each removed group of entries), and why."""
+        dropped = self.unsplittable_entries(world)
+        if not dropped:
+            return {}
+        shown = self._shown(dropped)
+        share = _share_of(model, list(dropped))
+        for key in dropped:
+            self.pop(key, None)
+        self.unsplit = dict(getattr(self, "unsplit", {}), **dropped)  # entry -> why
+        self.kept_whole = dict(getattr(self, "kept_whole", {}) or {}, **shown)
+        names, first = list(shown), next(iter(shown))
+        warnings.warn(
+            f"tpx.plans.auto: {len(names)} module(s) of {type(model).__name__} cannot be split "
+            f"over TP size {world} ({first}: {shown[first]}), so they stay whole on every rank: "
+            f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''} "
+            f"({share:.1%} of the model's parameters). A TP size they divide splits them",
+            UserWarning, stacklevel=4)
+        return shown
+
+    def _shown(self, dropped: Dict[str, str]) -> Dict[str, str]:
+        """The removed entries a warning names: those not inside another one."""
+        return {k: why for k, why in dropped.items()
+                if not any(k.startswith(o + ".") for o in dropped)}
+
+
+def _share_of(model: nn.Module, keys) -> float:
+    """The share of ``model``'s parameter elements under the modules ``keys`` names (names
+    or ``fnmatch`` patterns)."""
+    import fnmatch
+
+    total = sum(p.numel() for p in model.parameters())
+    seen, n = set(), 0
+    for name, mod in model.named_modules():
+        if any(name == k or fnmatch.fnmatchcase(name, k) for k in keys):
+            for p in mod.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+    return n / total if total else 0.0
 
 
 class ParallelStyle:

@@ -19,6 +19,7 @@ from typing import Dict
 
 from torch import nn
 
+from .base import TPContext
 from .complete import Completion, complete
 from .derive import DerivedPlan
 from .hf_plan import translate_entries, hf_tp_plan
@@ -109,12 +110,16 @@ class CompletedPlan(DerivedPlan):
     def _retranslate(self, model: nn.Module) -> None:
         hf = {**self.shipped, **self.completion.entries}
         plan = _translated(model, hf, self.translate_kwargs)
-        self.clear()
-        self.update(plan)
-        self.proof_plan = (plan if not self.translate_kwargs.get("loss_parallel") else
+        self.proof_plan = (dict(plan) if not self.translate_kwargs.get("loss_parallel") else
                            _translated(model, hf, dict(self.translate_kwargs,
                                                        loss_parallel=False)))
-        self.kept_whole = dict(self.completion.left)
+        unsplit = getattr(self, "unsplit", {})  # left whole for the TP size (fit_to)
+        for key in unsplit:
+            plan.pop(key, None)
+            self.proof_plan.pop(key, None)
+        self.clear()
+        self.update(plan)
+        self.kept_whole = dict(self.completion.left, **self._shown(unsplit))
 
 
 def prove_on_twin(model: nn.Module, plan, target) -> None:
@@ -147,6 +152,9 @@ def prove_on_twin(model: nn.Module, plan, target) -> None:
         for label in [g for g in small_plan.completion.groups if g not in plan.completion.groups]:
             small_plan.completion = small_plan.completion.without(label, "not in the model")
         small_plan._retranslate(small)
+        with warnings.catch_warnings():  # the model's own fit says it
+            warnings.simplefilter("ignore")
+            small_plan.fit_to(small, TPContext.of(target, None).group.size())
         small_plan.prove_before_use(small, target, None)
         for label, why in small_plan.completion.left.items():
             if label in plan.completion.groups:

@@ -192,12 +192,39 @@ class DerivedPlan(ModelPlan):
     anything if they differ. ``kept_whole``: the column -> row pairs left whole, and why."""
 
     def __init__(self, plan: Plan, *, model_name: str, example: Dict[str, Tensor],
-                 proof_plan: Plan, kept_whole: Dict[str, str]) -> None:
+                 proof_plan: Plan, kept_whole: Dict[str, str],
+                 members: Optional[Dict[str, Pair]] = None) -> None:
         super().__init__(plan)
         self.model_name, self.example = model_name, example
         self.proof_plan, self.kept_whole = proof_plan, kept_whole
+        self.members = dict(members or {})  # entry -> the pair it splits
         self.report = None
         self.failed_at: Optional[str] = None  # the module a failed proof names
+
+    def unsplittable_entries(self, world: int) -> Dict[str, str]:
+        """:meth:`ModelPlan.unsplittable_entries`, and every entry of a pair that cannot be
+        split over ``world`` ranks (:func:`unsplittable`: its attention module's, its
+        projections', those in between)."""
+        out = super().unsplittable_entries(world)
+        for key, pair in self.members.items():
+            why = unsplittable(pair, world)
+            if why is not None:
+                out[key] = why
+        return out
+
+    def fit_to(self, model: nn.Module, world: int) -> Dict[str, str]:
+        """:meth:`ModelPlan.fit_to`, on the plan that is proved too."""
+        shown = super().fit_to(model, world)
+        for key in getattr(self, "unsplit", ()):
+            self.proof_plan.pop(key, None)
+            self.members.pop(key, None)
+        return shown
+
+    def _shown(self, dropped: Dict[str, str]) -> Dict[str, str]:
+        # of an elementwise pair, its row-parallel projection
+        return {k: why for k, why in super()._shown(dropped).items()
+                if k not in self.members or self.members[k].heads
+                or isinstance(self.get(k), UnitRowwise)}
 
     def prove_before_use(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
         """Applies the plan to a copy of ``model`` and compares it with the unsharded model
@@ -206,6 +233,7 @@ class DerivedPlan(ModelPlan):
         from .check import check
 
         pg = TPContext.of(target, src_rank).group
+        self.fit_to(model, pg.size())
         device = next(model.parameters()).device
         example = {k: v.to(device) if isinstance(v, Tensor) else v
                    for k, v in self.example.items()}
@@ -283,6 +311,66 @@ def _shared_elsewhere(model: nn.Module, head: str, emb) -> bool:
     return False
 
 
+def _pair_entries(model: nn.Module, tr) -> Tuple[Plan, Dict[str, str], Dict[str, Pair]]:
+    """The entries of the traced column -> row pairs (steps 2 to 4 of the module docstring),
+    the pairs left whole and why, and each entry's pair (the attention module's, the
+    projections', and those of the modules in between)."""
+    plan: Plan = {}
+    kept: Dict[str, str] = {}
+    why: Dict[str, str] = {}
+    members: Dict[str, Pair] = {}
+    for sources, sink in pairs(tr):
+        odd = [n for n in sources + [sink] if not tr.linear_like.get(n, True)]
+        if odd:
+            why[sink] = f"{odd[0]} subclasses nn.Linear with a forward that is not F.linear"
+            continue
+        pair = analyse(model, tr, sources, sink, why)
+        if pair is None:
+            continue
+        if pair.heads:  # the attention module first: its head-count check is the error seen
+            owner = pair.owner
+            if owner in plan:  # two pairs under one module (self- and cross-attention)
+                kept[sink] = f"a second attention under {owner!r}"
+                continue
+            plan[owner] = _attention_style(pair)
+            members[owner] = pair
+        for s in sources:
+            plan[s] = UnitColwise(pair, s)
+        plan[sink] = UnitRowwise(pair)
+        for r in pair.region:
+            plan[r] = ReplicatedWithGradAllReduce()
+        members.update({n: pair for n in sources + [sink] + list(pair.region)})
+    kept.update(why)
+    return plan, kept, members
+
+
+def _attention_style(pair: Pair) -> ParallelStyle:
+    """The attention module of a pair split in heads: told this rank's head counts."""
+    owner, sink = pair.owner, pair.sink
+    style = ShardedAttention(pair.heads, pair.kv_heads,
+                             update=local_counts(pair.heads, pair.kv_heads, pair.width,
+                                                 [n[len(owner) + 1:] if owner else n
+                                                  for n in pair.sources + [pair.sink]],
+                                                 sink=pair.sink),
+                             out_proj=sink[len(owner) + 1:] if owner else sink,
+                             uneven=True)
+    if pair.head_inputs:
+        style = Chain(style, HeadInputs(pair.heads, pair.head_inputs, pair.kv_heads))
+    return style
+
+
+def unsplittable(pair: Pair, world: int) -> Optional[str]:
+    """Why ``pair`` cannot be split over ``world`` ranks (fewer attention heads than ranks, a
+    query head for every rank that holds a KV head, units that a TP size does not divide),
+    or ``None`` where it can."""
+    try:
+        for s in pair.sources:
+            pair.rank_rows(s, world)
+    except ValueError as e:
+        return str(e).removeprefix("tpx.plans.derive: ")
+    return None
+
+
 def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False,
            example: Optional[Dict[str, Tensor]] = None) -> DerivedPlan:
     """A plan for ``model`` found from its computation (module docstring), proved when it is
@@ -307,38 +395,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
             "plan by hand and pass it as plan=")
     example = dict(example) if example is not None else example_inputs(model)
     tr = trace(model, example)
-    plan: Plan = {}
-    kept: Dict[str, str] = {}
-    why: Dict[str, str] = {}
-    for sources, sink in pairs(tr):
-        odd = [n for n in sources + [sink] if not tr.linear_like.get(n, True)]
-        if odd:
-            why[sink] = f"{odd[0]} subclasses nn.Linear with a forward that is not F.linear"
-            continue
-        pair = analyse(model, tr, sources, sink, why)
-        if pair is None:
-            continue
-        if pair.heads:  # the attention module first: its head-count check is the error seen
-            owner = pair.owner
-            if owner in plan:  # two pairs under one module (self- and cross-attention)
-                kept[sink] = f"a second attention under {owner!r}"
-                continue
-            style = ShardedAttention(pair.heads, pair.kv_heads,
-                                     update=local_counts(pair.heads, pair.kv_heads, pair.width,
-                                                          [n[len(owner) + 1:] if owner else n
-                                                           for n in pair.sources + [pair.sink]],
-                                                          sink=pair.sink),
-                                     out_proj=sink[len(owner) + 1:] if owner else sink,
-                                     uneven=True)
-            if pair.head_inputs:
-                style = Chain(style, HeadInputs(pair.heads, pair.head_inputs, pair.kv_heads))
-            plan[owner] = style
-        for s in sources:
-            plan[s] = UnitColwise(pair, s)
-        plan[sink] = UnitRowwise(pair)
-        for r in pair.region:
-            plan[r] = ReplicatedWithGradAllReduce()
-    kept.update(why)
+    plan, kept, members = _pair_entries(model, tr)
     emb = model.get_input_embeddings() if callable(
         getattr(model, "get_input_embeddings", None)) else None
     modules = {m: n for n, m in model.named_modules()}
@@ -392,4 +449,5 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     if head is not None and head in proof:
         proof[head] = ColwiseParallel(output_layouts=Replicate())
     plan = with_generate(plan, model, head, loss_parallel)
-    return DerivedPlan(plan, model_name=name, example=example, proof_plan=proof, kept_whole=kept)
+    return DerivedPlan(plan, model_name=name, example=example, proof_plan=proof, kept_whole=kept,
+                       members=members)

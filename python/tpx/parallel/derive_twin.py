@@ -30,11 +30,13 @@ import copy
 import dataclasses
 import fnmatch
 import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .base import TPContext
 from .derive import DerivedPlan, HeadInputs, UnitColwise, UnitRowwise, derive, local_counts
 from .module_styles import ShardedAttention
 from .sequence import Chain
@@ -164,12 +166,21 @@ class TwinDerivedPlan(DerivedPlan):
     group), then applies this one."""
 
     def __init__(self, plan, *, model_name: str, twin_model: nn.Module, twin_plan: DerivedPlan,
-                 kept_whole: Dict[str, str]) -> None:
+                 kept_whole: Dict[str, str], members: Dict[str, Pair]) -> None:
         super().__init__(plan, model_name=model_name, example=twin_plan.example,
-                         proof_plan=dict(plan), kept_whole=kept_whole)
+                         proof_plan=dict(plan), kept_whole=kept_whole, members=members)
         self.twin_model, self.twin_plan = twin_model, twin_plan
 
+    def fit_to(self, model: nn.Module, world: int) -> Dict[str, str]:
+        """:meth:`DerivedPlan.fit_to` on the model and on its twin, which share the pairs'
+        head counts (the warning is the model's)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.twin_plan.fit_to(self.twin_model, world)
+        return super().fit_to(model, world)
+
     def prove_before_use(self, model: nn.Module, target, src_rank) -> None:
+        self.fit_to(model, TPContext.of(target, None).group.size())
         self.twin_plan.prove_before_use(self.twin_model, target, None)
         self.report = self.twin_plan.report
 
@@ -217,6 +228,7 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
                          f", the twin's {sorted(c.__name__ for c in want)}")
     # 2. every pair scales from twin A to twin B by the rule, then to the model
     real_plan: Dict[str, object] = {}
+    members: Dict[str, Pair] = {}
     scaled: Dict[int, Pair] = {}
     for pat, keys in by_pattern.items():
         st = plan_a[keys[0]]
@@ -227,9 +239,14 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
         if pat and any(fnmatch.fnmatchcase(n, pat) and _pattern(n) != pat for n in real_names):
             real_plan.update({n: carried for n in own})
         else:
+            own = [pat]
             real_plan[pat] = carried
+        if keys[0] in plan_a.members:  # the pair at the model's sizes, where carried
+            p = plan_a.members[keys[0]]
+            members.update({n: scaled.get(id(p), p) for n in own})
     return TwinDerivedPlan(real_plan, model_name=name, twin_model=a, twin_plan=plan_a,
-                           kept_whole={_pattern(k): v for k, v in plan_a.kept_whole.items()})
+                           kept_whole={_pattern(k): v for k, v in plan_a.kept_whole.items()},
+                           members=members)
 
 
 def _real_names(model: nn.Module, twin_names: List[str]) -> Dict[str, str]:

@@ -433,7 +433,9 @@ def _prefixed(plan: Plan, prefix: str) -> Plan:
     if isinstance(plan, derived.DerivedPlan):
         return derived.DerivedPlan(out, model_name=plan.model_name, example=plan.example,
                                    proof_plan=_prefixed(dict(plan.proof_plan), prefix),
-                                   kept_whole=plan.kept_whole)
+                                   kept_whole=plan.kept_whole,
+                                   members={(f"{prefix}.{k}" if k else prefix): p
+                                            for k, p in plan.members.items()})
     return out
 
 
