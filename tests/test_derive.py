@@ -35,6 +35,9 @@ CONFIGS = {
     "stablelm": dict(hidden_size=48, intermediate_size=40, num_hidden_layers=2,
                      num_attention_heads=6, num_key_value_heads=6,
                      max_position_embeddings=64),           # partial rotary
+    "bert": dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                 intermediate_size=40, max_position_embeddings=64, is_decoder=True,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),  # tied LM bias
     "bart": dict(d_model=48, decoder_layers=2, decoder_attention_heads=6, decoder_ffn_dim=40,
                  encoder_layers=2, encoder_attention_heads=6, encoder_ffn_dim=40,
                  max_position_embeddings=64, **NO_DROPOUT),
@@ -192,10 +195,11 @@ def test_derived_tp3_slow(arch):
     run_ranks(_train_like_unsharded, 3, arch)
 
 
-@pytest.mark.parametrize("arch", ["gpt_bigcode", "falcon-groups"])
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "falcon-groups", "bert"])
 def test_derived_plan_save_pretrained(tmp_path, arch):
     # fused projections split in rows no DTensor states (one KV head held by every rank,
-    # groups of [q q q k v]) written back by every rank as one device writes them
+    # groups of [q q q k v]) written back by every rank as one device writes them; BERT's LM
+    # head split with its bias, which cls.predictions holds too (written under that key)
     run_ranks(_train_like_unsharded, 2, arch, 2, str(tmp_path))
 
 
@@ -203,6 +207,40 @@ def test_derived_plan_save_pretrained(tmp_path, arch):
 def test_plain_decoder_in_unknown_names(world, nkv):
     # (2, 1): one KV head held by both ranks, its gradient summed over them
     run_ranks(_train_like_unsharded, world, ("net", nkv))
+
+
+def _cross_attention(rank, world):
+    # BART's decoder as a causal LM reads encoder states through its cross-attention: the
+    # derived plan (traced with such states) splits it in heads, and with states given the
+    # sharded decoder trains like one device
+    torch.manual_seed(0)
+    ref = _hf("bart")
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    cross = model.model.decoder.layers[0].encoder_attn
+    assert cross.k_proj.weight.to_local().shape[0] == 48 // world  # 6 heads of 8
+    assert cross.out_proj.weight.to_local().shape[1] == 48 // world
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (ref, model)]
+    for step in range(2):
+        ids, labels = _batch(step)
+        states = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(step))
+        outs = [m(input_ids=ids, labels=labels, encoder_hidden_states=states)
+                for m in (ref, model)]
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-4, atol=2e-5)
+        for o, out in zip(opts, outs):
+            out.loss.backward()
+        if step == 0:
+            assert_like_unsharded(model, ref, "BART cross-attention", grad=True, rtol=1e-4,
+                                  atol=2e-5)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    assert_like_unsharded(model, ref, "BART cross-attention after 2 steps", rtol=1e-4,
+                          atol=5e-5)
+
+
+def test_derived_cross_attention():
+    run_ranks(_cross_attention, 2)
 
 
 def _derive_with_a_plan(rank, world):

@@ -96,12 +96,16 @@ def replicate_kept_whole(module: nn.Module, group, keep=frozenset(),
             parent_of.setdefault(id(child), m)
     by_parent: Dict[int, list] = {}
     by_owner: Dict[int, list] = {}
+    # a tpx layer's parameter that a module above also holds (BERT's cls.predictions.bias is
+    # its decoder's bias) is that layer's shard, not a replica
+    laid_out = {id(p) for m in module.modules() if lays_out_params(m)
+                for p in m.parameters(recurse=False)}
     for owner in module.modules():
         if lays_out_params(owner):
             continue
         owned = []
         for name, p in list(owner._parameters.items()):
-            if p is None or isinstance(p, DTensor) or id(p) in keep:
+            if p is None or isinstance(p, DTensor) or id(p) in keep or id(p) in laid_out:
                 continue
             new = made.get(id(p))
             if new is None and owners is not None and id(owner) not in owners \

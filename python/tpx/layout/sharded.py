@@ -66,11 +66,20 @@ class Sharded:
 
 def sharded_params(model: nn.Module) -> Iterator[Sharded]:
     """Every sharded parameter of the tpx layers in ``model``, in module order (the same on
-    every rank)."""
+    every rank); then the same parameters under the keys of modules above them that hold
+    them too (BERT's LM head bias, ``cls.predictions.bias``, is its decoder's)."""
+    seen, layer_of = set(), {}
     for prefix, mod in model.named_modules():
         pre = f"{prefix}." if prefix else ""
         for name, layout in group_layouts(mod):
+            seen.add(pre + name)
+            layer_of.setdefault(id(getattr(mod, name)), (mod, name, layout))
             yield Sharded(pre + name, mod, name, layout)
+    if not layer_of:
+        return
+    for key, p in model.named_parameters(remove_duplicate=False):
+        if key not in seen and id(p) in layer_of:
+            yield Sharded(key, *layer_of[id(p)])
 
 
 @dataclass

@@ -507,9 +507,15 @@ def _apply_plan(module: nn.Module, ctx: TPContext, work) -> set:
     def inside(m: str) -> bool:
         return any(m == g or m.startswith(g + ".") for g in gone)
 
+    def alias(tie) -> bool:  # held whole only by modules above a sharded one (BERT's LM
+        # head bias: cls.predictions.bias is cls.predictions.decoder.bias): tied again
+        ins = [m for m, _ in tie if inside(m)]
+        return all(o == "" or any(i.startswith(o + ".") for i in ins)
+                   for o, _ in tie if not inside(o))
+
     keep, partial = set(), []
     for tie in ties:
-        if all(inside(m) for m, _ in tie) or not any(inside(m) for m, _ in tie):
+        if all(inside(m) for m, _ in tie) or not any(inside(m) for m, _ in tie) or alias(tie):
             continue
         partial.append(tie)
         keep.add(id(getattr(module.get_submodule(tie[0][0]), tie[0][1])))

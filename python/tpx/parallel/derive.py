@@ -252,6 +252,8 @@ class DerivedPlan(ModelPlan):
             trial.eval()
             if dtype is not None:
                 trial.to(dtype)
+                kwargs = {k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point()
+                          else v for k, v in kwargs.items()}  # (encoder states)
             failing: List[str] = []  # the innermost module a failing forward was in
             for name, mod in trial.named_modules():
                 mod.register_forward_hook(_note_failure(name, failing), always_call=True)
@@ -302,11 +304,15 @@ def _note_failure(name: str, failing: List[str]):
 
 def _shared_elsewhere(model: nn.Module, head: str, emb) -> bool:
     """Whether a parameter of ``head`` is also a parameter of a module outside it other than
-    the input embedding's table (BERT's LM head bias, ``cls.predictions.bias``)."""
+    the input embedding's table and the modules above ``head`` (BERT's LM head bias,
+    ``cls.predictions.bias``, is ``cls.predictions.decoder.bias``: tied again when the head is
+    split)."""
     mine = {id(p) for p in model.get_submodule(head).parameters()}
     table = id(emb.weight) if isinstance(emb, nn.Embedding) else None
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in mine and id(p) != table and not name.startswith(head + "."):
+        owner = name.rpartition(".")[0]
+        above = owner == "" or head.startswith(owner + ".")
+        if id(p) in mine and id(p) != table and not name.startswith(head + ".") and not above:
             return True
     return False
 

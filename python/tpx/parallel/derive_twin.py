@@ -204,7 +204,7 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
         a = twin(model)
         b = _widened(model, a)
         plan_a = derive(a, loss_parallel=loss_parallel, example=example_inputs(a))
-        plan_b = derive(b, loss_parallel=loss_parallel, example=example_inputs(a))
+        plan_b = derive(b, loss_parallel=loss_parallel, example=example_inputs(b))
     except ValueError:  # derive's own refusal, naming the module
         raise
     except Exception as e:  # noqa: BLE001 - a twin that does not build or trace: said

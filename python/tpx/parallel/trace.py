@@ -101,7 +101,27 @@ def example_inputs(model: nn.Module) -> Dict[str, Tensor]:
         params = inspect.signature(model.forward).parameters
         if "use_cache" in params:
             kwargs["use_cache"] = False
+        width = _cross_width(model)
+        if width and "encoder_hidden_states" in params and "decoder_input_ids" not in kwargs:
+            # a decoder with cross-attention (BART's as a causal LM): states of an encoder,
+            # so that the trace runs, and the plan splits, the cross-attention too
+            kwargs["encoder_hidden_states"] = torch.randn(
+                BATCH, SEQ - 2, width, generator=gen).to(device, p.dtype)
     return kwargs
+
+
+_CROSS = ("encoder_attn", "crossattention", "cross_attn")
+
+
+def _cross_width(model: nn.Module) -> Optional[int]:
+    """The width of the encoder states a decoder's cross-attention reads (the input
+    features of its key projection), or ``None`` for a model without one."""
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if any(c in parts for c in _CROSS) and parts[-1] in ("k_proj", "key", "k") and (
+                isinstance(mod, nn.Linear)):
+            return mod.in_features
+    return None
 
 
 def _call(model: nn.Module, example: Dict[str, Tensor]):
