@@ -1,6 +1,7 @@
 """Mamba-2 mixers split by heads (tpx.parallel.ssm.Mamba2Parallel), added by the completed
 plans of the hybrids built on them (Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hybrid), and their
-gated norm over features split across ranks (tpx.nn.ssm.GatedRMSNormParallel), each against
+gated norm over features split across ranks (tpx.nn.ssm.GatedRMSNormParallel); Mamba-1 mixers
+split by channels (tpx.parallel.ssm.Mamba1Parallel: Jamba, Mamba, Falcon-Mamba); each against
 the unsharded computation."""
 
 import copy
@@ -154,8 +155,8 @@ def _loaded_and_saved(rank, world, d, arch):
     one, tp = os.path.join(d, "one"), os.path.join(d, "tp")
     # built on the meta device: the completed plan proved on the model's twin
     ref, model = hf_tiny.written_and_loaded(arch, one)
-    mixer = model.model.layers[0].mamba
-    whole = ref.model.layers[0].mamba.in_proj
+    path = _MIXER.get(arch, "model.layers.0.mamba")
+    mixer, whole = model.get_submodule(path), ref.get_submodule(path).in_proj
     assert local_part(mixer.in_proj.weight).shape[0] < whole.out_features
     ids, _ = _batch(1)
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
@@ -165,8 +166,48 @@ def _loaded_and_saved(rank, world, d, arch):
     _assert_same_files(tp, one, f"{arch} TP {world}", atol=0)
 
 
+_MIXER = {"mamba": "backbone.layers.0.mixer"}
+
+
 @pytest.mark.parametrize("arch,world", [
     ("bamba", 2), pytest.param("bamba", 4, marks=pytest.mark.slow),
-    pytest.param("falcon_h1", 2, marks=pytest.mark.slow)])  # its mup_vector set whole on load
+    pytest.param("falcon_h1", 2, marks=pytest.mark.slow),  # its mup_vector set whole on load
+    ("mamba", 3)])  # Mamba-1 mixers: the plan derived on twins, channels 3 ways
 def test_hybrid_loads_and_saves_with_its_mixers_split(tmp_path, arch, world):
     run_ranks(_loaded_and_saved, world, str(tmp_path), arch)
+
+
+def _mamba1_split_like_one_device(rank, world, arch):
+    """Mamba-1 mixers (tpx.parallel.ssm.Mamba1Parallel) hold this rank's channels: in a
+    completed plan (Jamba ships one) and a derived one (Mamba, Falcon-Mamba ship none);
+    logits and every gradient equal one device's (float64)."""
+    from tpx.parallel.ssm import is_mamba1_mixer
+
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch).double()
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    mixers = [(n, m) for n, m in ref.named_modules() if is_mamba1_mixer(m)]
+    assert mixers
+    lo, hi = tpx.shard_range(mixers[0][1].intermediate_size)
+    for name, whole in mixers:
+        m = model.get_submodule(name)
+        i = whole.intermediate_size
+        assert m.intermediate_size == i // world + (rank < i % world)
+        assert local_part(m.in_proj.weight).shape[0] == 2 * m.intermediate_size
+        assert m.A_log.shape[0] == m.D.shape[0] == local_part(m.dt_proj.weight).shape[0] == \
+            m.conv1d.weight.shape[0] == local_part(m.x_proj.weight).shape[1] == \
+            local_part(m.out_proj.weight).shape[1] == m.intermediate_size
+    ids, labels = _batch(0)
+    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, f"{arch} TP {world}", grad=True, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch,world", [("jamba", 2), ("mamba", 3),
+                                        pytest.param("falcon_mamba", 2,
+                                                     marks=pytest.mark.slow)])
+def test_mamba1_mixers_split_by_channels(arch, world):
+    run_ranks(_mamba1_split_like_one_device, world, arch)

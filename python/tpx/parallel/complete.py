@@ -20,9 +20,10 @@ entries for the modules of a known structure that no entry covers:
   inputs ``colwise``, the output ``rowwise``;
 * **vocabulary tables** beside the input embedding (Gemma 4's per-layer embeddings), as
   many rows as a vocabulary of the config: vocab-parallel (``embedding_rowwise``);
-* **Mamba-2 mixers** (:func:`tpx.parallel.ssm.is_mamba2_mixer`: Bamba's, Falcon-H1's,
-  Nemotron-H's, ...): :class:`tpx.parallel.ssm.Mamba2Parallel`, a tpx style (no Hugging Face
-  style states it), split by heads and groups with every per-channel parameter;
+* **Mamba mixers** (:func:`tpx.parallel.ssm.mixer_style`): Mamba-2's (Bamba's, Falcon-H1's,
+  Nemotron-H's, ...) :class:`tpx.parallel.ssm.Mamba2Parallel`, split by heads and groups,
+  and Mamba-1's (Jamba's) :class:`tpx.parallel.ssm.Mamba1Parallel`, split by channels: tpx
+  styles (no Hugging Face style states them), with every per-channel parameter;
 * **fused experts** a model's ``base_model_ep_plan`` names (``ep_dispatch_experts``) that its
   TP plan does not: ``moe_tp_experts``, their 3-D ``gate_up_proj`` / ``down_proj`` read in the
   layout the module's class uses (its ``is_transposed`` / ``is_concatenated``, or
@@ -210,25 +211,24 @@ def _ep_experts(model: nn.Module, keys: List[str]):
         yield pat, entries
 
 
-def _mamba2_mixers(model: nn.Module, keys: List[str]):
-    """Mamba-2 mixers no plan key covers: (pattern, {key: Mamba2Parallel()}). A pattern that
-    would also name other modules (Nemotron-H's ``mixer`` is attention or an MLP in some
-    layers) is given as each mixer's own name."""
-    from .ssm import Mamba2Parallel, is_mamba2_mixer, mamba2_rows
+def _mamba_mixers(model: nn.Module, keys: List[str]):
+    """Mamba mixers no plan key covers: (pattern, {key: its style}). A pattern that would also
+    name other modules (Nemotron-H's ``mixer`` is attention or an MLP in some layers) is given
+    as each mixer's own name."""
+    from .ssm import mixer_style
 
     modules = dict(model.named_modules())
     found: Dict[str, List[str]] = {}
+    styles: Dict[str, object] = {}
     for name, mod in modules.items():
-        if name and is_mamba2_mixer(mod) and not _covered(name, keys):
-            try:
-                mamba2_rows(mod, 1)  # sizes that fit its parts
-            except ValueError:
-                continue
+        style = mixer_style(mod) if name and not _covered(name, keys) else None
+        if style is not None:
             found.setdefault(_pattern(name), []).append(name)
+            styles[_pattern(name)] = style
     for pat, names in found.items():
         same = [n for n in modules if n and fnmatch.fnmatchcase(n, pat)]
         listed = [pat] if sorted(same) == sorted(names) else names
-        yield pat, {k: Mamba2Parallel() for k in listed}
+        yield pat, {k: type(styles[pat])() for k in listed}
 
 
 def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:
@@ -240,7 +240,7 @@ def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:
     candidates = [(f"experts {pat}", pat, entries) for pat, entries in _ep_experts(model, keys)]
     candidates += [(f"{kind} {pat or '(the model)'}", pat, entries)
                    for kind, pat, entries in _groups(model, keys)]
-    candidates += [(f"mixer {pat}", pat, entries) for pat, entries in _mamba2_mixers(model, keys)]
+    candidates += [(f"mixer {pat}", pat, entries) for pat, entries in _mamba_mixers(model, keys)]
     for label, pat, entries in candidates:
         try:
             accept({k: v for k, v in dict(hf, **done.entries, **entries).items()

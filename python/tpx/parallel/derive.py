@@ -321,11 +321,23 @@ def _pair_entries(model: nn.Module, tr) -> Tuple[Plan, Dict[str, str], Dict[str,
     """The entries of the traced column -> row pairs (steps 2 to 4 of the module docstring),
     the pairs left whole and why, and each entry's pair (the attention module's, the
     projections', and those of the modules in between)."""
+    from .ssm import mixer_style
+
     plan: Plan = {}
     kept: Dict[str, str] = {}
     why: Dict[str, str] = {}
     members: Dict[str, Pair] = {}
+    # Mamba mixers (a chain of projections, no column -> row pair): split by their style
+    mixers = []
+    for name, mod in model.named_modules():
+        style = mixer_style(mod) if name and not any(name.startswith(m + ".")
+                                                     for m in mixers) else None
+        if style is not None:
+            plan[name] = style
+            mixers.append(name)
     for sources, sink in pairs(tr):
+        if any(n.startswith(m + ".") for n in sources + [sink] for m in mixers):
+            continue
         odd = [n for n in sources + [sink] if not tr.linear_like.get(n, True)]
         if odd:
             why[sink] = f"{odd[0]} subclasses nn.Linear with a forward that is not F.linear"

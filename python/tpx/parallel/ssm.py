@@ -1,4 +1,5 @@
-"""Mamba-2 mixers split by heads: :class:`Mamba2Parallel`.
+"""Mamba mixers split over the TP group: Mamba-2's by heads (:class:`Mamba2Parallel`),
+Mamba-1's by channels (:class:`Mamba1Parallel`, at the end of this file).
 
 The mixer of Mamba-2 and of the hybrids built on it (Bamba, Falcon-H1, Nemotron-H,
 GraniteMoE-hybrid, Zamba 2; transformers names them ``*Mixer``) projects the hidden states
@@ -33,14 +34,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import mappings
-from ..comm.groups import copied_with_module, head_split
+from ..comm.groups import balanced_bounds, copied_with_module, head_split
 from ..layout.initial import shard_in_place
 from ..layout.sharding import describe_params
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
 from ..nn.ssm import GatedRMSNormParallel
 from .style import ParallelStyle, TPContext
 
-__all__ = ["Mamba2Parallel", "is_mamba2_mixer", "mamba2_rows"]
+__all__ = ["Mamba1Parallel", "Mamba2Parallel", "is_mamba1_mixer", "is_mamba2_mixer",
+           "mamba2_rows", "mixer_style"]
 
 _PARTS = ("in_proj", "out_proj", "conv1d", "A_log", "D", "dt_bias")
 _SIZES = ("intermediate_size", "conv_dim", "num_heads", "n_groups", "ssm_state_size",
@@ -241,3 +243,136 @@ def _install_hooks(module: nn.Module, conv_rows, pg: dist.ProcessGroup,
     module.register_forward_pre_hook(copied_with_module(pre))
     module.out_proj.register_forward_pre_hook(copied_with_module(ran_out_proj))
     module.register_forward_hook(copied_with_module(post), always_call=True)
+
+
+def _ran_out_proj_check(module: nn.Module, style: str, pre=None, post=None) -> None:
+    """Refuses a forward of the mixer that returns without calling its row-parallel
+    ``out_proj`` (a fused kernel computing the mixer on this rank's weights as whole ones);
+    ``pre`` / ``post`` run around each call too."""
+    calls: list = []
+
+    def before(mod, args):
+        calls.append(False)
+        if pre is not None:
+            pre(mod)
+
+    def ran(mod, args):
+        if calls:
+            calls[-1] = True
+
+    def after(mod, args, out):
+        ran_it = calls.pop() if calls else True
+        if post is not None:
+            post(mod)
+        if not ran_it and out is not None:
+            raise RuntimeError(
+                f"tpx.{style}: {type(mod).__name__}'s forward returned without calling its "
+                "out_proj: a fused kernel (mamba_ssm's mamba_inner_fn) computed the mixer on "
+                "this rank's weights as if they were the whole ones. Uninstall mamba_ssm, or "
+                "run the mixer in eval mode or with a cache, which take the step-by-step path")
+        return None
+
+    module.register_forward_pre_hook(copied_with_module(before))
+    module.out_proj.register_forward_pre_hook(copied_with_module(ran))
+    module.register_forward_hook(copied_with_module(after), always_call=True)
+
+
+# ------------------------------------------------------------------ Mamba-1
+
+_PARTS1 = ("in_proj", "x_proj", "dt_proj", "out_proj", "conv1d", "A_log", "D")
+_SIZES1 = ("intermediate_size", "time_step_rank", "ssm_state_size")
+_NORMS1 = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Jamba's, over x_proj's outputs
+
+
+def is_mamba1_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` has a Mamba-1 mixer's parts (Mamba's, Falcon-Mamba's, Jamba's):
+    ``in_proj -> [x | z]``, a depthwise ``conv1d`` over ``x``, ``x_proj -> [dt | B | C]``,
+    ``dt_proj``, ``A_log`` ``[I, N]``, ``D`` ``[I]`` and ``out_proj``, of consistent sizes."""
+    if not all(hasattr(module, a) for a in _PARTS1 + _SIZES1):
+        return False
+    lin = [getattr(module, a) for a in ("in_proj", "x_proj", "dt_proj", "out_proj")]
+    if not all(type(m) is nn.Linear for m in lin) or not isinstance(module.conv1d, nn.Conv1d):
+        return False
+    i, r, n = (int(getattr(module, a)) for a in _SIZES1)
+    return (module.in_proj.out_features == 2 * i and module.x_proj.in_features == i
+            and module.x_proj.out_features == r + 2 * n and module.dt_proj.in_features == r
+            and module.dt_proj.out_features == i and module.out_proj.in_features == i
+            and module.conv1d.groups == module.conv1d.in_channels == i
+            and tuple(module.A_log.shape) == (i, n) and tuple(module.D.shape) == (i,))
+
+
+class Mamba1Parallel(ParallelStyle):
+    """A Mamba-1 mixer split by channels over the TP group, as Megatron-Core and vLLM split
+    it: this rank's channels ``c`` (``I`` dealt as evenly as they go) of
+
+    * ``in_proj`` (column-parallel: rows ``c`` of ``x`` and of ``z``), the depthwise
+      ``conv1d``, ``dt_proj`` (its rows), ``A_log`` and ``D``;
+    * ``x_proj`` row-parallel over them: its small output ``[dt | B | C]`` is summed over the
+      group (one all-reduce of ``r + 2N`` features) and, read by every rank's channels, has
+      its gradient summed too; Jamba's norms over it stay whole, their gradients summed;
+    * ``out_proj`` row-parallel (one all-reduce, as attention's output).
+
+    The mixer's ``intermediate_size`` is set to this rank's, so its own forward runs on the
+    local tensors. Placement: input ``R`` (gradient summed by ``in_proj``), output ``R``;
+    the parameters this rank's rows (plain tensors described for ``tpx.checkpoint``)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        from .module_styles import ReplicatedWithGradAllReduce
+        from .base import apply_style
+
+        what = f"Mamba1Parallel({type(module).__name__})"
+        if not is_mamba1_mixer(module):
+            raise ValueError(f"tpx.{what}: not a Mamba-1 mixer (it needs {', '.join(_PARTS1)} "
+                             "of consistent sizes)")
+        pg = ctx.group
+        world, rank = pg.size(), dist.get_rank(pg)
+        i = int(module.intermediate_size)
+        if i < world:
+            raise ValueError(f"tpx.{what}: {i} channels at TP size {world}: use a TP size of "
+                             f"at most {i}")
+        chans = [balanced_bounds(i, r, world) for r in range(world)]
+        rows = [[c] for c in chans]
+        module.in_proj = _column(module.in_proj, [[c, (i + c[0], i + c[1])] for c in chans], ctx)
+        module.x_proj = _row(module.x_proj, chans, ctx)
+        module.out_proj = _row(module.out_proj, chans, ctx)
+        conv, dt = module.conv1d, module.dt_proj
+        for mod, names, part in ((conv, ("weight", "bias"), "conv1d"),
+                                 (dt, ("weight", "bias"), "dt_proj"),
+                                 (module, ("A_log", "D"), "channels")):
+            held = tuple(n for n in names if getattr(mod, n, None) is not None)
+            shard_in_place(mod, [(n, 0, rows) for n in held], pg, ctx.src_rank, what,
+                           dict(channels=i, part=part))
+            mod.group = pg
+            mod._shards = lambda rows=rows, held=held: [(n, 0, rows) for n in held]
+            describe_params(mod)
+        local = chans[rank][1] - chans[rank][0]
+        conv.in_channels = conv.out_channels = conv.groups = local
+        dt.out_features = local
+        module.intermediate_size = local
+        for name in _NORMS1:
+            norm = getattr(module, name, None)
+            if isinstance(norm, nn.Module) and any(True for _ in norm.parameters()):
+                apply_style(ReplicatedWithGradAllReduce(), getattr(module, name), ctx)
+        if world > 1:
+            # [dt | B | C], whole on every rank after x_proj's all-reduce, is read by this
+            # rank's channels only: its gradient is summed over the group
+            module.x_proj.register_forward_hook(copied_with_module(
+                lambda mod, args, out, pg=pg: mappings.all_reduce_grad(out, pg)))
+            _ran_out_proj_check(module, "Mamba1Parallel")
+        return module
+
+    def __repr__(self) -> str:
+        return "Mamba1Parallel()"
+
+
+def mixer_style(module: nn.Module):
+    """The style that splits ``module`` if it is a Mamba mixer tpx knows, else ``None``."""
+    if is_mamba2_mixer(module):
+        try:
+            mamba2_rows(module, 1)  # sizes that fit its parts
+        except ValueError:
+            return None
+        return Mamba2Parallel()
+    if is_mamba1_mixer(module):
+        return Mamba1Parallel()
+    return None

@@ -196,6 +196,7 @@ def _sizes(d: dict) -> dict:
                 c[k] = dim
         if "mamba_d_ssm" in d:
             c["mamba_d_ssm"] = heads * dim
+    _mamba2_width(d, c)
     if "original_max_position_embeddings" in repr(d.get("rope_parameters")):
         c["rope_parameters"] = _rope(d["rope_parameters"])
     if d.get("use_cache"):
@@ -209,6 +210,15 @@ def _sizes(d: dict) -> dict:
           and all(_is_int(x) for x in size) and max(size) > 8 * patch):
         c["image_size"] = type(size)(8 * patch for _ in size)
     return c
+
+
+def _mamba2_width(d, c) -> None:
+    """Mamba-2's own config (``num_heads * head_dim = expand * hidden_size``): the hidden size
+    that fits the shrunk heads."""
+    if "hidden_size" in d and all(_is_int(d.get(k)) for k in ("expand", "num_heads",
+                                                               "head_dim", "n_groups")):
+        c["hidden_size"] = (c.get("num_heads", d["num_heads"]) * c.get("head_dim", d["head_dim"])
+                            // d["expand"])
 
 
 def _rope(p):
@@ -387,6 +397,7 @@ def twin_config(config):
     if (_is_int(heads) and _is_int(width) and d.get("head_dim") is None and not mamba
             and (width % heads or width // heads < 2)):
         c[wkey] = heads * TWIN_HEAD_DIM  # head_dim derived from the width
+    _mamba2_width(d, c)  # with the model's heads kept
     # The model's own settings where they differ from its class's defaults, then the twin's
     # sizes: only changed fields are set, so that what the class derives is derived again.
     try:
