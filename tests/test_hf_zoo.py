@@ -435,3 +435,10 @@ def test_a_style_that_sums_gradients_leaves_a_module_without_parameters_whole():
     build = hf_plan.HF_STYLES["replicated_with_grad_allreduce"].build
     assert isinstance(build(nn.Identity(), None), KeepWhole)
     assert isinstance(build(nn.LayerNorm(4), None), tpx.ReplicatedWithGradAllReduce)
+
+
+# CodeGen's qkv_proj is 4 interleaved [q | v | k] blocks: at TP 8 two ranks share each block,
+# each holding its heads' rows of the block's q, v and k.
+@pytest.mark.slow
+def test_codegen_blocks_split_inside_a_block():
+    run_ranks(_train_like_unsharded, 8, "codegen", False, False)

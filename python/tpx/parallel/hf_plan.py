@@ -43,8 +43,9 @@ from torch import nn
 
 from .generate import with_generate
 from .hf_styles import (
-    HF_STYLES, AllReduceOutput, HeadParams, HFStyle, KeepWhole, PartialGradParams, SplitRopeGrad,
-    VocabParallelEmbeddingStyle, own_embedding_forward, packed_colwise, style, text_config)
+    HF_STYLES, AllReduceOutput, BlocksColwise, HeadParams, HFStyle, KeepWhole, PartialGradParams,
+    SplitRopeGrad, VocabParallelEmbeddingStyle, own_embedding_forward, packed_colwise, style,
+    text_config)
 from .hf_sequence import sequence_parallel_plan
 from .module_styles import ReplicatedWithGradAllReduce
 from .sequence import Chain, is_pipeline_stage, stage_placeholders
@@ -408,13 +409,14 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
             st = ColwiseParallel(head_size=v_dim, replicate_heads=True, heads=counts)
         elif c == _FUSED_QKV and isinstance(getattr(attn, "mp_num", None), int):
             # CodeGen: mp_num blocks, each [q | v | k] of heads / mp_num heads; the forward
-            # reads however many whole blocks its input holds.
+            # reads its input as blocks of embed_dim / mp_num features per part, so a rank
+            # holding part of a block is told mp_num = the TP size.
             blocks = attn.mp_num
             if heads % blocks or kv != heads:
                 raise ValueError(f"tpx.hf_plan: {parent}.{c}: {blocks} interleaved blocks of "
                                  f"{heads} heads ({kv} KV heads) do not split in whole heads")
             expected = 3 * heads * head_dim
-            st = ColwiseParallel(head_size=expected // blocks)
+            st = BlocksColwise(blocks, heads, head_dim)
             update = _blocks_update(blocks, heads)
             uneven = False
         elif c == _FUSED_QKV:
@@ -558,13 +560,15 @@ def _head_params(model: nn.Module, plan: Plan, owner: str, params: Dict[str, str
 
 def _blocks_update(blocks: int, heads: int):
     """``update`` of an attention whose fused projection is ``blocks`` interleaved blocks
-    (CodeGen's ``mp_num``): each rank must hold whole blocks."""
+    (CodeGen's ``mp_num``, split by :class:`BlocksColwise`): a TP size that divides the blocks
+    or is a multiple of them."""
     def update(module: nn.Module, local_heads: int, local_kv_heads: int) -> None:
         world = heads // local_heads
-        if blocks % world:
+        if blocks % world and world % blocks:
             raise ValueError(
                 f"tpx.hf_plan: {type(module).__name__}'s fused qkv_proj is {blocks} interleaved "
-                f"[q | v | k] blocks; TP size {world} does not divide them: use a TP size that "
-                f"divides {blocks}")
+                f"[q | v | k] blocks; TP size {world} neither divides them nor is a multiple "
+                f"of them: use a TP size that divides {blocks} or a multiple of {blocks}")
         _local_heads_update(module, local_heads, local_kv_heads)
+        module.mp_num = max(blocks, world)  # the forward's blocks of embed_dim / mp_num
     return update

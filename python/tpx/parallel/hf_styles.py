@@ -45,6 +45,42 @@ class AllReduceOutput(ParallelStyle):
         return "AllReduceOutput()"
 
 
+class BlocksColwise(ColwiseParallel):
+    """A fused ``[q | v | k]`` projection laid out in ``n_blocks`` interleaved blocks of
+    ``n_heads / n_blocks`` heads each (CodeGen's ``mp_num``). At a TP size that divides the
+    blocks each rank holds whole blocks; at a multiple of them the ranks of one block share
+    it, each holding its heads' rows of the block's q, v and k (8 ranks, 4 blocks: rank 5
+    holds the second half of block 2's q, of its v and of its k). Either way rank ``r``'s heads
+    are the ``r``-th of the contiguous split, the columns its output projection holds."""
+
+    def __init__(self, n_blocks: int, n_heads: int, head_dim: int, **kw) -> None:
+        super().__init__(head_size=3 * n_heads * head_dim // n_blocks, **kw)
+        self.n_blocks, self.n_heads, self.head_dim = n_blocks, n_heads, head_dim
+
+    def _out_rows(self, out_f: int, world: int):
+        blocks, heads, hd = self.n_blocks, self.n_heads, self.head_dim
+        if out_f != 3 * heads * hd:
+            raise ValueError(f"tpx.BlocksColwise: {out_f} output features are not [q | v | k] "
+                             f"of {heads} heads of {hd}")
+        if world <= blocks or world % blocks:
+            return super()._out_rows(out_f, world)
+        if heads % world:
+            raise ValueError(f"tpx.BlocksColwise: {heads} heads in {blocks} blocks do not "
+                             f"split over {world} ranks in whole heads; use a TP size that "
+                             f"divides {heads}")
+        part, share = heads * hd // blocks, heads * hd // world  # a block's q; a rank's q
+        per_block = world // blocks
+        rows = []
+        for r in range(world):
+            start = (r // per_block) * 3 * part + (r % per_block) * share
+            rows.append([(start + i * part, start + i * part + share) for i in range(3)])
+        return rows
+
+    def __repr__(self) -> str:
+        return (f"BlocksColwise(n_blocks={self.n_blocks}, n_heads={self.n_heads}, "
+                f"head_dim={self.head_dim})")
+
+
 class KeepWhole(ParallelStyle):
     """Leaves the module whole on every rank (its parameters broadcast from ``src_rank`` as
     every unsharded one). Hugging Face's ``replicate`` and ``local_params`` (tpx's sharded
