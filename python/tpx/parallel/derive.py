@@ -6,7 +6,7 @@
 from the model's computation, not from its module names:
 
 1. **Trace.** One forward of a tiny batch (2 sequences of 7 tokens, on the model's device, in
-   eval mode) with every tensor tagged by the projections (``nn.Linear``, Hugging Face's
+   eval mode; a decoder with cross-attention also gets encoder states) with every tensor tagged by the projections (``nn.Linear``, Hugging Face's
    ``Conv1D``) and embeddings it was computed from (a ``TorchFunctionMode``). Each projection's
    input tags say which projections feed it.
 2. **Pairs.** A projection ``E`` whose input is computed from the outputs of projections
@@ -29,7 +29,14 @@ from the model's computation, not from its module names:
 5. **Kept whole**: everything else (norms, position embeddings, routers) stays whole on every
    rank, as ``Replicate()`` ``DTensor`` s; a module with parameters between a pair's
    projections (a per-head norm of the queries) has its gradient summed over the ranks.
-   The input embedding is split over the vocabulary and the LM head over its outputs.
+   The input embedding is split over the vocabulary and the LM head over its outputs; a
+   bias the head shares with a module above it (BERT's ``cls.predictions.bias``) is split
+   with it and tied again.
+6. **Mamba mixers** (a chain of projections, not a pair) take their own styles: Mamba-2's
+   split by heads, Mamba-1's by channels (:mod:`tpx.parallel.ssm`); pairs inside them are
+   not split again.
+7. **What the TP size cannot split** (attention with fewer heads than ranks) stays whole on
+   every rank, with a warning (``ModelPlan.fit_to``).
 
 The result is a :class:`DerivedPlan`. It is **proved before use**: ``tpx.parallelize_module``
 first applies it to a copy of the model and runs that copy beside the unsharded model on the
