@@ -125,18 +125,24 @@ def _forward(model, ids, labels):
 
 
 def _build(spec):
-    """A Hugging Face model type of CONFIGS, or ``("net", nkv)``: the plain decoder."""
+    """A Hugging Face model type of CONFIGS, ``("net", nkv)``: the plain decoder, or
+    ``("tiny", model_type)``: ``hf_tiny``'s tiny model of that type."""
+    if isinstance(spec, tuple) and spec[0] == "tiny":
+        import hf_tiny
+
+        return hf_tiny.tiny(spec[1])
     return Net(nkv=spec[1]) if isinstance(spec, tuple) else _hf(spec)
 
 
-def _train_like_unsharded(rank, world, spec, steps=3, save_dir=None):
+def _train_like_unsharded(rank, world, spec, steps=3, save_dir=None, splits=None):
+    """``splits``: a style class the derived plan must use (default: RowwiseParallel)."""
     torch.manual_seed(0)
     ref = _build(spec)
     model = copy.deepcopy(ref)
     what = f"{type(ref).__name__} TP={world}"
     plan = tpx.plans.auto(model)
     assert isinstance(plan, tpx.parallel.derive.DerivedPlan), what
-    assert any(isinstance(s, tpx.RowwiseParallel) for s in plan.values()), \
+    assert any(isinstance(s, splits or tpx.RowwiseParallel) for s in plan.values()), \
         f"{what}: the derived plan splits nothing: {plan.kept_whole}"
     tpx.parallelize_module(model, None, plan)
     assert plan.report is not None and plan.report.ok, what
@@ -201,6 +207,25 @@ def test_derived_plan_save_pretrained(tmp_path, arch):
     # groups of [q q q k v]) written back by every rank as one device writes them; BERT's LM
     # head split with its bias, which cls.predictions holds too (written under that key)
     run_ranks(_train_like_unsharded, 2, arch, 2, str(tmp_path))
+
+
+def test_derived_experts_of_an_ep_plan():
+    # ZAYA ships an EP plan and no TP plan: its fused experts are split as a completed plan
+    # splits them (each rank a slice of every expert); its router's MLP, a chain fc1 -> fc2 ->
+    # out_proj, is split once (fc1 -> fc2), not twice
+    from tpx.parallel.moe import ExpertsTensorParallel
+
+    run_ranks(_train_like_unsharded, 2, ("tiny", "zaya"), 3, None, ExpertsTensorParallel)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_derived_scatter_moe(tmp_path, world):
+    # JetMoE's MoE MLP and mixture of attention (ScatterMoE's [E, out, in] experts): split by
+    # features and by KV heads; at TP 3 its 2 KV heads keep the attention whole, said
+    from tpx.parallel.scatter_moe import ScatterMoEParallel
+
+    run_ranks(_train_like_unsharded, world, ("tiny", "jetmoe"), 3,
+              str(tmp_path) if world == 2 else None, ScatterMoEParallel)
 
 
 @pytest.mark.parametrize("world,nkv", [(2, 2), (3, 3), (2, 1)])

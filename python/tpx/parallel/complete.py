@@ -181,7 +181,7 @@ def _groups(model: nn.Module, keys: List[str]):
         yield kind, pat, group
 
 
-def _ep_experts(model: nn.Module, keys: List[str]):
+def ep_experts(model: nn.Module, keys: List[str]):
     """Fused experts the EP plan names and the TP plan does not: (pattern, entries)."""
     ep = getattr(text_config(model), "base_model_ep_plan", None) or {}
     base = getattr(model, "base_model", model)
@@ -237,7 +237,7 @@ def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:
     this one, its Hugging Face style names only) raises nothing. See the module docstring."""
     done = Completion()
     keys = list(hf)
-    candidates = [(f"experts {pat}", pat, entries) for pat, entries in _ep_experts(model, keys)]
+    candidates = [(f"experts {pat}", pat, entries) for pat, entries in ep_experts(model, keys)]
     candidates += [(f"{kind} {pat or '(the model)'}", pat, entries)
                    for kind, pat, entries in _groups(model, keys)]
     candidates += [(f"mixer {pat}", pat, entries) for pat, entries in _mamba_mixers(model, keys)]

@@ -49,6 +49,7 @@ forward and backward of each on the tiny batch, on every rank, once.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -328,22 +329,31 @@ def _pair_entries(model: nn.Module, tr) -> Tuple[Plan, Dict[str, str], Dict[str,
     """The entries of the traced column -> row pairs (steps 2 to 4 of the module docstring),
     the pairs left whole and why, and each entry's pair (the attention module's, the
     projections', and those of the modules in between)."""
+    from .scatter_moe import scatter_moe_style
     from .ssm import mixer_style
 
     plan: Plan = {}
     kept: Dict[str, str] = {}
     why: Dict[str, str] = {}
     members: Dict[str, Pair] = {}
-    # Mamba mixers (a chain of projections, no column -> row pair): split by their style
+    # Mamba mixers (a chain of projections, no column -> row pair) and ScatterMoE's experts
+    # (JetMoE's MLP and mixture of attention): split by their styles
     mixers = []
     for name, mod in model.named_modules():
-        style = mixer_style(mod) if name and not any(name.startswith(m + ".")
-                                                     for m in mixers) else None
+        style = (mixer_style(mod) or scatter_moe_style(mod)) if name and not any(
+            name.startswith(m + ".") for m in mixers) else None
         if style is not None:
             plan[name] = style
             mixers.append(name)
     for sources, sink in pairs(tr):
         if any(n.startswith(m + ".") for n in sources + [sink] for m in mixers):
+            continue
+        taken = [n for n in sources + [sink] if n in members]
+        if taken:  # a chain (a -> b -> c): b is the sink of the first pair, not a source
+            first = members[taken[0]]
+            role = ("the row-parallel end of a pair" if first.sink == taken[0]
+                    else f"a source of the pair ending at {first.sink}")
+            why[sink] = f"{taken[0]} is already {role}"
             continue
         odd = [n for n in sources + [sink] if not tr.linear_like.get(n, True)]
         if odd:
@@ -367,6 +377,24 @@ def _pair_entries(model: nn.Module, tr) -> Tuple[Plan, Dict[str, str], Dict[str,
         members.update({n: pair for n in sources + [sink] + list(pair.region)})
     kept.update(why)
     return plan, kept, members
+
+
+def _ep_experts(model: nn.Module, plan: Plan) -> Plan:
+    """Fused experts the model's ``base_model_ep_plan`` names (ZAYA ships that plan and no TP
+    plan): split as a completed plan splits them (expert TP, each rank a slice of every
+    expert's intermediate features), one entry per experts module."""
+    from .complete import ep_experts
+    from .hf_plan import translate_entries
+
+    out: Plan = {}
+    names = [n for n, _ in model.named_modules() if n]
+    for pat, entries in ep_experts(model, list(plan)):
+        styles = translate_entries(model, entries, sequence_parallel=False, loss_parallel=False,
+                                   experts="tp")
+        for n in names:
+            if fnmatch.fnmatchcase(n, pat) and n.count(".") == pat.count("."):
+                out[n] = styles[pat]
+    return out
 
 
 def _attention_style(pair: Pair) -> ParallelStyle:
@@ -421,6 +449,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     example = dict(example) if example is not None else example_inputs(model)
     tr = trace(model, example)
     plan, kept, members = _pair_entries(model, tr)
+    plan.update(_ep_experts(model, plan))
     emb = model.get_input_embeddings() if callable(
         getattr(model, "get_input_embeddings", None)) else None
     modules = {m: n for n, m in model.named_modules()}

@@ -133,8 +133,8 @@ class Mamba2Parallel(ParallelStyle):
                              f"{type(norm).__name__} is not a gated RMS norm tpx knows")
         i, h, g, n, hd = _sizes(module)
         what = f"Mamba2Parallel({type(module).__name__})"
-        module.in_proj = _column(module.in_proj, rows["in_proj"], ctx)
-        module.out_proj = _row(module.out_proj, rows["features"], ctx)
+        module.in_proj = column_linear(module.in_proj, rows["in_proj"], ctx)
+        module.out_proj = row_linear(module.out_proj, rows["features"], ctx)
         conv_rows, head_rows = rows["conv"], rows["heads"]
         conv = module.conv1d
         shard_in_place(conv, [("weight", 0, conv_rows)] + (
@@ -171,14 +171,16 @@ class Mamba2Parallel(ParallelStyle):
         return "Mamba2Parallel()"
 
 
-def _column(linear: nn.Linear, out_rows, ctx: TPContext) -> ColumnParallelLinear:
+def column_linear(linear: nn.Linear, out_rows, ctx: TPContext) -> ColumnParallelLinear:
+    """``linear`` as a :class:`tpx.ColumnParallelLinear` holding the rows ``out_rows[rank]``."""
     return ColumnParallelLinear(
         linear.in_features, linear.out_features, bias=linear.bias is not None, group=ctx.group,
         device=linear.weight.device, dtype=linear.weight.dtype, out_rows=out_rows,
         src_rank=ctx.src_rank, _full_weights=(linear.weight, linear.bias))
 
 
-def _row(linear: nn.Linear, cols, ctx: TPContext) -> RowParallelLinear:
+def row_linear(linear: nn.Linear, cols, ctx: TPContext) -> RowParallelLinear:
+    """``linear`` as a :class:`tpx.RowParallelLinear` holding the columns ``cols[rank]``."""
     return RowParallelLinear(
         linear.in_features, linear.out_features, bias=linear.bias is not None, group=ctx.group,
         device=linear.weight.device, dtype=linear.weight.dtype, in_cols=cols,
@@ -332,9 +334,10 @@ class Mamba1Parallel(ParallelStyle):
                              f"at most {i}")
         chans = [balanced_bounds(i, r, world) for r in range(world)]
         rows = [[c] for c in chans]
-        module.in_proj = _column(module.in_proj, [[c, (i + c[0], i + c[1])] for c in chans], ctx)
-        module.x_proj = _row(module.x_proj, chans, ctx)
-        module.out_proj = _row(module.out_proj, chans, ctx)
+        module.in_proj = column_linear(module.in_proj, [[c, (i + c[0], i + c[1])] for c in chans],
+                                       ctx)
+        module.x_proj = row_linear(module.x_proj, chans, ctx)
+        module.out_proj = row_linear(module.out_proj, chans, ctx)
         conv, dt = module.conv1d, module.dt_proj
         for mod, names, part in ((conv, ("weight", "bias"), "conv1d"),
                                  (dt, ("weight", "bias"), "dt_proj"),
