@@ -32,9 +32,12 @@ from the model's computation, not from its module names:
    The input embedding is split over the vocabulary and the LM head over its outputs; a
    bias the head shares with a module above it (BERT's ``cls.predictions.bias``) is split
    with it and tied again.
-6. **Mamba mixers** (a chain of projections, not a pair) take their own styles: Mamba-2's
-   split by heads, Mamba-1's by channels (:mod:`tpx.parallel.ssm`); pairs inside them are
-   not split again.
+6. **Mamba mixers and experts** (a chain of projections, not a pair) take their own styles:
+   Mamba-2's split by heads, Mamba-1's by channels (:mod:`tpx.parallel.ssm`), JetMoE's MoE
+   MLP and mixture of attention by features and heads (:mod:`tpx.parallel.scatter_moe`);
+   pairs inside them are not split again. Fused experts a model's ``base_model_ep_plan``
+   names (ZAYA's, which ships no TP plan) are split as a completed plan splits them. A chain
+   ``a -> b -> c`` of projections is split once, as the pair ``a -> b``.
 7. **What the TP size cannot split** (attention with fewer heads than ranks) stays whole on
    every rank, with a warning (``ModelPlan.fit_to``).
 

@@ -160,4 +160,3 @@ def _shard(experts: nn.Module, dim: int, rows: List[List[Tuple[int, int]]], ctx:
     experts.group = ctx.group
     experts._shards = lambda rows=rows: [("weight", dim, rows)]
     describe_params(experts)
-
