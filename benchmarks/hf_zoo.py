@@ -331,6 +331,10 @@ def run(archs, world: int, impls, timeout: float, dtype: torch.dtype, chunk: int
     imported once per group). A case that does not finish within ``timeout`` seconds is
     recorded as a crash (a hang or a dead rank), its group killed, and the cases after it
     run in a new group. The rows of rank 0."""
+    # A rank reaches parallelize_module after deriving its plan alone, which on a loaded
+    # machine may take one rank much longer than another; this runner bounds hangs itself
+    # (``timeout``), so tpx's check that every rank came waits as long.
+    os.environ.setdefault("TPX_ENTRY_GRACE", str(max(30, int(timeout))))
     rows: list = []
     todo = [(a, i) for a in archs for i in impls]
     while todo:
