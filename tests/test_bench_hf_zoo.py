@@ -96,10 +96,10 @@ def _whole_set(tmp_path, which: str, types: list, at_least: int) -> None:
 @pytest.mark.slow
 def test_models_without_a_plan_never_silently_wrong(tmp_path):
     # every causal LM whose config ships no TP plan, through the plan tpx derives and proves
-    # ("broken": 10 of transformers 5.24's 68)
+    # ("broken": 9 of transformers 5.24's 68)
     import hf_tiny
 
-    _whole_set(tmp_path, "no-plan", hf_tiny.no_plan_types(), 45)
+    _whole_set(tmp_path, "no-plan", hf_tiny.no_plan_types(), 50)
 
 
 def test_multimodal_zoo_subset(tmp_path):
