@@ -228,6 +228,19 @@ def test_derived_scatter_moe(tmp_path, world):
               str(tmp_path) if world == 2 else None, ScatterMoEParallel)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_derived_sub_norms(tmp_path, world):
+    # BitNet's RMS norms over the intermediate features (between [gate | up] and down_proj)
+    # and over the heads (before o_proj): split with the features, their sums of squares
+    # added over the ranks; at TP 3 the features and heads are uneven. Two steps: the norm
+    # sums in float32 (as BitNet's does) in parts, and AdamW turns that rounding (3e-7 in the
+    # logits) into 1e-5 after two steps, 4e-5 after three
+    from tpx.parallel.derive import UnitNorm
+
+    run_ranks(_train_like_unsharded, world, ("tiny", "bitnet"), 2,
+              str(tmp_path) if world == 2 else None, UnitNorm)
+
+
 @pytest.mark.parametrize("world,nkv", [(2, 2), (3, 3), (2, 1)])
 def test_plain_decoder_in_unknown_names(world, nkv):
     # (2, 1): one KV head held by both ranks, its gradient summed over them
@@ -326,12 +339,33 @@ def test_a_plan_that_cannot_be_proved_is_refused_and_changes_nothing():
 
 
 def test_kept_whole_pairs_say_why():
-    # a norm over all heads between the heads and the output projection (BitNet's
-    # attn_sub_norm): every head reads every feature, so that pair stays whole
+    # a norm over all heads between the heads and the output projection that is not an RMS
+    # norm tpx can split (BitNet's attn_sub_norm made a LayerNorm): every head reads every
+    # feature, so that pair stays whole; the MLP's RMS sub-norm is split
     cfg = transformers.AutoConfig.for_model(
         "bitnet", vocab_size=V, hidden_size=48, intermediate_size=40, num_hidden_layers=1,
         num_attention_heads=6, num_key_value_heads=6)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.model.layers[0].self_attn.attn_sub_norm = nn.LayerNorm(48)
     plan = tpx.plans.auto(model)
+    assert type(plan["model.layers.0.mlp.ffn_sub_norm"]).__name__ == "UnitNorm"
+    assert "model.layers.0.self_attn.attn_sub_norm" not in plan
     assert "model.layers.0.self_attn.o_proj" not in plan
     assert "every output feature" in plan.kept_whole["model.layers.0.self_attn.o_proj"]
+
+
+def test_rms_norms_split_only_where_computed_as_llamas():
+    # a norm between a pair is split only where it computes Llama's RMS norm (checked on a
+    # copy with a random weight): Gemma's (1 + weight) and a LayerNorm are not
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from tpx.parallel.trace import rms_norm_eps
+
+    assert rms_norm_eps(LlamaRMSNorm(16, eps=1e-5)) == 1e-5
+    assert rms_norm_eps(GemmaRMSNorm(16, eps=1e-6)) is None
+    assert rms_norm_eps(nn.LayerNorm(16)) is None
+    norm = LlamaRMSNorm(16, eps=1e-5)
+    before = norm.weight.detach().clone()
+    rms_norm_eps(norm)
+    assert torch.equal(norm.weight, before)  # the probe runs on a copy

@@ -21,7 +21,10 @@ from the model's computation, not from its module names:
    Falcon's groups, GPT BigCode's multi-query) is split correctly without being recognised,
    and KV heads read by several ranks are held by each of them (their gradients summed).
    A pair whose every unit needs all features of a projection (a norm over all heads before
-   the output projection) is left whole.
+   the output projection) is left whole, unless that norm computes Llama's RMS norm over the
+   row-parallel projection's whole input (BitNet's sub-norms): the model is then traced again
+   with the norm's statistic cut from the gradient, and the norm is split with the columns,
+   each rank's sums of squares added over the group (:class:`UnitNorm`).
 4. **The attention module** (the smallest module holding a pair split in heads) is told its
    local head counts: its integer attributes equal to the query heads, the KV heads or their
    widths are set to this rank's; a tensor input with a dimension of one entry per head
@@ -60,14 +63,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.groups import head_split
+from ..comm.groups import head_split, shard_bounds
+from ..layout.initial import shard_in_place
+from ..layout.sharding import describe_params
+from ..nn.ssm import GatedRMSNormParallel
 from .base import ModelPlan, ParallelStyle, TPContext
 from .generate import with_generate
 from .hf_styles import VocabParallelEmbeddingStyle, own_embedding_forward
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
 from .sequence import Chain
 from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard
-from .trace import Pair, analyse, example_inputs, is_projection, pairs, trace
+from .trace import Pair, analyse, example_inputs, is_projection, norms_between, pairs, trace
 
 __all__ = ["derive", "DerivedPlan"]
 
@@ -116,6 +122,33 @@ class UnitRowwise(RowwiseParallel):
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         module._tpx_plain_equivalent = True
         return super().apply(module, ctx)
+
+
+class UnitNorm(ParallelStyle):
+    """An RMS norm over the whole input of a derived pair's row-parallel projection (BitNet's
+    sub-norms): each rank holds the weight of the sink's columns it holds, and the sums of
+    squares of its features are added over the group (one all-reduce forward, one backward:
+    :class:`tpx.nn.ssm.GatedRMSNormParallel` with one group of every feature, no gate)."""
+
+    def __init__(self, pair: Pair, eps: float) -> None:
+        self.pair, self.eps = pair, float(eps)
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        pg = ctx.group
+        width, world = self.pair.width, pg.size()
+        cols = self.pair.sink_cols(world) or [shard_bounds(width, r, world)
+                                             for r in range(world)]
+        shard_in_place(module, [("weight", 0, [[c] for c in cols])], pg, ctx.src_rank,
+                       f"derived RMS norm before {self.pair.sink}",
+                       dict(features=width, part="norm"))
+        new = GatedRMSNormParallel(module.weight, cols=cols, features=width, group_size=width,
+                                   eps=self.eps, group=pg)
+        new._tpx_dtensor_params = True  # Shard(0) where the columns are shard_range's
+        describe_params(new)
+        return new
+
+    def __repr__(self) -> str:
+        return f"UnitNorm(derived: {self.pair.sink}'s input features, sums over the ranks)"
 
 
 class HeadInputs(ParallelStyle):
@@ -376,7 +409,8 @@ def _pair_entries(model: nn.Module, tr) -> Tuple[Plan, Dict[str, str], Dict[str,
             plan[s] = UnitColwise(pair, s)
         plan[sink] = UnitRowwise(pair)
         for r in pair.region:
-            plan[r] = ReplicatedWithGradAllReduce()
+            plan[r] = (UnitNorm(pair, tr.detached[r]) if r in tr.detached
+                       else ReplicatedWithGradAllReduce())
         members.update({n: pair for n in sources + [sink] + list(pair.region)})
     kept.update(why)
     return plan, kept, members
@@ -451,6 +485,9 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
             "plan by hand and pass it as plan=")
     example = dict(example) if example is not None else example_inputs(model)
     tr = trace(model, example)
+    norms = norms_between(model, tr)
+    if norms:  # traced again with their statistic cut: each feature depends on its own
+        tr = trace(model, example, detach=norms)
     plan, kept, members = _pair_entries(model, tr)
     plan.update(_ep_experts(model, plan))
     emb = model.get_input_embeddings() if callable(

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from .base import TPContext
-from .derive import DerivedPlan, HeadInputs, UnitColwise, UnitRowwise, derive, local_counts
+from .derive import (DerivedPlan, HeadInputs, UnitColwise, UnitNorm, UnitRowwise, derive,
+                     local_counts)
 from .module_styles import ShardedAttention
 from .sequence import Chain
 from .trace import Pair, example_inputs
@@ -258,14 +259,14 @@ def _real_names(model: nn.Module, twin_names: List[str]) -> Dict[str, str]:
 
 
 def _pair_of(st) -> Optional[Pair]:
-    if isinstance(st, (UnitColwise, UnitRowwise)):
+    if isinstance(st, (UnitColwise, UnitRowwise, UnitNorm)):
         return st.pair
     return None
 
 
 def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse):
     """The style ``st`` of twin A's entry ``key``, for the model."""
-    if isinstance(st, (UnitColwise, UnitRowwise)):
+    if isinstance(st, (UnitColwise, UnitRowwise, UnitNorm)):
         p = st.pair
         if id(p) not in scaled:
             names = list(p.sources) + [p.sink]

@@ -20,7 +20,7 @@ from .hf_styles import text_config
 from .style import is_conv1d
 
 __all__ = ["BATCH", "SEQ", "Trace", "Pair", "trace", "pairs", "analyse", "example_inputs",
-           "is_projection", "own_forward"]
+           "is_projection", "own_forward", "rms_norm_eps", "norms_between"]
 
 BATCH, SEQ = 2, 7  # the traced batch; odd length, so no size is mistaken for a head count
 
@@ -76,6 +76,7 @@ class Trace:
     call_args: Dict[str, list] = field(default_factory=dict)  # module -> [(key, tensor)]
     out_tags: Set[str] = field(default_factory=set)
     linear_like: Dict[str, bool] = field(default_factory=dict)  # subclass -> computes F.linear
+    detached: Dict[str, float] = field(default_factory=dict)  # RMS norm -> eps (statistic cut)
 
 
 def example_inputs(model: nn.Module) -> Dict[str, Tensor]:
@@ -130,8 +131,70 @@ def _call(model: nn.Module, example: Dict[str, Tensor]):
     return model(**example)
 
 
-def trace(model: nn.Module, example: Dict[str, Tensor]) -> Trace:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float, cut: bool = False) -> Tensor:
+    """Llama's RMS norm: in float32, cast back before the weight; ``cut``: the statistic
+    computed from ``x`` detached (the same values, no gradient through the mean)."""
+    h = x.to(torch.float32)
+    var = (h.detach() if cut else h).pow(2).mean(-1, keepdim=True)
+    return weight * (h * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def rms_norm_eps(module: nn.Module) -> Optional[float]:
+    """The epsilon of a module that computes Llama's RMS norm over its last dimension with
+    its one 1-D ``weight`` (BitNet's, Llama's and their copies: ``weight * (x * rsqrt(mean(x^2)
+    + eps))`` in float32, cast back before the weight), checked on a copy with a random
+    weight; ``None`` for any other module (a Gemma-style ``1 + weight``, a LayerNorm)."""
+    w = getattr(module, "weight", None)
+    eps = next((getattr(module, a) for a in ("variance_epsilon", "eps", "epsilon")
+                if isinstance(getattr(module, a, None), float)), None)
+    if (eps is None or not isinstance(w, nn.Parameter) or w.dim() != 1 or w.numel() < 2
+            or w.device.type == "meta" or len(list(module.parameters())) != 1
+            or any(True for _ in module.children())):
+        return None
+    import copy
+
+    gen = torch.Generator().manual_seed(7)
+    probe = copy.deepcopy(module)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(w.shape, generator=gen).to(w.dtype))
+        x = torch.randn(3, w.numel(), generator=gen).to(w.device, w.dtype)
+        try:
+            got = probe(x)
+        except Exception:  # noqa: BLE001 - a norm of another signature: not this one
+            return None
+        want = _rms_norm(x, probe.weight, eps)
+    ok = isinstance(got, Tensor) and got.shape == want.shape and bool(
+        torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+    return eps if ok else None
+
+
+def norms_between(model: nn.Module, tr: "Trace") -> Dict[str, float]:
+    """The RMS norms that compute on a traced pair's sources only and normalise the sink's
+    whole input (BitNet's ``ffn_sub_norm`` between ``[gate | up]`` and ``down_proj``, its
+    ``attn_sub_norm`` before ``o_proj``): name -> epsilon. Their statistic, over every
+    feature, is what makes every column depend on all of them; split, each rank sums its
+    features' squares and the sums are added over the ranks."""
+    out: Dict[str, float] = {}
+    for sources, sink in pairs(tr):
+        width = tr.inputs[sink].shape[-1]
+        for name, tags in tr.module_inputs.items():
+            mod = model.get_submodule(name)
+            w = getattr(mod, "weight", None)
+            if (tags and tags <= set(sources) and not is_projection(mod)
+                    and isinstance(w, Tensor) and w.dim() == 1 and w.numel() == width):
+                eps = rms_norm_eps(mod)
+                if eps is not None:
+                    out[name] = eps
+    return out
+
+
+def trace(model: nn.Module, example: Dict[str, Tensor],
+          detach: Optional[Dict[str, float]] = None) -> Trace:
+    """The traced forward (module docstring). ``detach``: RMS norms (name -> epsilon) whose
+    statistic is cut from the gradient, so that autograd sees each feature depend on its own
+    (:func:`norms_between`)."""
     tr = Trace()
+    tr.detached = dict(detach or {})
     mode = Tags()
     hooks = []
     modules = dict(model.named_modules())
@@ -155,6 +218,8 @@ def trace(model: nn.Module, example: Dict[str, Tensor]) -> Trace:
         def hook(m, args, out):
             if not isinstance(out, Tensor):
                 return None
+            if name in tr.detached:
+                return _rms_norm(args[0], mod.weight, tr.detached[name], cut=True)
             if is_projection(mod):
                 if own_forward(mod) and name not in tr.linear_like:
                     with torch.no_grad():
@@ -172,7 +237,7 @@ def trace(model: nn.Module, example: Dict[str, Tensor]) -> Trace:
         if not name:
             continue
         hooks.append(mod.register_forward_pre_hook(pre(name, mod), with_kwargs=True))
-        if is_projection(mod) or isinstance(mod, nn.Embedding):
+        if is_projection(mod) or isinstance(mod, nn.Embedding) or name in tr.detached:
             hooks.append(mod.register_forward_hook(post(name, mod)))
     was_training = model.training
     saved = _state(model)
