@@ -40,7 +40,9 @@ numbers differ: the first tensor out of tolerance is named), ``refused`` (an err
 the library that says it does not take the model, before training), ``crash`` (any other
 exception, a hang or a dead rank; the exception's first line) or ``broken`` (the unsharded
 model itself fails to build or to train one step, before any library shards it: a model of
-an older transformers on an older torch).
+an older transformers on an older torch; for ``tpx-load``, also the model transformers itself
+reads from the written files: XLNet's bare ``FloatTensor`` parameters stay float32 in a
+float64 model, and its forward fails).
 
     python benchmarks/hf_zoo.py [--tp 2 4] [--set plan|no-plan] [--archs llama,qwen3,...]
                                 [--impls tpx,hf,tpx-sp,tpx-load,tpx-derive]
@@ -98,8 +100,14 @@ def _full(t):
 _SCRATCH = {"dir": None}  # a directory every rank of the group sees (tpx-load's files)
 
 
-def _load(ref, arch: str, dtype: torch.dtype):
-    """``tpx-load``: ``ref`` written by transformers, read back sharded by tpx."""
+class _UnreadByTransformers(Exception):
+    """transformers' own ``from_pretrained`` of the written files does not train a step: the
+    case is ``broken`` (not tpx's to pass)."""
+
+
+def _load(ref, arch: str, dtype: torch.dtype, images: bool):
+    """``tpx-load``: ``ref`` written by transformers, read back sharded by tpx, with the
+    model's own class (a text config some auto class does not map, Mllama's, is read so)."""
     import torch.distributed as dist
 
     import tpx
@@ -110,8 +118,16 @@ def _load(ref, arch: str, dtype: torch.dtype):
     dist.barrier()
     # its config object: the tiny configs' eager attention and experts (float64) are settings
     # of the object that config.json does not carry
-    return tpx.from_pretrained(path, dtype=dtype, config=copy.deepcopy(ref.config),
-                               model_class=hf_tiny.auto_class(arch)).train()
+    config = copy.deepcopy(ref.config)
+    try:  # what transformers itself reads from the files must train a step
+        back = type(ref).from_pretrained(path, dtype=dtype, config=copy.deepcopy(config))
+        back.train()(**_batch(0, "tpx-load", ref if images else None, dtype)).loss.backward()
+    except Exception as e:  # noqa: BLE001 - recorded
+        line = (str(e).strip().splitlines() or [""])[0]
+        raise _UnreadByTransformers(f"transformers' from_pretrained of the files: "
+                                    f"{type(e).__name__}: {line}") from None
+    return tpx.from_pretrained(path, dtype=dtype, config=config,
+                               model_class=type(ref)).train()
 
 
 def _saved_back(model, ref, arch: str, dtype: torch.dtype):
@@ -124,7 +140,7 @@ def _saved_back(model, ref, arch: str, dtype: torch.dtype):
     model.save_pretrained(path)
     if dist.get_rank() != 0:
         return None
-    back = hf_tiny.auto_class(arch).from_pretrained(path, dtype=dtype).state_dict()
+    back = type(ref).from_pretrained(path, dtype=dtype).state_dict()
     for key, value in ref.state_dict().items():
         if key not in back:
             return f"{key} missing from the saved directory"
@@ -229,7 +245,10 @@ def _case(impl: str, arch: str, world: int, dtype: torch.dtype) -> dict:
         return dict(status="broken", detail=f"unsharded: {type(e).__name__}: {line}"[:300])
     ref = ref.to(dtype)
     if impl == "tpx-load":
-        model = _load(ref, arch, dtype)
+        try:
+            model = _load(ref, arch, dtype, images)
+        except _UnreadByTransformers as e:
+            return dict(status="broken", detail=str(e)[:300])
     else:
         model = copy.deepcopy(ref)
         _shard(impl, model, world)
