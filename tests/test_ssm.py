@@ -1,8 +1,9 @@
 """Mamba-2 mixers split by heads (tpx.parallel.ssm.Mamba2Parallel), added by the completed
 plans of the hybrids built on them (Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hybrid), and their
 gated norm over features split across ranks (tpx.nn.ssm.GatedRMSNormParallel); Mamba-1 mixers
-split by channels (tpx.parallel.ssm.Mamba1Parallel: Jamba, Mamba, Falcon-Mamba); each against
-the unsharded computation."""
+split by channels (tpx.parallel.ssm.Mamba1Parallel: Jamba, Mamba, Falcon-Mamba); Gated
+DeltaNet linear attention split by heads (tpx.parallel.delta_net.GatedDeltaNetParallel:
+OLMo-hybrid); each against the unsharded computation."""
 
 import copy
 import os
@@ -156,8 +157,9 @@ def _loaded_and_saved(rank, world, d, arch):
     # built on the meta device: the completed plan proved on the model's twin
     ref, model = hf_tiny.written_and_loaded(arch, one)
     path = _MIXER.get(arch, "model.layers.0.mamba")
-    mixer, whole = model.get_submodule(path), ref.get_submodule(path).in_proj
-    assert local_part(mixer.in_proj.weight).shape[0] < whole.out_features
+    proj = "q_proj" if arch == "olmo_hybrid" else "in_proj"
+    mixer, whole = model.get_submodule(path), getattr(ref.get_submodule(path), proj)
+    assert local_part(getattr(mixer, proj).weight).shape[0] < whole.out_features
     ids, _ = _batch(1)
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
                                rtol=1e-4, atol=2e-5)
@@ -166,13 +168,14 @@ def _loaded_and_saved(rank, world, d, arch):
     _assert_same_files(tp, one, f"{arch} TP {world}", atol=0)
 
 
-_MIXER = {"mamba": "backbone.layers.0.mixer"}
+_MIXER = {"mamba": "backbone.layers.0.mixer", "olmo_hybrid": "model.layers.0.linear_attn"}
 
 
 @pytest.mark.parametrize("arch,world", [
     ("bamba", 2), pytest.param("bamba", 4, marks=pytest.mark.slow),
     pytest.param("falcon_h1", 2, marks=pytest.mark.slow),  # its mup_vector set whole on load
-    ("mamba", 3)])  # Mamba-1 mixers: the plan derived on twins, channels 3 ways
+    ("mamba", 3),  # Mamba-1 mixers: the plan derived on twins, channels 3 ways
+    ("olmo_hybrid", 3)])  # Gated DeltaNet: 4 key heads 3 ways, proved on the twin
 def test_hybrid_loads_and_saves_with_its_mixers_split(tmp_path, arch, world):
     run_ranks(_loaded_and_saved, world, str(tmp_path), arch)
 
@@ -211,3 +214,59 @@ def _mamba1_split_like_one_device(rank, world, arch):
                                                      marks=pytest.mark.slow)])
 def test_mamba1_mixers_split_by_channels(arch, world):
     run_ranks(_mamba1_split_like_one_device, world, arch)
+
+
+def _delta_net_split_like_one_device(rank, world, overrides):
+    """OLMo-hybrid's Gated DeltaNet layers (completed into its plan) hold this rank's heads:
+    logits and every gradient equal one device's (float64); with fewer key heads than ranks
+    the layer stays whole, said, and the rest is split."""
+    import warnings
+
+    from tpx.parallel.delta_net import is_gated_delta_net
+
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny("olmo_hybrid", **overrides).double()
+    model = copy.deepcopy(ref)
+    plan = tpx.plans.auto(model)
+    assert "mixer model.layers.*.linear_attn" in plan.completion.groups, plan.completion.left
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tpx.parallelize_module(model, None, plan)
+    layers = [(n, m) for n, m in ref.named_modules() if is_gated_delta_net(m)]
+    assert layers
+    for name, whole in layers:
+        m = model.get_submodule(name)
+        hk, hv = whole.num_k_heads, whole.num_v_heads
+        if hk < world:  # kept whole on every rank
+            assert m.num_k_heads == hk and type(m.q_proj) is torch.nn.Linear
+            assert any("cannot be split" in str(w.message) and "linear_attn" in str(w.message)
+                       for w in caught), [str(w.message) for w in caught]
+            continue
+        lo, hi = hk * rank // world, hk * (rank + 1) // world
+        assert m.num_k_heads == hk // world + (rank < hk % world)
+        assert local_part(m.q_proj.weight).shape[0] == m.key_dim == m.num_k_heads * m.head_k_dim
+        assert local_part(m.v_proj.weight).shape[0] == m.value_dim == \
+            local_part(m.o_proj.weight).shape[1] == m.num_v_heads * m.head_v_dim
+        assert m.A_log.shape[0] == m.dt_bias.shape[0] == m.num_v_heads == \
+            m.num_k_heads * hv // hk
+        assert m.conv1d.weight.shape[0] == 2 * m.key_dim + m.value_dim, (lo, hi)
+    ids, labels = _batch(0)
+    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, f"olmo_hybrid TP {world}", grad=True, rtol=1e-5,
+                          atol=1e-7)
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, {}), (3, {}),  # 4 key heads: 2, 2 and 2, 1, 1
+    (2, dict(linear_num_value_heads=8)),  # each key head serves 2 value heads
+    (3, dict(linear_num_key_heads=2, linear_num_value_heads=4))])  # fewer than ranks: whole
+def test_gated_delta_net_split_by_heads(world, overrides):
+    run_ranks(_delta_net_split_like_one_device, world, overrides)
+
+
+def test_gated_delta_net_trains_like_one_device():
+    # three AdamW steps: logits, loss, every gradient and every parameter against one device
+    run_ranks(_train_like_unsharded, 2, "olmo_hybrid", False, False)

@@ -117,7 +117,11 @@ def _parts_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> List[Tensor
     of a column-parallel layer; the whole output; or, for an output split along one
     dimension, this rank's block first and then every other block of that size (a block held
     by several ranks, as a replicated KV head, sits elsewhere than the rank's own). Empty when
-    no part has ``local``'s shape."""
+    no part has ``local``'s shape, and for a module whose output interleaves this rank's
+    part with the others' (``_tpx_output_interleaved``: Gated DeltaNet's per-head norm, its
+    heads flattened into the rows), whose gradients and consumers are compared instead."""
+    if getattr(module, "_tpx_output_interleaved", False):
+        return []
     if local.shape == full.shape:
         return [full]
     rows = getattr(module, "out_rows", None)

@@ -20,10 +20,12 @@ entries for the modules of a known structure that no entry covers:
   inputs ``colwise``, the output ``rowwise``;
 * **vocabulary tables** beside the input embedding (Gemma 4's per-layer embeddings), as
   many rows as a vocabulary of the config: vocab-parallel (``embedding_rowwise``);
-* **Mamba mixers** (:func:`tpx.parallel.ssm.mixer_style`): Mamba-2's (Bamba's, Falcon-H1's,
-  Nemotron-H's, ...) :class:`tpx.parallel.ssm.Mamba2Parallel`, split by heads and groups,
-  and Mamba-1's (Jamba's) :class:`tpx.parallel.ssm.Mamba1Parallel`, split by channels: tpx
-  styles (no Hugging Face style states them), with every per-channel parameter;
+* **sequence mixers** (:func:`tpx.parallel.mixers.mixer_style`): Mamba-2's (Bamba's,
+  Falcon-H1's, Nemotron-H's, ...) :class:`tpx.parallel.ssm.Mamba2Parallel`, split by heads
+  and groups, Mamba-1's (Jamba's) :class:`tpx.parallel.ssm.Mamba1Parallel`, split by
+  channels, and Gated DeltaNet's (OLMo-hybrid's)
+  :class:`tpx.parallel.delta_net.GatedDeltaNetParallel`, split by heads: tpx styles (no
+  Hugging Face style states them), with every per-channel parameter;
 * **fused experts** a model's ``base_model_ep_plan`` names (``ep_dispatch_experts``) that its
   TP plan does not: ``moe_tp_experts``, their 3-D ``gate_up_proj`` / ``down_proj`` read in the
   layout the module's class uses (its ``is_transposed`` / ``is_concatenated``, or
@@ -38,6 +40,7 @@ is used.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import re
 from typing import Dict, List, Optional
@@ -215,7 +218,7 @@ def _mamba_mixers(model: nn.Module, keys: List[str]):
     """Mamba mixers no plan key covers: (pattern, {key: its style}). A pattern that would also
     name other modules (Nemotron-H's ``mixer`` is attention or an MLP in some layers) is given
     as each mixer's own name."""
-    from .ssm import mixer_style
+    from .mixers import mixer_style
 
     modules = dict(model.named_modules())
     found: Dict[str, List[str]] = {}
@@ -228,7 +231,7 @@ def _mamba_mixers(model: nn.Module, keys: List[str]):
     for pat, names in found.items():
         same = [n for n in modules if n and fnmatch.fnmatchcase(n, pat)]
         listed = [pat] if sorted(same) == sorted(names) else names
-        yield pat, {k: type(styles[pat])() for k in listed}
+        yield pat, {k: copy.copy(styles[pat]) for k in listed}
 
 
 def complete(model: nn.Module, hf: Dict[str, str], accept) -> Completion:

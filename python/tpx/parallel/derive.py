@@ -366,7 +366,7 @@ def _pair_entries(model: nn.Module, tr) -> Tuple[Plan, Dict[str, str], Dict[str,
     the pairs left whole and why, and each entry's pair (the attention module's, the
     projections', and those of the modules in between)."""
     from .scatter_moe import scatter_moe_style
-    from .ssm import mixer_style
+    from .mixers import mixer_style
 
     plan: Plan = {}
     kept: Dict[str, str] = {}

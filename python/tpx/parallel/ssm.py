@@ -42,7 +42,7 @@ from ..nn.ssm import GatedRMSNormParallel
 from .style import ParallelStyle, TPContext
 
 __all__ = ["Mamba1Parallel", "Mamba2Parallel", "is_mamba1_mixer", "is_mamba2_mixer",
-           "mamba2_rows", "mixer_style"]
+           "mamba2_rows", "column_linear", "row_linear"]
 
 _PARTS = ("in_proj", "out_proj", "conv1d", "A_log", "D", "dt_bias")
 _SIZES = ("intermediate_size", "conv_dim", "num_heads", "n_groups", "ssm_state_size",
@@ -366,16 +366,3 @@ class Mamba1Parallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return "Mamba1Parallel()"
-
-
-def mixer_style(module: nn.Module):
-    """The style that splits ``module`` if it is a Mamba mixer tpx knows, else ``None``."""
-    if is_mamba2_mixer(module):
-        try:
-            mamba2_rows(module, 1)  # sizes that fit its parts
-        except ValueError:
-            return None
-        return Mamba2Parallel()
-    if is_mamba1_mixer(module):
-        return Mamba1Parallel()
-    return None
