@@ -10,7 +10,8 @@ entries for the modules of a known structure that no entry covers:
 
 * **attention**: a module with ``q_proj``, ``k_proj``, ``v_proj`` and one output projection
   (``o_proj``, ``out_proj``, ``dense``), all ``nn.Linear``: q/k/v ``colwise`` (split in whole
-  heads, KV heads replicated where fewer than ranks), the output ``rowwise``; a per-head
+  heads, KV heads replicated where fewer than ranks) with a gate of the output beside them
+  (``g_proj`` / ``gate_proj``: one per head, LFM3's, or per feature), the output ``rowwise``; a per-head
   parameter of the attention (gpt-oss's ``sinks``, one per query head) split with its heads;
 * **multi-head latent attention** (DeepSeek-V3's, whose plan leaves it out): the entries
   DeepSeek-V2's plan gives it (``q_proj`` or ``q_b_proj`` and ``kv_b_proj`` ``colwise``,
@@ -53,6 +54,7 @@ __all__ = ["complete", "Completion"]
 
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 _ATTN_OUT = ("o_proj", "out_proj", "dense")
+_ATTN_GATES = ("g_proj", "gate_proj")  # a gate per head or per feature of the attention output
 # Column-parallel inputs first, the row-parallel output last; gated ones before the plain
 # pair their names contain.
 _MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("up_proj", "down_proj"),
@@ -140,7 +142,9 @@ def _found(name: str, mod: nn.Module, vocabularies):
     if found is None and all(_linear(kids.get(c)) for c in _ATTN_IN):
         outs = [c for c in _ATTN_OUT if _linear(kids.get(c))]
         if len(outs) == 1:
-            found = ("attention", {**{c: "colwise" for c in _ATTN_IN}, outs[0]: "rowwise"})
+            gates = {c: "colwise" for c in _ATTN_GATES if _linear(kids.get(c))}
+            found = ("attention", {**{c: "colwise" for c in _ATTN_IN}, **gates,
+                                   outs[0]: "rowwise"})
     if found is None:
         for parts in _MLPS:
             if all(_linear(kids.get(c)) for c in parts):

@@ -88,6 +88,7 @@ def hf_tp_plan(model: nn.Module) -> Dict[str, str]:
 # ------------------------------------------------------------------ translation
 
 _Q, _K, _V = ("q_proj",), ("k_proj",), ("v_proj",)
+_GATES = ("g_proj", "gate_proj")  # inside attention: a gate per head (LFM3) or per feature
 _FUSED_QKV = "qkv_proj"            # [q | k | v] (Phi-3's layout)
 _PER_HEAD_QKV = "query_key_value"  # [q k v] per head (GPT-NeoX's layout)
 _COLWISE_OUT = ("colwise",)        # output left sharded: heads split
@@ -113,6 +114,24 @@ def _local_heads_update(module: nn.Module, heads: int, kv_heads: int) -> None:
         v = getattr(module, attr, None)
         if isinstance(v, int) and not isinstance(v, bool):
             setattr(module, attr, local[kind])
+
+
+def _own_counts(attn: nn.Module, kids: Dict[str, str], heads: int, kv: int,
+                head_dim: int) -> Tuple[int, int]:
+    """The attention's own ``(heads, KV heads)`` where the config's do not fit its query and
+    key projections and its own ``num_heads`` do (a vision or audio tower under a text
+    config: MOSS's audio tower, Phi-4 multimodal's audio encoder); else the config's."""
+    q, k = (next((attn.get_submodule(c) for c in kids if c in names), None)
+            for names in (_Q, _K))
+    q_out, k_out = (getattr(m, "out_features", None) for m in (q, k))
+    own = getattr(attn, "num_heads", None)
+    if q_out in (None, heads * head_dim) and k_out in (None, kv * head_dim) or not isinstance(
+            own, int) or isinstance(own, bool) or q_out != own * head_dim:
+        return heads, kv
+    groups = getattr(attn, "num_key_value_groups", None)
+    own_kv = getattr(attn, "num_key_value_heads", None) or (
+        own // groups if isinstance(groups, int) and groups > 0 else own)
+    return (own, own_kv) if k_out in (None, own_kv * head_dim) else (heads, kv)
 
 
 def _reads_config_heads(module: nn.Module) -> bool:
@@ -381,6 +400,7 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = (getattr(attn, "head_dim", None) or getattr(attn, "head_size", None)
                 or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    heads, kv = _own_counts(attn, kids, heads, kv, head_dim)
     sharded = [c for c, s in kids.items() if s in _COLWISE_OUT]  # the plan's order
     update = _local_heads_update
     # Heads that do not divide the TP size are dealt in blocks that differ by one head: the
@@ -401,6 +421,9 @@ def _shard_attention(model, plan: Plan, parent: str, keys: List[str], kids: Dict
             expected, st = heads * head_dim, ColwiseParallel(head_size=head_dim, heads=counts)
             if out == 2 * expected and _gated_query(attn):  # [q_h | gate_h] for each head h
                 expected, st = out, ColwiseParallel(head_size=2 * head_dim, heads=counts)
+        elif c in _GATES and out in (heads, heads * head_dim):  # a gate per head or feature
+            per = 1 if out == heads else head_dim
+            expected, st = out, ColwiseParallel(head_size=per, heads=counts)
         elif c in _K:
             expected = kv * head_dim
             st = ColwiseParallel(head_size=head_dim, replicate_heads=True, heads=counts)
