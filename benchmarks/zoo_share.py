@@ -11,7 +11,9 @@ share (1/TP is the ideal); the largest modules it holds whole say what keeps it 
 The plans tpx completes or derives are proved before use by running a copy or a twin of the
 model; a fake group moves no data, so here the plan is applied unproved (its proof is what
 ``benchmarks/hf_zoo.py`` and the tests run on real ranks), after leaving whole what the TP
-size cannot split, as ``tpx.parallelize_module`` does before the proof. A model that needs a derived plan
+size cannot split, as ``tpx.parallelize_module`` does before the proof, and after leaving whole
+the added groups the proof's batch (token ids) never runs, which the proof leaves whole too
+(found by one forward of the model's twin). A model that needs a derived plan
 (no plan shipped) cannot be derived on the meta device: ``refused``, with tpx's message.
 
     python benchmarks/hf_zoo.py --share [--tp 8] [--archs llama,gpt_oss,...]
@@ -46,6 +48,35 @@ def _local(p) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
+def _leave_unrun_whole(model, plan) -> None:
+    """What the proof on real ranks leaves whole because its batch never runs it (a tower
+    fed token ids): the added groups none of whose modules a forward of the model's twin on
+    that batch calls (one local forward, no group needed)."""
+    from tpx.parallel.completed import NOT_RUN, CompletedPlan
+    from tpx.parallel.example import example_inputs
+    from tpx.parallel.twin import twin
+
+    if not isinstance(plan, CompletedPlan) or not plan.completion:
+        return
+    try:
+        small = twin(model)
+    except Exception:  # noqa: BLE001 - no twin: the proof on real ranks leaves all whole too
+        plan.leave_whole(model, list(plan.completion.groups), "its twin could not be built")
+        return
+    ran: List[str] = []
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: ran.append(n))
+             for n, m in small.named_modules()]
+    try:
+        with torch.no_grad():
+            small(**example_inputs(small))
+    finally:
+        for h in hooks:
+            h.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan.leave_whole(model, plan.not_run(ran), NOT_RUN)
+
+
 def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
     """One type's row: status, parameters, rank 0's share, the largest whole modules."""
     import hf_tiny
@@ -71,6 +102,7 @@ def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
     row["parameters"] = total
     try:
         plan = tpx.plans.auto(model)
+        _leave_unrun_whole(model, plan)
         fit = getattr(plan, "fit_to", None)  # what cannot be split at this TP size stays whole
         if fit is not None:
             fit(model, world)

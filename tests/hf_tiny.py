@@ -36,7 +36,6 @@ back to the config class, so whatever it derives in ``__post_init__`` is derived
 float32 and in float64, one line per type, then the counts.
 """
 
-import inspect
 import sys
 import time
 import warnings
@@ -44,7 +43,7 @@ import warnings
 import torch
 import transformers
 
-from tpx.parallel.twin import V, _is_int, shrunk_fields as _tiny_fields  # noqa: F401  (the rules)
+from tpx.parallel.twin import V, shrunk_fields as _tiny_fields  # noqa: F401  (the rules)
 
 MAX_PARAMS = 150_000_000  # a tiny model larger than this is refused before it is built
 
@@ -156,58 +155,19 @@ def multimodal_types() -> list[str]:
     return sorted(out)
 
 
-def _image_size(vision) -> "int | None":
-    size = getattr(vision, "image_size", None)
-    if isinstance(size, (list, tuple)) and size:
-        size = size[0]
-    if isinstance(size, dict):
-        size = size.get("height")
-    return size if _is_int(size) else None
-
-
 def image_batch(model, ids: torch.Tensor, generator: torch.Generator) -> "dict | None":
-    """Inputs with one tiny random image per sequence for a vision-language ``model``: its
-    ``get_image_features`` run on ``pixel_values`` of its vision config's size (4-D, else 5-D
-    with one image per sample; with ``image_sizes`` where it takes them) tells how many image
-    tokens each image fills, and that many
-    ``image_token_id`` are put before ``ids`` (labels ``-100`` there). ``None`` where the
-    model has no such path or it needs more than pixels (grids, crops, sizes)."""
-    cfg = model.config
-    token = next((getattr(cfg, k) for k in ("image_token_id", "image_token_index")
-                  if _is_int(getattr(cfg, k, None))), None)
-    vision, get = getattr(cfg, "vision_config", None), getattr(model, "get_image_features", None)
-    size = _image_size(vision) if vision is not None else None
-    if token is None or get is None or size is None:
+    """Inputs with one tiny random image per sequence for a vision-language ``model``
+    (:func:`tpx.parallel.example.image_inputs`: as many image tokens before ``ids`` as an
+    image fills), their labels ``-100`` on the image tokens; ``None`` where the model has no
+    such path."""
+    from tpx.parallel.example import image_inputs
+
+    batch = image_inputs(model, ids, generator)
+    if batch is None:
         return None
-    b = ids.shape[0]
-    pixels = torch.randn(b, getattr(vision, "num_channels", 3), size, size, generator=generator)
-    extra = {}
-    if "image_sizes" in inspect.signature(get).parameters:  # Mistral 3, Pixtral, LLaVA-NeXT
-        extra["image_sizes"] = torch.tensor([[size, size]] * b)
-    for pix in (pixels, pixels[:, None]):
-        try:
-            with torch.no_grad():
-                f = get(pixel_values=pix, **extra)
-        except Exception:  # noqa: BLE001 - this model takes more than pixels, or other shapes
-            continue
-        f = getattr(f, "pooler_output", None) if not torch.is_tensor(f) and getattr(
-            f, "pooler_output", None) is not None else getattr(f, "last_hidden_state", f)
-        if isinstance(f, (list, tuple)):
-            if len(f) != b or not all(torch.is_tensor(x) for x in f):
-                continue
-            counts = {x.reshape(-1, x.shape[-1]).shape[0] for x in f}
-            if len(counts) != 1:
-                continue
-            n = counts.pop()
-        elif torch.is_tensor(f):
-            n = f.reshape(-1, f.shape[-1]).shape[0] // b
-        else:
-            continue
-        full = torch.cat([torch.full((b, n), token, dtype=ids.dtype), ids], 1)
-        labels = full.clone()
-        labels[:, :n] = -100
-        return dict(pixel_values=pix, input_ids=full, labels=labels, **extra)
-    return None
+    labels = batch["input_ids"].clone()
+    labels[:, :labels.shape[1] - ids.shape[1]] = -100
+    return dict(batch, labels=labels)
 
 
 def check(mt: str) -> int:

@@ -14,8 +14,9 @@ as before.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import warnings
-from typing import Dict
+from typing import Dict, List
 
 from torch import nn
 
@@ -23,7 +24,7 @@ from .base import TPContext
 from .complete import Completion, complete
 from .derive import DerivedPlan
 from .hf_plan import translate_entries, hf_tp_plan
-from .trace import example_inputs
+from .example import example_inputs
 from .twin import twin
 
 __all__ = ["translate", "CompletedPlan", "prove_on_twin"]
@@ -52,6 +53,10 @@ def translate(model: nn.Module, *, sequence_parallel: bool = False,
         model, {**hf, **done.entries}, dict(kw, loss_parallel=False))
     return CompletedPlan(plan, model=model, completion=done, proof_plan=proof,
                          translate_kwargs=kw, shipped=hf)
+
+
+NOT_RUN = ("the proof's batch (token ids) does not run these modules (a vision or audio "
+           "tower), so nothing proves them")
 
 
 def _translated(model: nn.Module, entries: Dict[str, object], kw) -> Dict[str, object]:
@@ -85,27 +90,43 @@ class CompletedPlan(DerivedPlan):
 
     def prove_before_use(self, model: nn.Module, target, src_rank) -> None:
         """Proves the plan (module docstring). A group of added entries that makes the copy
-        differ is left whole, with a warning naming it, and the rest proved again; the
-        model's own entries are applied as shipped. The plan is updated in place."""
+        differ, or that the proof's batch does not run (a vision tower, given token ids), is
+        left whole, with a warning naming it, and the rest proved again; the model's own
+        entries are applied as shipped. The plan is updated in place."""
         if any(p.device.type == "meta" for p in model.parameters()):
             prove_on_twin(model, self, target)
             return
         while self.completion:
             try:
                 super().prove_before_use(model, target, src_rank)
-                return
+                labels = self.not_run([n for n, _ in self.report.module_errors])
+                if not labels:
+                    return
+                reason = NOT_RUN
             except ValueError as e:
                 label = self.completion.group_of(self.failed_at)
                 labels = [label] if label is not None else list(self.completion.groups)
                 reason = str(e).split("\n")[0]
-            for label in labels:
-                self.completion = self.completion.without(label, reason)
-                warnings.warn(
-                    f"tpx.plans.auto: the entries tpx added to {self.model_name}'s TP plan for "
-                    f"{label} do not compute what the unsharded model computes on a copy of it, "
-                    f"so that module stays whole on every rank ({reason})", UserWarning,
-                    stacklevel=4)
-            self._retranslate(model)
+            self.leave_whole(model, labels, reason)
+
+    def not_run(self, ran: List[str]) -> List[str]:
+        """The added groups none of whose modules are among ``ran`` (module names: those a
+        forward of the proof's batch called)."""
+        return [label for label, keys in self.completion.groups.items()
+                if not any(n == k or fnmatch.fnmatchcase(n, k) for n in ran for k in keys)]
+
+    def leave_whole(self, model: nn.Module, labels: List[str], reason: str) -> None:
+        """Removes the added groups ``labels``, with a warning naming each and ``reason``;
+        the plan is translated again without them (in place)."""
+        for label in labels:
+            self.completion = self.completion.without(label, reason)
+            what = ("are not run by the proof" if reason == NOT_RUN
+                    else "do not compute what the unsharded model computes on a copy of it")
+            warnings.warn(
+                f"tpx.plans.auto: the entries tpx added to {self.model_name}'s TP plan for "
+                f"{label} {what}, so that module stays whole on every rank ({reason})",
+                UserWarning, stacklevel=5)
+        self._retranslate(model)
 
     def _retranslate(self, model: nn.Module) -> None:
         hf = {**self.shipped, **self.completion.entries}

@@ -73,7 +73,8 @@ from .hf_styles import VocabParallelEmbeddingStyle, own_embedding_forward
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
 from .sequence import Chain
 from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard
-from .trace import Pair, analyse, example_inputs, is_projection, norms_between, pairs, trace
+from .example import example_inputs
+from .trace import Pair, analyse, is_projection, norms_between, pairs, trace
 
 __all__ = ["derive", "DerivedPlan"]
 

@@ -41,7 +41,8 @@ from .derive import (DerivedPlan, HeadInputs, UnitColwise, UnitNorm, UnitRowwise
                      local_counts)
 from .module_styles import ShardedAttention
 from .sequence import Chain
-from .trace import Pair, example_inputs
+from .example import example_inputs
+from .trace import Pair
 from .twin import twin
 
 __all__ = ["derive_on_twins", "TwinDerivedPlan"]

@@ -4,7 +4,6 @@ found in it, and, from autograd, the units (columns, heads, KV heads) each pair 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -16,13 +15,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm.groups import head_split, shard_bounds
 from .check import first_tensor
+from .example import BATCH, SEQ
 from .hf_styles import text_config
 from .style import is_conv1d
 
-__all__ = ["BATCH", "SEQ", "Trace", "Pair", "trace", "pairs", "analyse", "example_inputs",
-           "is_projection", "own_forward", "rms_norm_eps", "norms_between"]
+__all__ = ["Trace", "Pair", "trace", "pairs", "analyse", "is_projection", "own_forward",
+           "rms_norm_eps", "norms_between"]
 
-BATCH, SEQ = 2, 7  # the traced batch; odd length, so no size is mistaken for a head count
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -77,52 +76,7 @@ class Trace:
     out_tags: Set[str] = field(default_factory=set)
     linear_like: Dict[str, bool] = field(default_factory=dict)  # subclass -> computes F.linear
     detached: Dict[str, float] = field(default_factory=dict)  # RMS norm -> eps (statistic cut)
-
-
-def example_inputs(model: nn.Module) -> Dict[str, Tensor]:
-    """The traced batch: ``BATCH`` x ``SEQ`` token ids (the same on every rank), as keyword
-    arguments a Hugging Face model takes (``decoder_input_ids`` too for an encoder-decoder),
-    or ``{"input_ids": ids}`` for a plain module (passed positionally)."""
-    cfg = getattr(model, "config", None)
-    vocab = getattr(text_config(model), "vocab_size", None) if cfg is not None else None
-    if not vocab:
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-        if emb is None:
-            raise ValueError(f"tpx.plans.derive: {type(model).__name__} has no nn.Embedding to "
-                             "take token ids; pass example_inputs=")
-        vocab = emb.num_embeddings
-    p = next(model.parameters(), None)
-    device = p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
-    gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, min(int(vocab), 1000), (BATCH, SEQ), generator=gen).to(device)
-    kwargs = {"input_ids": ids}
-    if cfg is not None:
-        if getattr(cfg, "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = ids
-        params = inspect.signature(model.forward).parameters
-        if "use_cache" in params:
-            kwargs["use_cache"] = False
-        width = _cross_width(model)
-        if width and "encoder_hidden_states" in params and "decoder_input_ids" not in kwargs:
-            # a decoder with cross-attention (BART's as a causal LM): states of an encoder,
-            # so that the trace runs, and the plan splits, the cross-attention too
-            kwargs["encoder_hidden_states"] = torch.randn(
-                BATCH, SEQ - 2, width, generator=gen).to(device, p.dtype)
-    return kwargs
-
-
-_CROSS = ("encoder_attn", "crossattention", "cross_attn")
-
-
-def _cross_width(model: nn.Module) -> Optional[int]:
-    """The width of the encoder states a decoder's cross-attention reads (the input
-    features of its key projection), or ``None`` for a model without one."""
-    for name, mod in model.named_modules():
-        parts = name.split(".")
-        if any(c in parts for c in _CROSS) and parts[-1] in ("k_proj", "key", "k") and (
-                isinstance(mod, nn.Linear)):
-            return mod.in_features
-    return None
+    seq: int = SEQ  # the traced sequence length (image tokens before the text included)
 
 
 def _call(model: nn.Module, example: Dict[str, Tensor]):
@@ -195,6 +149,8 @@ def trace(model: nn.Module, example: Dict[str, Tensor],
     (:func:`norms_between`)."""
     tr = Trace()
     tr.detached = dict(detach or {})
+    ids = example.get("input_ids")
+    tr.seq = ids.shape[-1] if isinstance(ids, Tensor) else SEQ
     mode = Tags()
     hooks = []
     modules = dict(model.named_modules())
@@ -548,7 +504,7 @@ def analyse(model: nn.Module, tr: Trace, sources: List[str], sink: str,
     if pair.heads:  # inputs computed from no projection with one entry per head: ALiBi
         for key, t, tags in tr.call_args.get(pair.owner, []):
             d = next((d for d, n in enumerate(t.shape)
-                      if n in (pair.heads, BATCH * pair.heads) and n != SEQ), None)
+                      if n in (pair.heads, BATCH * pair.heads) and n != tr.seq), None)
             if not tags and d is not None and t.is_floating_point():
                 pair.head_inputs.append((key, d))
     return pair
