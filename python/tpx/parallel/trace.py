@@ -4,6 +4,7 @@ found in it, and, from autograd, the units (columns, heads, KV heads) each pair 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -344,16 +345,36 @@ def _depends(tr: Trace, sources: List[str], sink: str):
     leaves = [tr.outputs[s] for s in sources]
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype).to(x.device)
-    masks = [[] for _ in sources]
-    for start in range(0, width, b):
-        sel = torch.zeros_like(x)
-        sel[..., start:start + b] = weights[..., start:start + b]
-        grads = torch.autograd.grad((x * sel).sum(), leaves, retain_graph=True,
-                                    allow_unused=True)
+    masks: List[List[Tensor]] = [[] for _ in sources]
+    starts = list(range(0, width, b))
+    chunk = max(1, min(len(starts), (1 << 24) // max(1, x.numel())))  # probes per backward
+    batched = True
+    for first in range(0, len(starts), chunk):
+        group = starts[first:first + chunk]
+        sel = torch.zeros((len(group),) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        for i, start in enumerate(group):
+            sel[i, ..., start:start + b] = weights[..., start:start + b]
+        grads = None
+        if batched:  # every probe of the chunk in one vectorised backward
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # vmap's fallback for an op, still right
+                    grads = torch.autograd.grad(x, leaves, grad_outputs=sel, retain_graph=True,
+                                                allow_unused=True, is_grads_batched=True)
+            except Exception:  # noqa: BLE001 - an op vmap cannot batch: one probe at a time
+                batched = False
+        if grads is None:
+            per = [torch.autograd.grad(x, leaves, grad_outputs=sel[i], retain_graph=True,
+                                       allow_unused=True) for i in range(len(group))]
+            grads = [None if per[0][j] is None else torch.stack([p[j] for p in per])
+                     for j in range(len(leaves))]
         for i, g in enumerate(grads):
             n = leaves[i].shape[-1]
-            masks[i].append(torch.zeros(n, dtype=torch.bool) if g is None
-                            else (g.detach().reshape(-1, n) != 0).any(0).cpu())
+            if g is None:
+                masks[i] += [torch.zeros(n, dtype=torch.bool)] * len(group)
+            else:
+                got = (g.detach().reshape(len(group), -1, n) != 0).any(1).cpu()
+                masks[i] += list(got)
     return [torch.stack(m) for m in masks], b
 
 
