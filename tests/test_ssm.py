@@ -3,7 +3,9 @@ plans of the hybrids built on them (Bamba, Falcon-H1, Nemotron-H, GraniteMoE-hyb
 gated norm over features split across ranks (tpx.nn.ssm.GatedRMSNormParallel); Mamba-1 mixers
 split by channels (tpx.parallel.ssm.Mamba1Parallel: Jamba, Mamba, Falcon-Mamba); Gated
 DeltaNet linear attention split by heads (tpx.parallel.delta_net.GatedDeltaNetParallel:
-OLMo-hybrid); each against the unsharded computation."""
+OLMo-hybrid); LFM2's short convolution split by channels
+(tpx.parallel.short_conv.ShortConvParallel: LFM2, LFM2-MoE, LFM3); each against the unsharded
+computation."""
 
 import copy
 import os
@@ -157,7 +159,7 @@ def _loaded_and_saved(rank, world, d, arch):
     # built on the meta device: the completed plan proved on the model's twin
     ref, model = hf_tiny.written_and_loaded(arch, one)
     path = _MIXER.get(arch, "model.layers.0.mamba")
-    proj = "q_proj" if arch == "olmo_hybrid" else "in_proj"
+    proj = "q_proj" if arch == "olmo_hybrid" else "in_proj"  # (LFM3's conv: in_proj too)
     mixer, whole = model.get_submodule(path), getattr(ref.get_submodule(path), proj)
     assert local_part(getattr(mixer, proj).weight).shape[0] < whole.out_features
     ids, _ = _batch(1)
@@ -168,14 +170,16 @@ def _loaded_and_saved(rank, world, d, arch):
     _assert_same_files(tp, one, f"{arch} TP {world}", atol=0)
 
 
-_MIXER = {"mamba": "backbone.layers.0.mixer", "olmo_hybrid": "model.layers.0.linear_attn"}
+_MIXER = {"mamba": "backbone.layers.0.mixer", "olmo_hybrid": "model.layers.0.linear_attn",
+          "lfm3": "model.layers.0.conv"}
 
 
 @pytest.mark.parametrize("arch,world", [
     ("bamba", 2), pytest.param("bamba", 4, marks=pytest.mark.slow),
     pytest.param("falcon_h1", 2, marks=pytest.mark.slow),  # its mup_vector set whole on load
     ("mamba", 3),  # Mamba-1 mixers: the plan derived on twins, channels 3 ways
-    ("olmo_hybrid", 3)])  # Gated DeltaNet: 4 key heads 3 ways, proved on the twin
+    ("olmo_hybrid", 3),  # Gated DeltaNet: 4 key heads 3 ways, proved on the twin
+    ("lfm3", 2)])  # LFM3's short convolution by channels
 def test_hybrid_loads_and_saves_with_its_mixers_split(tmp_path, arch, world):
     run_ranks(_loaded_and_saved, world, str(tmp_path), arch)
 
@@ -270,3 +274,37 @@ def test_gated_delta_net_split_by_heads(world, overrides):
 def test_gated_delta_net_trains_like_one_device():
     # three AdamW steps: logits, loss, every gradient and every parameter against one device
     run_ranks(_train_like_unsharded, 2, "olmo_hybrid", False, False)
+
+
+def _short_conv_split_like_one_device(rank, world, arch):
+    """The short convolution mixers (completed into LFM2's plan) hold this rank's channels
+    of B, C and x, of the convolution and of out_proj's columns: logits and every gradient
+    equal one device's (float64)."""
+    from tpx.parallel.short_conv import is_short_conv
+
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch).double()
+    model = copy.deepcopy(ref)
+    plan = tpx.plans.auto(model)
+    assert any(g.startswith("mixer ") for g in plan.completion.groups), plan.completion.left
+    tpx.parallelize_module(model, None, plan)
+    mixers = [(n, m) for n, m in ref.named_modules() if is_short_conv(m)]
+    assert mixers
+    for name, whole in mixers:
+        m, h = model.get_submodule(name), whole.conv.in_channels
+        local = h // world + (rank < h % world)
+        assert m.conv.weight.shape[0] == m.conv.groups == local
+        assert local_part(m.in_proj.weight).shape[0] == 3 * local
+        assert local_part(m.out_proj.weight).shape[1] == local
+    ids, labels = _batch(0)
+    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, f"{arch} TP {world}", grad=True, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch,world", [("lfm2", 2), ("lfm2", 3), ("lfm3", 3),
+                                        pytest.param("lfm2_moe", 2, marks=pytest.mark.slow)])
+def test_short_conv_split_by_channels(arch, world):
+    run_ranks(_short_conv_split_like_one_device, world, arch)

@@ -24,8 +24,9 @@ entries for the modules of a known structure that no entry covers:
 * **sequence mixers** (:func:`tpx.parallel.mixers.mixer_style`): Mamba-2's (Bamba's,
   Falcon-H1's, Nemotron-H's, ...) :class:`tpx.parallel.ssm.Mamba2Parallel`, split by heads
   and groups, Mamba-1's (Jamba's) :class:`tpx.parallel.ssm.Mamba1Parallel`, split by
-  channels, and Gated DeltaNet's (OLMo-hybrid's)
-  :class:`tpx.parallel.delta_net.GatedDeltaNetParallel`, split by heads: tpx styles (no
+  channels, Gated DeltaNet's (OLMo-hybrid's)
+  :class:`tpx.parallel.delta_net.GatedDeltaNetParallel`, split by heads, and LFM2's short
+  convolution :class:`tpx.parallel.short_conv.ShortConvParallel`, by channels: tpx styles (no
   Hugging Face style states them), with every per-channel parameter;
 * **fused experts** a model's ``base_model_ep_plan`` names (``ep_dispatch_experts``) that its
   TP plan does not: ``moe_tp_experts``, their 3-D ``gate_up_proj`` / ``down_proj`` read in the

@@ -1,5 +1,6 @@
 """Which tpx style splits a sequence mixer: Mamba-2's and Mamba-1's
-(:mod:`tpx.parallel.ssm`), Gated DeltaNet linear attention (:mod:`tpx.parallel.delta_net`).
+(:mod:`tpx.parallel.ssm`), Gated DeltaNet linear attention (:mod:`tpx.parallel.delta_net`),
+LFM2's short convolution (:mod:`tpx.parallel.short_conv`).
 Completed plans (:mod:`tpx.parallel.complete`) and derived plans (:mod:`tpx.parallel.derive`)
 add the style :func:`mixer_style` names for each such module no entry covers."""
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from .base import ParallelStyle
 from .delta_net import GatedDeltaNetParallel, is_gated_delta_net
+from .short_conv import ShortConvParallel, is_short_conv
 from .ssm import Mamba1Parallel, Mamba2Parallel, is_mamba1_mixer, is_mamba2_mixer, mamba2_rows
 
 __all__ = ["mixer_style"]
@@ -29,4 +31,6 @@ def mixer_style(module: nn.Module) -> Optional[ParallelStyle]:
         return Mamba1Parallel()
     if is_gated_delta_net(module):
         return GatedDeltaNetParallel(int(module.num_k_heads), int(module.num_v_heads))
+    if is_short_conv(module):
+        return ShortConvParallel()
     return None
