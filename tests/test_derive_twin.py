@@ -86,6 +86,15 @@ def test_from_pretrained_without_a_plan(tmp_path, mt):
     run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
 
 
+def test_layers_of_several_plans_carried_by_name(tmp_path):
+    # Gemma 3n: its shipped plan cannot be applied (the MLPs of its first layers keep the
+    # activations above a statistic of all their features), so on the meta device a plan is
+    # derived on its twins; those MLPs stay whole and the later ones split, and its later
+    # layers' attention reads the KV of earlier ones. A pattern only some layers have is
+    # carried by their names: a pattern over every layer trained another model
+    run_ranks(_load_like_one_device, 2, str(tmp_path / "g3n"), "gemma3n_text")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mt,world", [("opt", 4), ("mpt", 4), ("bert-generation", 2),
                                       ("gpt_neo", 4), ("bloom", 4), ("falcon", 4)])

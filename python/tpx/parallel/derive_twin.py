@@ -196,7 +196,8 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
 
     def refuse(why: str):
         return ValueError(
-            f"tpx.plans.auto: {name} ships no TP plan; on the meta device tpx derives one on "
+            f"tpx.plans.auto: {name} ships no TP plan (or one tpx cannot apply as written); "
+            "on the meta device tpx derives one on "
             f"small twins of the model and carries it over, which cannot be done here: {why}. "
             "Load the model with its weights first (transformers' from_pretrained), then "
             "tpx.parallelize_module(model, None, tpx.plans.auto(model)); or pass plan= with a "
@@ -219,10 +220,19 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
     by_pattern: Dict[str, List[str]] = {}
     for k in plan_a:
         by_pattern.setdefault(_pattern(k), []).append(k)
+    partial: Dict[str, List[str]] = {}  # patterns only some layers have: by their names
     for pat, keys in by_pattern.items():
         kinds = {type(plan_a[k]) for k in keys}
         if len(kinds) != 1:
             raise refuse(f"the twin's layers differ at {pat!r}")
+        every = sorted(n for n in twin_names if _pattern(n) == pat)
+        if pat and sorted(keys) != every:
+            # (Gemma 3n: the MLPs of its first layers keep the activations above a statistic
+            # of all features and stay whole; the others split)
+            if sorted(n for n in real_names if _pattern(n) == pat) != every:
+                raise refuse(f"{len(keys)} of the twin's {len(every)} modules at {pat!r} are "
+                             "split, and the model's layers are not the twin's")
+            partial[pat] = list(keys)
         want = {twin_names[k] for k in keys if k in twin_names}
         have = {c for n, c in real_names.items() if _pattern(n) == pat}
         if pat and (not have or have != want):
@@ -237,8 +247,9 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
         carried = _carried(st, keys[0], a, b, plan_b, model, scaled, refuse)
         # fnmatch's * also matches dots: a pattern that would name other modules too (BERT's
         # layer.*.output.dense, its attention's attention.output.dense) names its own
-        own = [n for n in real_names if _pattern(n) == pat]
-        if pat and any(fnmatch.fnmatchcase(n, pat) and _pattern(n) != pat for n in real_names):
+        own = partial.get(pat) or [n for n in real_names if _pattern(n) == pat]
+        if pat in partial or pat and any(fnmatch.fnmatchcase(n, pat) and _pattern(n) != pat
+                                         for n in real_names):
             real_plan.update({n: carried for n in own})
         else:
             own = [pat]

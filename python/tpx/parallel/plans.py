@@ -361,6 +361,16 @@ def auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fals
     return plan if isinstance(plan, ModelPlan) else ModelPlan(plan)
 
 
+def _derived(model: nn.Module, loss_parallel: bool) -> Plan:
+    """A plan derived from ``model``'s computation; on the meta device (no values to run)
+    derived on its twins and carried over (:mod:`tpx.parallel.derive_twin`)."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        from .derive_twin import derive_on_twins
+
+        return derive_on_twins(model, loss_parallel=loss_parallel)
+    return derived.derive(model, loss_parallel=loss_parallel)
+
+
 def _auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = False,
           loss_parallel: bool = False, experts: str = "tp", derive: bool = False) -> Plan:
     """:func:`auto` before its result is made a :class:`ModelPlan`."""
@@ -406,13 +416,11 @@ def _auto(model: nn.Module, *, layout: str = "1d", sequence_parallel: bool = Fal
                               f"({e}); using a plan derived from its computation instead, "
                               "proved against the unsharded model when it is applied",
                               UserWarning, stacklevel=2)
-                return derived.derive(model, loss_parallel=loss_parallel)
+                return _derived(model, loss_parallel)
         # No plan shipped: derived from the model's computation, proved when applied; on the
         # meta device (no values to run) derived on its twins and carried over.
-        if not sequence_parallel and any(p.device.type == "meta" for p in model.parameters()):
-            from .derive_twin import derive_on_twins
-
-            return derive_on_twins(model, loss_parallel=loss_parallel)
+        if not sequence_parallel:
+            return _derived(model, loss_parallel)
         return derived.derive(model, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel)
     if _torchtitan_names(model):
