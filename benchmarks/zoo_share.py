@@ -109,7 +109,7 @@ def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
         # applied unproved: a fake group moves no data (module docstring)
         tpx.parallelize_module(model, None, tpx.plans.ModelPlan(dict(plan)))
     except Exception as e:  # noqa: BLE001 - tpx refuses the model: its message is the row
-        return dict(row, status="refused", detail=f"{type(e).__name__}: {str(e)[:240]}")
+        return dict(row, status="refused", detail=f"{type(e).__name__}: {str(e)[:400]}")
     whole: collections.Counter = collections.Counter()
     local = 0
     for name, p in model.named_parameters():

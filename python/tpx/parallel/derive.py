@@ -435,6 +435,25 @@ def _ep_experts(model: nn.Module, plan: Plan) -> Plan:
     return out
 
 
+def _vocabulary_tables(model: nn.Module, plan: Plan, emb, whole_table: bool) -> Plan:
+    """Tables beside the input embedding with as many rows as a vocabulary of the config
+    (Gemma 3n's per-layer embeddings), looked up as an embedding is (a plain or scaled
+    forward): vocabulary-parallel, as the input embedding (proved with the plan)."""
+    from .hf_styles import text_config
+
+    cfg = text_config(model) if getattr(model, "config", None) is not None else None
+    vocabularies = {getattr(cfg, k, None) for k in ("vocab_size", "vocab_size_per_layer_input")
+                    } - {None}
+    out: Plan = {}
+    for name, mod in model.named_modules():
+        if (isinstance(mod, nn.Embedding) and name and name not in plan and mod is not emb
+                and mod.num_embeddings in vocabularies and not own_embedding_forward(mod)
+                and not (whole_table and isinstance(emb, nn.Embedding)
+                         and mod.weight is emb.weight)):
+            out[name] = VocabParallelEmbeddingStyle()
+    return out
+
+
 def _attention_style(pair: Pair) -> ParallelStyle:
     """The attention module of a pair split in heads: told this rank's head counts."""
     owner, sink = pair.owner, pair.sink
@@ -535,6 +554,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         for m, n in modules.items():
             if isinstance(m, nn.Embedding) and m.weight is emb.weight and n not in plan:
                 plan[n] = VocabParallelEmbeddingStyle()
+    plan.update(_vocabulary_tables(model, plan, emb, whole_table))
     if head is not None and head not in plan:
         plan[head] = ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate())
     elif loss_parallel:
