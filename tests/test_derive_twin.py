@@ -81,7 +81,8 @@ def _load_like_one_device(rank, world, path, mt):
             o.zero_grad()
 
 
-@pytest.mark.parametrize("mt", ["bloom", "falcon", "gpt_bigcode"])
+@pytest.mark.parametrize("mt", ["bloom", "falcon", "gpt_bigcode",
+                                "ctrl"])  # CTRL: a Sequential inside each layer
 def test_from_pretrained_without_a_plan(tmp_path, mt):
     run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
 

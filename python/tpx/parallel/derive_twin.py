@@ -53,7 +53,9 @@ _WIDTHS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "ffn_dim", "
 
 
 def _pattern(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+    """``name`` with its layer index (the first numeric part) as ``*``: the modules of a
+    Sequential inside a layer keep theirs (CTRL's ``ffn.0`` and ``ffn.2`` differ)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name, count=1)
 
 
 def _widened(model: nn.Module, base: nn.Module) -> nn.Module:
