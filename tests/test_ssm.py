@@ -30,6 +30,18 @@ def _mixers(model):
     return [(n, m) for n, m in model.named_modules() if is_mamba2_mixer(m)]
 
 
+def _step_like_one_device(model, ref, what):
+    """One forward and backward of the sharded ``model`` and the unsharded ``ref``: logits
+    and every gradient equal (float64; the models' norms compute in float32, hence the
+    tolerances)."""
+    ids, labels = _batch(0)
+    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, what, grad=True, rtol=1e-5, atol=1e-7)
+
+
 def _split_like_one_device(rank, world, arch, overrides):
     """The mixers' parts hold this rank's rows; logits and every gradient equal one device's
     (float64; the models' norms compute in float32, hence the tolerances)."""
@@ -48,12 +60,7 @@ def _split_like_one_device(rank, world, arch, overrides):
             local_part(m.in_proj.weight).shape[0] < whole.in_proj.out_features
         assert local_part(m.out_proj.weight).shape[1] == m.intermediate_size == \
             m.num_heads * m.head_dim
-    ids, labels = _batch(0)
-    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
-    out.loss.backward()
-    out_ref.loss.backward()
-    assert_like_unsharded(model, ref, f"{arch} TP {world}", grad=True, rtol=1e-5, atol=1e-7)
+    _step_like_one_device(model, ref, f"{arch} TP {world}")
 
 
 @pytest.mark.parametrize("arch,world,overrides", [
@@ -205,12 +212,7 @@ def _mamba1_split_like_one_device(rank, world, arch):
         assert m.A_log.shape[0] == m.D.shape[0] == local_part(m.dt_proj.weight).shape[0] == \
             m.conv1d.weight.shape[0] == local_part(m.x_proj.weight).shape[1] == \
             local_part(m.out_proj.weight).shape[1] == m.intermediate_size
-    ids, labels = _batch(0)
-    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
-    out.loss.backward()
-    out_ref.loss.backward()
-    assert_like_unsharded(model, ref, f"{arch} TP {world}", grad=True, rtol=1e-5, atol=1e-7)
+    _step_like_one_device(model, ref, f"{arch} TP {world}")
 
 
 @pytest.mark.parametrize("arch,world", [("jamba", 2), ("mamba", 3),
@@ -254,13 +256,7 @@ def _delta_net_split_like_one_device(rank, world, overrides):
         assert m.A_log.shape[0] == m.dt_bias.shape[0] == m.num_v_heads == \
             m.num_k_heads * hv // hk
         assert m.conv1d.weight.shape[0] == 2 * m.key_dim + m.value_dim, (lo, hi)
-    ids, labels = _batch(0)
-    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
-    out.loss.backward()
-    out_ref.loss.backward()
-    assert_like_unsharded(model, ref, f"olmo_hybrid TP {world}", grad=True, rtol=1e-5,
-                          atol=1e-7)
+    _step_like_one_device(model, ref, f"olmo_hybrid TP {world}")
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -296,12 +292,7 @@ def _short_conv_split_like_one_device(rank, world, arch):
         assert m.conv.weight.shape[0] == m.conv.groups == local
         assert local_part(m.in_proj.weight).shape[0] == 3 * local
         assert local_part(m.out_proj.weight).shape[1] == local
-    ids, labels = _batch(0)
-    out, out_ref = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-7)
-    out.loss.backward()
-    out_ref.loss.backward()
-    assert_like_unsharded(model, ref, f"{arch} TP {world}", grad=True, rtol=1e-5, atol=1e-7)
+    _step_like_one_device(model, ref, f"{arch} TP {world}")
 
 
 @pytest.mark.parametrize("arch,world", [("lfm2", 2), ("lfm2", 3), ("lfm3", 3),

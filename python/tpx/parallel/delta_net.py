@@ -65,6 +65,17 @@ def is_gated_delta_net(module: nn.Module) -> bool:
             and tuple(module.A_log.shape) == tuple(module.dt_bias.shape) == (hv,))
 
 
+def _heads_of(hk: int, hv: int, world: int, rank: int):
+    """``((first, end) key heads, (first, end) value heads)`` of ``rank``: the key heads
+    dealt as evenly as they go, each with the ``hv / hk`` value heads it serves."""
+    if hk < world:
+        raise ValueError(f"{hk} key heads of Gated DeltaNet cannot be dealt over TP size "
+                         f"{world}")
+    k0, k1 = balanced_bounds(hk, rank, world)
+    r = hv // hk
+    return (k0, k1), (k0 * r, k1 * r)
+
+
 class GatedDeltaNetParallel(ParallelStyle):
     """A Gated DeltaNet layer split by heads over the TP group (module docstring).
 
@@ -84,13 +95,7 @@ class GatedDeltaNetParallel(ParallelStyle):
         at a TP size above them keeps the layer whole (``ModelPlan.fit_to``)."""
         if self.key_heads is None or self.value_heads is None:
             return (0, 0), (0, 0)
-        hk, hv = self.key_heads, self.value_heads
-        if hk < world:
-            raise ValueError(f"{hk} key heads of Gated DeltaNet cannot be dealt over TP size "
-                             f"{world}")
-        k0, k1 = balanced_bounds(hk, rank, world)
-        r = hv // hk
-        return (k0, k1), (k0 * r, k1 * r)
+        return _heads_of(self.key_heads, self.value_heads, world, rank)
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         what = f"GatedDeltaNetParallel({type(module).__name__})"
@@ -98,11 +103,11 @@ class GatedDeltaNetParallel(ParallelStyle):
             raise ValueError(f"tpx.{what}: not a Gated DeltaNet layer (it needs "
                              f"{', '.join(_PROJ)}, conv1d, A_log and dt_bias of consistent "
                              "sizes)")
-        counts = GatedDeltaNetParallel(int(module.num_k_heads), int(module.num_v_heads))
         pg = ctx.group
         world, rank = pg.size(), dist.get_rank(pg)
         try:
-            heads = [counts.local_heads(world, r) for r in range(world)]
+            heads = [_heads_of(int(module.num_k_heads), int(module.num_v_heads), world, r)
+                     for r in range(world)]
         except ValueError as e:
             raise ValueError(f"tpx.{what}: {e}: use a TP size of at most "
                              f"{module.num_k_heads}") from None
