@@ -13,7 +13,7 @@ import transformers
 
 import tpx
 from harness import run_ranks
-from tpx.parallel.derive import UnitColwise
+from tpx.parallel.unit_styles import UnitColwise
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_tiny  # noqa: E402
@@ -21,7 +21,7 @@ import hf_tiny  # noqa: E402
 
 def _rows(plan, world):
     """Pattern -> every rank's rows, for the derived column-parallel entries of ``plan``."""
-    from tpx.parallel.derive_twin import _pattern
+    from tpx.parallel.derive import layer_pattern as _pattern
 
     out = {}
     for key, st in plan.items():
@@ -84,6 +84,16 @@ def _load_like_one_device(rank, world, path, mt):
 @pytest.mark.parametrize("mt", ["bloom", "falcon", "gpt_bigcode",
                                 "ctrl"])  # CTRL: a Sequential inside each layer
 def test_from_pretrained_without_a_plan(tmp_path, mt):
+    run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
+
+
+@pytest.mark.parametrize("mt", [
+    "recurrent_gemma",  # a layer holds an attention or a recurrent block at one name
+    "zamba2",  # widths its config derives (Mamba head dim) derived again on the wide twin
+    "xlstm",  # gate weights initialised to zero: drawn on the twin, so the trace sees them
+    "xglm",  # its forward does not run in float64: twins in float32
+])
+def test_twins_of_hybrids_and_odd_configs(tmp_path, mt):
     run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
 
 

@@ -60,6 +60,15 @@ class PlanReport:
         return (self.first_divergent_module is None and not self.grad_errors
                 and not self.replica_errors and self.output_error <= self.tolerance)
 
+    def suspects(self) -> List[str]:
+        """The modules the report points at, the most telling first: the first module whose
+        output differs, else the modules of the gradients, else of the replicas, that do."""
+        if self.first_divergent_module is not None:
+            return [self.first_divergent_module[0]]
+        params = [n for n, _ in self.grad_errors] + [r.split(" (")[0]
+                                                     for r in self.replica_errors]
+        return list(dict.fromkeys(n.rpartition(".")[0] for n in params))
+
     def __str__(self) -> str:
         lines = [f"tpx.plans.check: {'OK' if self.ok else 'the sharded model DIFFERS from the unsharded one'}"
                  f" (relative tolerance {self.tolerance:.0e})"]
@@ -106,10 +115,27 @@ def _local(t: Tensor) -> Tensor:
     return full_tensor() if full_tensor is not None else t
 
 
-def _rel(a: Tensor, b: Tensor) -> float:
+def _rel(a: Tensor, b: Tensor, floor: float = 0.0) -> float:
     a, b = a.detach().double(), b.detach().double()
-    scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-12)
+    scale = max(float(b.abs().max()) if b.numel() else 0.0, floor, 1e-12)
     return float((a - b).abs().max()) / scale if a.numel() else 0.0
+
+
+def _grad_floors(params: Dict[str, Tensor]) -> Dict[str, float]:
+    """Per parameter, the smallest gradient magnitude its error is taken relative to: the
+    cube root of its dtype's epsilon (float32: 4.9e-3, float64: 6.1e-6) times the largest
+    gradient of its module. A gradient far below its module's is rounding noise of the
+    module's backward (a key bias, which softmax does not see, is zero in exact arithmetic:
+    2e-13 beside its weight's 4e-6 in float32), a few epsilons of the module's gradients,
+    and any two orders of summation give different noise."""
+    top: Dict[str, float] = {}
+    for name, p in params.items():
+        if p.grad is not None and p.grad.is_floating_point() and p.grad.numel():
+            mod = name.rpartition(".")[0]
+            top[mod] = max(top.get(mod, 0.0), float(p.grad.detach().abs().max()))
+    return {name: top.get(name.rpartition(".")[0], 0.0) * torch.finfo(p.grad.dtype).eps ** (1 / 3)
+            for name, p in params.items()
+            if p.grad is not None and p.grad.is_floating_point()}
 
 
 def _parts_of(full: Tensor, local: Tensor, module: nn.Module, pg) -> List[Tensor]:
@@ -184,7 +210,8 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     for the 2-D / 2.5-D / 3-D plans over a mesh from ``tpx.init_mesh`` (a module's output block
     is compared with the block of the unsharded output it matches best; replicas are compared
     over the whole mesh for the parameters no layer shards). ``rtol`` is relative to each
-    tensor's largest magnitude."""
+    tensor's largest magnitude; a gradient's, to at least the cube root of its dtype's
+    epsilon times the largest gradient of its module (below that it is rounding noise)."""
     multidim = hasattr(group, "mesh_dim_names") and mesh_layout(group) in ("2d", "2.5d", "3d")
     pg = TPContext.of(group).group
     ref = copy.deepcopy(model)
@@ -237,6 +264,7 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
     shards.update({ms.key: ms for ms in mesh_params(model)})
     grad_names, grad_errs = [], []
     ref_params = dict(ref.named_parameters())
+    floors = _grad_floors(ref_params)
     for name, p in model.named_parameters():
         rp = ref_params.get(name)
         if rp is None or rp.grad is None:
@@ -249,7 +277,8 @@ def check(model: nn.Module, group, plan, *example_inputs, loss_fn: Optional[Call
         want = (shards[name].slice_of(rp.grad) if name in shards and got.shape != rp.grad.shape
                 else rp.grad)
         grad_names.append(name)
-        grad_errs.append(_rel(got, want) if want.shape == got.shape else float("inf"))
+        grad_errs.append(_rel(got, want, floors.get(name, 0.0)) if want.shape == got.shape
+                         else float("inf"))
     out_err = _rel(_local(first_tensor(out)), first_tensor(ref_out))
 
     # One all-reduce (max over ranks) of every number, so every rank reports the same.

@@ -98,7 +98,7 @@ class CompletedPlan(DerivedPlan):
             return
         while self.completion:
             try:
-                super().prove_before_use(model, target, src_rank)
+                self.prove_once(model, target, src_rank)
                 labels = self.not_run([n for n, _ in self.report.module_errors])
                 if not labels:
                     return

@@ -46,188 +46,46 @@ from the model's computation, not from its module names:
 
 The result is a :class:`DerivedPlan`. It is **proved before use**: ``tpx.parallelize_module``
 first applies it to a copy of the model and runs that copy beside the unsharded model on the
-example batch, forward and backward (``tpx.plans.check``); if any module's output, any
-gradient or any replica differs, it raises ``ValueError`` naming the first module that
-differs and leaves the model untouched. Cost: two extra copies of the model in memory and one
-forward and backward of each on the tiny batch, on every rank, once.
+example batch, forward and backward (``tpx.plans.check``). If the copy fails, or any
+module's output, any gradient or any replica differs, the entries that hold the module it
+points at (the whole pair, or the mixer, at every layer of its pattern) are left whole, with a
+warning naming them, and the rest is proved again (at most :data:`MAX_ROUNDS` times); where
+no entry can be blamed it raises ``ValueError`` naming the first module that differs and
+leaves the model untouched. Cost: two extra copies of the model in memory and one forward and
+backward of each on the tiny batch, on every rank, per round.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+import re
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.groups import head_split, shard_bounds
-from ..layout.initial import shard_in_place
-from ..layout.sharding import describe_params
-from ..nn.ssm import GatedRMSNormParallel
 from .base import ModelPlan, ParallelStyle, TPContext
 from .generate import with_generate
 from .hf_styles import VocabParallelEmbeddingStyle, own_embedding_forward
 from .module_styles import ReplicatedWithGradAllReduce, ShardedAttention
 from .sequence import Chain
-from .style import ColwiseParallel, Replicate, RowwiseParallel, Shard
+from .style import ColwiseParallel, Replicate, Shard
 from .example import example_inputs
 from .trace import Pair, analyse, is_projection, norms_between, pairs, trace
+from .unit_styles import HeadInputs, UnitColwise, UnitNorm, UnitRowwise, local_counts
 
 __all__ = ["derive", "DerivedPlan"]
 
 Plan = Dict[str, ParallelStyle]
+MAX_ROUNDS = 8  # proofs of a derived plan, each leaving whole what the last one blamed
 
 
-# ------------------------------------------------------------------ styles
-
-
-class UnitColwise(ColwiseParallel):
-    """A source of a derived pair: column-parallel, each rank holding the rows its units of
-    the row-parallel projection read."""
-
-    def __init__(self, pair: Pair, source: str) -> None:
-        super().__init__()
-        self.pair, self.source = pair, source
-
-    def _plain_split(self) -> bool:
-        return False
-
-    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        module._tpx_plain_equivalent = True  # traced: its forward computes F.linear
-        return super().apply(module, ctx)
-
-    def _out_rows(self, out_f: int, world: int):
-        return self.pair.rank_rows(self.source, world)
-
-    def __repr__(self) -> str:
-        kind = f"{self.pair.heads} heads" if self.pair.heads else "columns"
-        return f"ColwiseParallel(derived: the rows {self.pair.sink}'s {kind} read)"
-
-
-class UnitRowwise(RowwiseParallel):
-    """The row-parallel projection of a derived pair: the input columns of the units its
-    sources give each rank (whole heads dealt as evenly as they go where they do not divide
-    the TP size). A subclass of ``nn.Linear`` whose traced forward computes ``F.linear`` is
-    replaced as a plain one."""
-
-    def __init__(self, pair: Pair) -> None:
-        super().__init__()
-        self.pair = pair
-
-    def _in_cols(self, in_f: int, world: int):
-        return self.pair.sink_cols(world)
-
-    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        module._tpx_plain_equivalent = True
-        return super().apply(module, ctx)
-
-
-class UnitNorm(ParallelStyle):
-    """An RMS norm over the whole input of a derived pair's row-parallel projection (BitNet's
-    sub-norms): each rank holds the weight of the sink's columns it holds, and the sums of
-    squares of its features are added over the group (one all-reduce forward, one backward:
-    :class:`tpx.nn.ssm.GatedRMSNormParallel` with one group of every feature, no gate)."""
-
-    def __init__(self, pair: Pair, eps: float) -> None:
-        self.pair, self.eps = pair, float(eps)
-
-    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        pg = ctx.group
-        width, world = self.pair.width, pg.size()
-        cols = self.pair.sink_cols(world) or [shard_bounds(width, r, world)
-                                             for r in range(world)]
-        shard_in_place(module, [("weight", 0, [[c] for c in cols])], pg, ctx.src_rank,
-                       f"derived RMS norm before {self.pair.sink}",
-                       dict(features=width, part="norm"))
-        new = GatedRMSNormParallel(module.weight, cols=cols, features=width, group_size=width,
-                                   eps=self.eps, group=pg)
-        new._tpx_dtensor_params = True  # Shard(0) where the columns are shard_range's
-        describe_params(new)
-        return new
-
-    def __repr__(self) -> str:
-        return f"UnitNorm(derived: {self.pair.sink}'s input features, sums over the ranks)"
-
-
-class HeadInputs(ParallelStyle):
-    """Cuts the attention module's tensor inputs that hold one entry per head (ALiBi biases:
-    ``[heads, ...]`` or ``[batch * heads, ...]``) to this rank's heads."""
-
-    def __init__(self, heads: int, where: List[Tuple[object, int]],
-                 kv_heads: Optional[int] = None) -> None:
-        self.heads, self.where, self.kv_heads = heads, list(where), kv_heads
-
-    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        world, rank = ctx.group.size(), dist.get_rank(ctx.group)
-        (lo, hi), _ = head_split(self.heads, self.kv_heads or self.heads, world)[rank]
-        h = hi - lo
-
-        def cut(t: Tensor, d: int) -> Tensor:
-            n = t.shape[d]
-            if n == self.heads:
-                return t.narrow(d, lo, h)
-            if n % self.heads == 0:
-                shape = list(t.shape)
-                v = t.reshape(shape[:d] + [n // self.heads, self.heads] + shape[d + 1:])
-                v = v.narrow(d + 1, lo, h)
-                return v.reshape(shape[:d] + [n // self.heads * h] + shape[d + 1:])
-            return t
-
-        def hook(mod, args, kwargs):
-            args = list(args)
-            for key, d in self.where:
-                if isinstance(key, int) and key < len(args) and isinstance(args[key], Tensor):
-                    args[key] = cut(args[key], d)
-                elif isinstance(key, str) and isinstance(kwargs.get(key), Tensor):
-                    kwargs[key] = cut(kwargs[key], d)
-            return tuple(args), kwargs
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-    def __repr__(self) -> str:
-        return f"HeadInputs({self.where})"
-
-
-_NOT_COUNTS = ("dim", "size", "idx", "layer", "window", "position", "bucket", "rotary", "rope")
-
-
-def local_counts(heads: int, kv_heads: int, width: int, projections: List[str],
-                 sink: Optional[str] = None):
-    """``update`` for the attention module of a derived pair: the integer attributes equal to
-    the heads, the KV heads or their widths, of the module and of the modules under it on the
-    way to its projections (BERT's ``attention.self``), take this rank's values."""
-    per = width // heads
-
-    def update(module: nn.Module, h: int, kv: int) -> None:
-        names = {n for p in projections for n in _path(p)}
-        for name, sub in module.named_modules():
-            if not name or name in names:
-                _set_counts(sub, h, kv)
-
-    def _path(proj: str) -> List[str]:  # the modules above a projection, under the owner
-        parts = proj.split(".")
-        return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-    def _set_counts(module: nn.Module, h: int, kv: int) -> None:
-        local = {"q": h, "kv": kv, "groups": h // kv}
-        widths = {width: h * per, kv_heads * per: kv * per}
-        counts = {heads: h, kv_heads: kv}
-        for attr, value in list(vars(module).items()):
-            if attr.startswith("_") or not isinstance(value, int) or isinstance(value, bool):
-                continue
-            if attr in ShardedAttention.HEAD_ATTRIBUTES:
-                setattr(module, attr, local[ShardedAttention.HEAD_ATTRIBUTES[attr]])
-            elif value in widths and value != per:
-                setattr(module, attr, widths[value])
-            elif value in counts and not any(w in attr for w in _NOT_COUNTS):
-                setattr(module, attr, counts[value])
-    # what it was made from, for a plan carried to a model of other widths (derive_twin)
-    update._tpx_counts = (heads, kv_heads, width, list(projections), sink)
-    return update
+def layer_pattern(name: str) -> str:
+    """``name`` with its layer index (the first numeric part) as ``*``: the modules of a
+    Sequential inside a layer keep theirs (CTRL's ``ffn.0`` and ``ffn.2`` differ)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name, count=1)
 
 
 class DerivedPlan(ModelPlan):
@@ -245,6 +103,8 @@ class DerivedPlan(ModelPlan):
         self.members = dict(members or {})  # entry -> the pair it splits
         self.report = None
         self.failed_at: Optional[str] = None  # the module a failed proof names
+        self.suspects: List[str] = []  # the modules it points at, the most telling first
+        self.dropped: Dict[str, str] = {}  # entries a failed proof left whole, and why
 
     def unsplittable_entries(self, world: int) -> Dict[str, str]:
         """:meth:`ModelPlan.unsplittable_entries`, and every entry of a pair that cannot be
@@ -272,8 +132,59 @@ class DerivedPlan(ModelPlan):
                 or isinstance(self.get(k), UnitRowwise)}
 
     def prove_before_use(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
+        """Proves the plan (:meth:`prove_once`). Entries that make the copy fail or differ
+        are left whole, with a warning naming them, and the rest proved again: the pair
+        (or mixer, embedding, head) whose entry holds the module the proof names, at every
+        layer of its pattern. ``ValueError`` where no entry is left to blame. The plan is
+        updated in place; :attr:`dropped` says what was left whole and why."""
+        for _ in range(MAX_ROUNDS):
+            try:
+                self.prove_once(model, target, src_rank)
+                return
+            except ValueError as e:
+                keys = self.blamed(self.suspects)
+                if not keys:
+                    raise
+                self.leave_whole(keys, str(e).split("\n")[0])
+        self.prove_once(model, target, src_rank)
+
+    def blamed(self, modules: List[str]) -> List[str]:
+        """The entries that hold the first of ``modules`` that any entry holds (the entry
+        of the module itself or of one above it; else those under it, or under the modules
+        above it, nearest first), with the other entries of their pairs, at every layer."""
+        keys: List[str] = []
+        for m in modules:
+            keys = [k for k in self if k and (m == k or m.startswith(k + "."))]
+            up = m
+            while not keys and "." in up:  # not up to the base model: that holds them all
+                keys = [k for k in self if k.startswith(up + ".")]
+                up = up.rpartition(".")[0]
+            if keys:
+                break
+        pairs_of = {id(self.members[k]) for k in keys if k in self.members}
+        keys += [k for k, p in self.members.items() if id(p) in pairs_of]
+        patterns = {layer_pattern(k) for k in keys}
+        return [k for k in self if layer_pattern(k) in patterns]
+
+    def leave_whole(self, keys: List[str], reason: str) -> None:
+        """Removes the entries ``keys`` (their modules stay whole on every rank), with a
+        warning naming them and ``reason``."""
+        for k in keys:
+            self.pop(k, None)
+            self.proof_plan.pop(k, None)
+            self.members.pop(k, None)
+            self.kept_whole[k] = self.dropped[k] = reason
+        shown = sorted({layer_pattern(k) for k in keys})
+        warnings.warn(
+            f"tpx.plans.auto: the entries of the plan tpx derived for {self.model_name} at "
+            f"{', '.join(shown[:6])}{' and more' if len(shown) > 6 else ''} make a copy of the "
+            f"model fail or differ from the unsharded one, so those modules stay whole on "
+            f"every rank ({reason})", UserWarning, stacklevel=5)
+
+    def prove_once(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
         """Applies the plan to a copy of ``model`` and compares it with the unsharded model
-        on the traced batch (collective over ``target``); ``ValueError`` if they differ."""
+        on the traced batch (collective over ``target``); ``ValueError`` if they differ,
+        with :attr:`suspects` the modules it points at."""
         from ..layout.initial import broadcast_
         from .check import check
 
@@ -314,6 +225,7 @@ class DerivedPlan(ModelPlan):
                     continue
                 where = f" in {failing[0]!r}" if failing else ""
                 self.failed_at = failing[0] if failing else ""
+                self.suspects = failing[:1]
                 raise ValueError(
                     f"tpx.plans.auto: the plan tpx derived for {self.model_name} fails on a copy "
                     f"of the model at TP {pg.size()}{where}: {type(e).__name__}: {e}. Nothing "
@@ -325,6 +237,7 @@ class DerivedPlan(ModelPlan):
         if not report.ok:
             self.failed_at = (report.first_divergent_module[0]
                               if report.first_divergent_module else "")
+            self.suspects = report.suspects()
             where = (f"the first module whose output differs is "
                      f"{report.first_divergent_module[0]!r}"
                      if report.first_divergent_module else

@@ -18,7 +18,12 @@ plan to the model:
    ``I + i``). The rule that held between the twins gives the model's rows.
 3. **Proved on the twin.** ``tpx.parallelize_module`` proves the first twin's plan against
    the unsharded twin at the group's TP size, as a derived plan is proved on a copy, before
-   it changes anything; then the model's plan is applied.
+   it changes anything; what that proof leaves whole stays whole on the model, at every
+   layer of its pattern; then the model's plan is applied.
+
+The twins are built in float64; a model whose forward does not run in float64 (XGLM fills
+its mask from the default dtype) in float32. The second twin's config is built again by its
+class, so that the widths it derives from the doubled ones are derived again.
 
 A model this cannot carry (layers of several kinds, rows that do not scale, a twin that does
 not build or trace) raises ``ValueError`` naming what differs, before anything is changed.
@@ -29,7 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import re
+import inspect
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -37,29 +42,25 @@ import torch
 from torch import nn
 
 from .base import TPContext
-from .derive import (DerivedPlan, HeadInputs, UnitColwise, UnitNorm, UnitRowwise, derive,
-                     local_counts)
+from .derive import DerivedPlan, derive, layer_pattern
 from .module_styles import ShardedAttention
 from .sequence import Chain
 from .example import example_inputs
 from .trace import Pair
-from .twin import twin
+from .unit_styles import HeadInputs, UnitColwise, UnitNorm, UnitRowwise, local_counts
+from .twin import build, twin
 
 __all__ = ["derive_on_twins", "TwinDerivedPlan"]
 
 _WIDTHS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "ffn_dim", "n_inner",
            "head_dim", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_hidden_size", "d_ff", "d_kv",
-           "emb_dim", "d_inner", "word_embed_proj_dim")
+           "emb_dim", "d_inner", "word_embed_proj_dim", "embedding_dim", "lru_width",
+           "hidden_size_global")
 
 
-def _pattern(name: str) -> str:
-    """``name`` with its layer index (the first numeric part) as ``*``: the modules of a
-    Sequential inside a layer keep theirs (CTRL's ``ffn.0`` and ``ffn.2`` differ)."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name, count=1)
-
-
-def _widened(model: nn.Module, base: nn.Module) -> nn.Module:
-    """The second twin: ``base``'s config with every width doubled."""
+def _widened(model: nn.Module, base: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """The second twin: ``base``'s config with every width doubled, built again by its class
+    so that the widths it derives are derived again (Zamba2's Mamba head dim)."""
     cfg = copy.deepcopy(base.config)
     for k in _WIDTHS:
         if isinstance(getattr(type(cfg), k, None), property):
@@ -67,11 +68,31 @@ def _widened(model: nn.Module, base: nn.Module) -> nn.Module:
         v = getattr(cfg, k, None)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             setattr(cfg, k, 2 * v)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        with torch.device("cpu"):
-            out = type(model)(cfg)
-    return out.to(torch.float64).eval()
+    try:
+        cfg = _rebuilt(cfg)
+    except Exception:  # noqa: BLE001 - a class that cannot rebuild its own fields: as set
+        pass
+    return build(type(model), cfg, dtype)
+
+
+def _rebuilt(cfg):
+    """``cfg`` built again by its class from the fields it declares, so that what the class
+    derives from them is derived again; a field it neither declares nor derives is kept."""
+    fields = cfg.to_dict()
+    if dataclasses.is_dataclass(type(cfg)):
+        declared = {f.name for f in dataclasses.fields(type(cfg))}
+    else:
+        params = inspect.signature(type(cfg).__init__).parameters
+        declared = set(fields) if any(p.kind is p.VAR_KEYWORD for p in params.values()) and \
+            len(params) <= 3 else set(params)
+    out = type(cfg)(**{k: v for k, v in fields.items() if k in declared})
+    missing = object()
+    for k, v in fields.items():
+        if k not in declared and getattr(out, k, missing) is missing:
+            setattr(out, k, v)
+    out._attn_implementation = cfg._attn_implementation
+    out._experts_implementation = getattr(cfg, "_experts_implementation", "eager")
+    return out
 
 
 def _features(model: nn.Module, name: str, out: bool) -> int:
@@ -184,9 +205,22 @@ class TwinDerivedPlan(DerivedPlan):
         return super().fit_to(model, world)
 
     def prove_before_use(self, model: nn.Module, target, src_rank) -> None:
+        """Proves the twin's plan (:meth:`DerivedPlan.prove_before_use`); what it leaves
+        whole stays whole on the model, at every layer of its pattern."""
         self.fit_to(model, TPContext.of(target, None).group.size())
         self.twin_plan.prove_before_use(self.twin_model, target, None)
         self.report = self.twin_plan.report
+        patterns = {layer_pattern(k): why for k, why in self.twin_plan.dropped.items()}
+
+        def pattern(k: str) -> str:  # a key carried as a pattern is one already
+            return k if "*" in k else layer_pattern(k)
+
+        for k in [k for k in self if pattern(k) in patterns]:
+            why = patterns[pattern(k)]
+            self.pop(k)
+            self.proof_plan.pop(k, None)
+            self.members.pop(k, None)
+            self.kept_whole[pattern(k)] = self.dropped[k] = why
 
 
 def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDerivedPlan:
@@ -205,41 +239,27 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
             "tpx.parallelize_module(model, None, tpx.plans.auto(model)); or pass plan= with a "
             "plan of your own")
 
-    try:
-        a = twin(model)
-        b = _widened(model, a)
-        plan_a = derive(a, loss_parallel=loss_parallel, example=example_inputs(a))
-        plan_b = derive(b, loss_parallel=loss_parallel, example=example_inputs(b))
-    except ValueError:  # derive's own refusal, naming the module
-        raise
-    except Exception as e:  # noqa: BLE001 - a twin that does not build or trace: said
-        raise refuse(f"its twin fails ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    # In float64 (the proof's rounding noise stays below what it resolves); a model whose
+    # forward does not run in float64 (XGLM fills its mask from the default dtype) in float32
+    for dtype in (torch.float64, torch.float32):
+        try:
+            a = twin(model, dtype)
+            b = _widened(model, a, dtype)
+            plan_a = derive(a, loss_parallel=loss_parallel, example=example_inputs(a))
+            plan_b = derive(b, loss_parallel=loss_parallel, example=example_inputs(b))
+            break
+        except ValueError:  # derive's own refusal, naming the module
+            raise
+        except Exception as e:  # noqa: BLE001 - a twin that does not build or trace: said
+            if dtype is torch.float64 and isinstance(e, RuntimeError):
+                continue
+            raise refuse(f"its twin fails ({type(e).__name__}: {str(e).splitlines()[0]})") from e
     if [(k, type(v)) for k, v in plan_a.items()] != [(k, type(v)) for k, v in plan_b.items()]:
         raise refuse("its two twins give different plans")
     real_names = {n: type(m) for n, m in model.named_modules()}
     twin_names = {n: type(m) for n, m in a.named_modules()}
     # 1. one entry per pattern, every layer of the twin alike
-    by_pattern: Dict[str, List[str]] = {}
-    for k in plan_a:
-        by_pattern.setdefault(_pattern(k), []).append(k)
-    partial: Dict[str, List[str]] = {}  # patterns only some layers have: by their names
-    for pat, keys in by_pattern.items():
-        kinds = {type(plan_a[k]) for k in keys}
-        if len(kinds) != 1:
-            raise refuse(f"the twin's layers differ at {pat!r}")
-        every = sorted(n for n in twin_names if _pattern(n) == pat)
-        if pat and sorted(keys) != every:
-            # (Gemma 3n: the MLPs of its first layers keep the activations above a statistic
-            # of all features and stay whole; the others split)
-            if sorted(n for n in real_names if _pattern(n) == pat) != every:
-                raise refuse(f"{len(keys)} of the twin's {len(every)} modules at {pat!r} are "
-                             "split, and the model's layers are not the twin's")
-            partial[pat] = list(keys)
-        want = {twin_names[k] for k in keys if k in twin_names}
-        have = {c for n, c in real_names.items() if _pattern(n) == pat}
-        if pat and (not have or have != want):
-            raise refuse(f"the model's modules at {pat!r} are {sorted(c.__name__ for c in have)}"
-                         f", the twin's {sorted(c.__name__ for c in want)}")
+    by_pattern, named = _layer_entries(plan_a, twin_names, real_names, refuse)
     # 2. every pair scales from twin A to twin B by the rule, then to the model
     real_plan: Dict[str, object] = {}
     members: Dict[str, Pair] = {}
@@ -249,8 +269,8 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
         carried = _carried(st, keys[0], a, b, plan_b, model, scaled, refuse)
         # fnmatch's * also matches dots: a pattern that would name other modules too (BERT's
         # layer.*.output.dense, its attention's attention.output.dense) names its own
-        own = partial.get(pat) or [n for n in real_names if _pattern(n) == pat]
-        if pat in partial or pat and any(fnmatch.fnmatchcase(n, pat) and _pattern(n) != pat
+        own = named.get(pat) or [n for n in real_names if layer_pattern(n) == pat]
+        if pat in named or pat and any(fnmatch.fnmatchcase(n, pat) and layer_pattern(n) != pat
                                          for n in real_names):
             real_plan.update({n: carried for n in own})
         else:
@@ -260,16 +280,50 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
             p = plan_a.members[keys[0]]
             members.update({n: scaled.get(id(p), p) for n in own})
     return TwinDerivedPlan(real_plan, model_name=name, twin_model=a, twin_plan=plan_a,
-                           kept_whole={_pattern(k): v for k, v in plan_a.kept_whole.items()},
+                           kept_whole={layer_pattern(k): v for k, v in plan_a.kept_whole.items()},
                            members=members)
+
+
+def _layer_entries(plan_a, twin_names, real_names, refuse):
+    """The twin's plan keys by pattern (:func:`_pattern`), each pattern checked to carry to
+    the model, and the patterns whose entries are carried by the model's module names:
+    those only some layers have (where the model's layers are the twin's), and those whose
+    layers hold modules of several classes there (RecurrentGemma's ``temporal_block``, an
+    attention or a recurrent block: the entry goes to the modules of the twin's class)."""
+    by_pattern: Dict[str, List[str]] = {}
+    for k in plan_a:
+        by_pattern.setdefault(layer_pattern(k), []).append(k)
+    named: Dict[str, List[str]] = {}
+    for pat, keys in by_pattern.items():
+        if len({type(plan_a[k]) for k in keys}) != 1:
+            raise refuse(f"the twin's layers differ at {pat!r}")
+        if not pat:
+            continue
+        want = {twin_names[k] for k in keys if k in twin_names}
+        have = {c for n, c in real_names.items() if layer_pattern(n) == pat}
+        if not have or not want <= have:
+            raise refuse(f"the model's modules at {pat!r} are {sorted(c.__name__ for c in have)}"
+                         f", the twin's {sorted(c.__name__ for c in want)}")
+        every = sorted(n for n, c in twin_names.items() if layer_pattern(n) == pat and c in want)
+        if sorted(keys) != every:
+            # (Gemma 3n: the MLPs of its first layers keep the activations above a statistic
+            # of all features and stay whole; the others split)
+            if sorted(n for n, c in real_names.items() if layer_pattern(n) == pat and c in want) \
+                    != every:
+                raise refuse(f"{len(keys)} of the twin's {len(every)} modules at {pat!r} are "
+                             "split, and the model's layers are not the twin's")
+            named[pat] = list(keys)
+        elif have != want:
+            named[pat] = [n for n, c in real_names.items() if layer_pattern(n) == pat and c in want]
+    return by_pattern, named
 
 
 def _real_names(model: nn.Module, twin_names: List[str]) -> Dict[str, str]:
     """Twin module name -> the model's module of the same pattern (its first)."""
     first: Dict[str, str] = {}
     for n, _ in model.named_modules():
-        first.setdefault(_pattern(n), n)
-    return {t: first.get(_pattern(t), t) for t in twin_names}
+        first.setdefault(layer_pattern(n), n)
+    return {t: first.get(layer_pattern(t), t) for t in twin_names}
 
 
 def _pair_of(st) -> Optional[Pair]:

@@ -26,6 +26,8 @@ whatever the config class derives is derived again):
   rewritten for the kept layers.
 * no dropout or jitter noise, no KV cache, out-of-vocabulary special ids wrapped into the
   vocabulary, eager attention and experts; sub-configs are shrunk the same way.
+* values: the class's own initialisation from a fixed seed, except weight matrices it
+  leaves all zero (xLSTM's gates), drawn at random (:func:`build`).
 * ``TYPES`` holds the few per-type settings no rule can guess.
 """
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["twin_config", "twin", "shrunk_fields"]
+__all__ = ["twin_config", "twin", "build", "shrunk_fields"]
 
 V = 1003  # does not divide by 2 or 4
 
@@ -47,6 +49,8 @@ FIXED = dict(
     head_dim=8, swa_head_dim=8, max_position_embeddings=64, n_positions=64, n_ctx=64,
     # a vision tower's output, a quantizer's codes: the text model's width
     out_hidden_size=64, text_hidden_size=64, audio_hidden_size=64, codebook_dim=64,
+    # BLT's local models read the global transformer's width; RecurrentGemma's RG-LRU width
+    hidden_size_global=64, lru_width=64,
 )
 # Sizes shrunk to at most the target (None, 0 and smaller values stay as they are).
 AT_MOST = dict(
@@ -55,6 +59,7 @@ AT_MOST = dict(
     expert_ffn_hidden_size=40, shared_expert_intermediate_size=40,
     moe_shared_expert_intermediate_size=40, shared_experts_intermediate_size=40,
     shared_intermediate_size=40, block_multiple_of=8, unpadded_vocab_size=V,
+    encoder_hash_byte_group_vocab=V,
     original_max_position_embeddings=64, model_max_length=64,
     # attention: KV heads, MLA, rotary, windows, chunks, scales that start at a position
     num_key_value_heads=2, swa_num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24,
@@ -104,6 +109,8 @@ TYPES = {
     "doge": dict(is_moe=True),
     "gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
                         moe_intermediate_size=40),
+    # its layers cycle through block_types (recurrent, recurrent, attention): one cycle
+    "recurrent_gemma": dict(num_hidden_layers=3),
     # one input, one recurrent (looped) and one output layer
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
@@ -398,6 +405,8 @@ def twin_config(config):
             and (width % heads or width // heads < 2)):
         c[wkey] = heads * TWIN_HEAD_DIM  # head_dim derived from the width
     _mamba2_width(d, c)  # with the model's heads kept
+    if _is_int(heads) and _is_int(d.get("lru_width")):
+        c["lru_width"] = heads * TWIN_HEAD_DIM  # RecurrentGemma: block-diagonal per head
     # The model's own settings where they differ from its class's defaults, then the twin's
     # sizes: only changed fields are set, so that what the class derives is derived again.
     try:
@@ -421,10 +430,25 @@ def twin(model: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
     if cfg is None or not isinstance(cfg, _config_class()):
         raise ValueError(f"tpx: {type(model).__name__} has no Hugging Face config to build a "
                          "twin from; build the model with its weights and shard it then")
-    tc = twin_config(cfg)
+    return build(type(model), twin_config(cfg), dtype)
+
+
+def build(cls, cfg, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """``cls(cfg)`` on the CPU in ``dtype``, in eval mode, its values drawn from a fixed seed
+    (the same on every rank) by the class's own initialisation, with :func:`_unzeroed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         with torch.device("cpu"):
-            out = type(model)(tc)
+            out = cls(cfg)
+        _unzeroed(out)
     return out.to(dtype).eval()
+
+
+def _unzeroed(model: nn.Module) -> None:
+    """Weight matrices the class initialises to zero (xLSTM's gates) drawn at random: a zero
+    matrix cuts what reads it from the trace and from the proof (a released model has none)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and p.is_floating_point() and not p.any():
+                p.normal_(0.0, p.shape[-1] ** -0.5)
 
