@@ -87,14 +87,29 @@ def test_from_pretrained_without_a_plan(tmp_path, mt):
     run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
 
 
-@pytest.mark.parametrize("mt", [
-    "recurrent_gemma",  # a layer holds an attention or a recurrent block at one name
-    "zamba2",  # widths its config derives (Mamba head dim) derived again on the wide twin
-    "xlstm",  # gate weights initialised to zero: drawn on the twin, so the trace sees them
-    "xglm",  # its forward does not run in float64: twins in float32
+def _load_split_like_one_device(rank, world, path, mt, must_split):
+    ref, model = hf_tiny.written_and_loaded(mt, path)
+    full = {n: p.numel() for n, p in ref.named_parameters()}
+    split = [n for n, p in model.named_parameters() if must_split in n
+             and (p.to_local() if hasattr(p, "to_local") else p).numel() < full[n]]
+    assert split, (must_split, "is whole")
+    _load_like_one_device(rank, world, path + "-again", mt)
+
+
+@pytest.mark.parametrize("mt,must_split", [
+    # a layer holds an attention or a recurrent block at one name; the RG-LRU's width
+    ("recurrent_gemma", "mlp_block.down_proj"),
+    # widths its config derives (the Mamba head dim) derived again on the wide twin
+    ("zamba2", "mamba.in_proj"),
+    # gate weights initialised to zero: drawn on the twin, so the trace sees them
+    ("xlstm", "ffn.proj_down"),
+    # its forward does not run in float64: twins in float32
+    ("xglm", "self_attn.k_proj"),
+    # a frozen table of positions read by every attention: a constant, not an embedding
+    ("roformer", "attention.self.query"),
 ])
-def test_twins_of_hybrids_and_odd_configs(tmp_path, mt):
-    run_ranks(_load_like_one_device, 2, str(tmp_path / mt), mt)
+def test_twins_of_hybrids_and_odd_configs(tmp_path, mt, must_split):
+    run_ranks(_load_split_like_one_device, 2, str(tmp_path / mt), mt, must_split)
 
 
 def test_layers_of_several_plans_carried_by_name(tmp_path):

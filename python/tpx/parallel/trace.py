@@ -177,6 +177,8 @@ def trace(model: nn.Module, example: Dict[str, Tensor],
                 return None
             if name in tr.detached:
                 return _rms_norm(args[0], mod.weight, tr.detached[name], cut=True)
+            if name in constant_tables:
+                return None  # untagged: a constant, like a rotary table
             if is_projection(mod):
                 if own_forward(mod) and name not in tr.linear_like:
                     with torch.no_grad():
@@ -190,6 +192,11 @@ def trace(model: nn.Module, example: Dict[str, Tensor],
             return out
         return hook
 
+    # Frozen tables in a model that trains (RoFormer's sinusoidal positions, read by every
+    # attention): constants, not embeddings (a model frozen whole, under peft, keeps them)
+    constant_tables = {n for n, m in modules.items() if isinstance(m, nn.Embedding)
+                       and not m.weight.requires_grad} if any(
+        p.requires_grad for p in model.parameters()) else set()
     for name, mod in modules.items():
         if not name:
             continue
@@ -523,9 +530,11 @@ def analyse(model: nn.Module, tr: Trace, sources: List[str], sink: str,
                 and any(True for _ in mod.parameters(recurse=False))):
             pair.region.append(name)
     if pair.heads:  # inputs computed from no projection with one entry per head: ALiBi
+        per = pair.width // pair.heads  # (a rotary table's last dimension is a head's width)
         for key, t, tags in tr.call_args.get(pair.owner, []):
             d = next((d for d, n in enumerate(t.shape)
-                      if n in (pair.heads, BATCH * pair.heads) and n != tr.seq), None)
+                      if n in (pair.heads, BATCH * pair.heads) and n != tr.seq
+                      and not (d == t.dim() - 1 and n == per)), None)
             if not tags and d is not None and t.is_floating_point():
                 pair.head_inputs.append((key, d))
     return pair
