@@ -299,3 +299,75 @@ def _short_conv_split_like_one_device(rank, world, arch):
                                         pytest.param("lfm2_moe", 2, marks=pytest.mark.slow)])
 def test_short_conv_split_by_channels(arch, world):
     run_ranks(_short_conv_split_like_one_device, world, arch)
+
+
+def _mixer_dcp_save(rank, world, ckpt, full_path, arch):
+    """A hybrid with its mixers split after one AdamW step, saved by tpx.checkpoint.save
+    (torch.distributed.checkpoint); torch's own dcp.save(model.state_dict()) says why it
+    cannot take the mixers' fused rows, before writing anything."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = hf_tiny.tiny(arch).double()
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    ids, labels = _batch(0)
+    model(input_ids=ids, labels=labels).loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    try:  # torch's own recipe: where a DTensor can state every part
+        dcp.save(model.state_dict(), checkpoint_id=ckpt + "-plain")
+    except RuntimeError as e:  # or said, before anything is written
+        assert "a DTensor cannot state" in str(e) and "tpx.checkpoint.save" in str(e), e
+        assert not os.path.exists(ckpt + "-plain")
+    tpx.checkpoint.save(model, ckpt, optimizer=opt)
+    full = tpx.checkpoint.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        torch.save(full, full_path)
+    dist.barrier()
+
+
+def _mixer_dcp_load(rank, world, ckpt, full_path, arch):
+    import torch.distributed.checkpoint as dcp
+
+    ref = hf_tiny.tiny(arch).double()
+    ref.load_state_dict(torch.load(full_path))
+    torch.manual_seed(7)  # another initialisation: everything must come from the checkpoint
+    model = hf_tiny.tiny(arch).double()
+    if world > 1:
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tpx.checkpoint.load(model, ckpt, optimizer=opt)
+        assert opt.state  # the moments came back, at this TP size
+    else:  # the unsharded model reads it with torch's own dcp.load
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=ckpt)
+        model.load_state_dict(state)
+    assert_like_unsharded(model, ref, f"{arch} loaded at TP {world}")
+    if os.path.exists(ckpt + "-plain"):  # torch's own recipe, read at another TP size
+        torch.manual_seed(8)
+        again = hf_tiny.tiny(arch).double()
+        if world > 1:
+            tpx.parallelize_module(again, None, tpx.plans.auto(again))
+        try:
+            state = again.state_dict()
+        except RuntimeError as e:  # heads this TP size deals to several ranks: said
+            assert "a DTensor cannot state" in str(e), e
+        else:
+            dcp.load(state, checkpoint_id=ckpt + "-plain")
+            again.load_state_dict(state)
+            assert_like_unsharded(again, ref, f"{arch} loaded by dcp.load at TP {world}")
+    ids, _ = _batch(1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["bamba", "olmo_hybrid", "lfm2"])
+def test_mixers_reshard_through_dcp(tmp_path, arch):
+    # Mamba-2, Gated DeltaNet and short-convolution mixers saved at TP 2 read back at TP 3
+    # (tpx.checkpoint.load) and on one device (torch's dcp.load)
+    ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
+    run_ranks(_mixer_dcp_save, 2, ckpt, full, arch)
+    for w in (3, 1):
+        run_ranks(_mixer_dcp_load, w, ckpt, full, arch)

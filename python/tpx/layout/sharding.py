@@ -348,6 +348,10 @@ def describe_params(module: nn.Module) -> None:
             if param is not None and name not in sharded and not isinstance(param, DTensor):
                 replace_param(module, name, as_dtensor(param, module.group, Replicate(),
                                                          tuple(param.shape)))
+    if sharded and not isinstance(module, KeepsParamSharding):
+        # a module tpx split in place (a mixer's convolution, its per-head vectors): its
+        # state_dict() speaks the full names too, or raises; never this rank's rows alone
+        guard_state_dict(module)
 
 
 _RAW = threading.local()
