@@ -117,11 +117,15 @@ def image_inputs(model: nn.Module, ids: Tensor, generator: torch.Generator
     vision, get = getattr(cfg, "vision_config", None), getattr(model, "get_image_features", None)
     size = _image_size(vision) if vision is not None else None
     p = next(model.parameters(), None)
-    if token is None or get is None or size is None or p is None:
+    if size is None or p is None:
         return None
     b = ids.shape[0]
     pixels = torch.randn(b, getattr(vision, "num_channels", 3), size, size,
                          generator=generator).to(p.device, p.dtype)
+    if token is None and get is None:
+        return _prefix_image(model, ids, pixels)
+    if token is None or get is None:
+        return None
     extra = {}
     if "image_sizes" in inspect.signature(get).parameters:  # Mistral 3, Pixtral, LLaVA-NeXT
         extra["image_sizes"] = torch.tensor([[size, size]] * b, device=p.device)
@@ -136,3 +140,20 @@ def image_inputs(model: nn.Module, ids: Tensor, generator: torch.Generator
         full = torch.cat([torch.full((b, n), token, dtype=ids.dtype, device=ids.device), ids], 1)
         return dict(pixel_values=pix, input_ids=full, **extra)
     return None
+
+
+def _prefix_image(model: nn.Module, ids: Tensor, pixels: Tensor) -> Optional[Dict[str, Tensor]]:
+    """``pixel_values`` beside ``ids`` for a model whose forward puts an image's features
+    before the tokens itself (GIT: no image token), where a forward with them runs."""
+    if "pixel_values" not in inspect.signature(model.forward).parameters:
+        return None
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, pixel_values=pixels)
+    except Exception:  # noqa: BLE001 - it takes more than pixels: no image
+        return None
+    finally:
+        model.train(was)
+    return dict(pixel_values=pixels, input_ids=ids)

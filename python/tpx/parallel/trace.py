@@ -39,6 +39,13 @@ def _tensors(tree) -> List[Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
 
 
+# Functions whose result takes only the shape, dtype and device of their first tensor (a mask
+# made like the hidden states: GIT's), and those whose values are their first tensor's
+SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
+                        "new_ones", "new_full", "new_empty", "new_tensor"})
+VALUES_OF_SELF = frozenset({"type_as"})
+
+
 class Tags(TorchFunctionMode):
     """Tags every tensor a function makes with the union of its inputs' tags."""
 
@@ -55,9 +62,14 @@ class Tags(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        tags = self.of((args, kwargs))
+        name = getattr(func, "__name__", "")
+        if name in SHAPE_ONLY:  # the first tensor gives a shape and a dtype, no values
+            tags = self.of((args[1:], kwargs))
+        elif name in VALUES_OF_SELF:
+            tags = self.of(args[:1])
+        else:
+            tags = self.of((args, kwargs))
         if tags:
-            name = getattr(func, "__name__", "")
             targets = _tensors(out)
             if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
                 targets += _tensors(args[:1])  # in place: the tensor written to
