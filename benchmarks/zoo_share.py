@@ -13,8 +13,10 @@ model; a fake group moves no data, so here the plan is applied unproved (its pro
 ``benchmarks/hf_zoo.py`` and the tests run on real ranks), after leaving whole what the TP
 size cannot split, as ``tpx.parallelize_module`` does before the proof, and after leaving whole
 the added groups the proof's batch (token ids) never runs, which the proof leaves whole too
-(found by one forward of the model's twin). A model that needs a derived plan
-(no plan shipped) cannot be derived on the meta device: ``refused``, with tpx's message.
+(found by one forward of the model's twin). A model that ships no plan gets the plan derived
+on its twins (``tpx.parallel.derive_twin``); one whose twins cannot carry a plan is
+``refused``, with tpx's message. A row above 1.3/TP says why its largest whole module is
+whole (``why``: the plan's reason for it, or that no entry names it).
 
     python benchmarks/hf_zoo.py --share [--tp 8] [--archs llama,gpt_oss,...]
 
@@ -24,6 +26,7 @@ prints one row per type and writes ``benchmarks/results/hf_zoo_share.json``.
 from __future__ import annotations
 
 import collections
+import fnmatch
 import re
 import time
 import warnings
@@ -121,7 +124,20 @@ def share_of(mt: str, world: int, multimodal: bool) -> Dict[str, object]:
                completed=sorted(getattr(getattr(plan, "completion", None), "groups", {})),
                left_whole=getattr(plan, "kept_whole", {}) or {},
                whole=[(k, v / total) for k, v in whole.most_common(WHOLE_SHOWN)])
+    if row["share"] > 1.3 / world and row["whole"]:
+        row["why"] = why_whole(row["whole"][0][0], row["left_whole"])
     return row
+
+
+def why_whole(param: str, left_whole: Dict[str, str]) -> str:
+    """Why the plan leaves the module of ``param`` (a pattern, ``layers.*.x.weight``) whole:
+    the reason the plan gives for it or a module above it, else that no entry names it."""
+    module = param.rpartition(".")[0]
+    for key, why in left_whole.items():
+        k = re.sub(r"\.\d+(?=\.|$)", ".*", key)
+        if module == k or module.startswith(k + ".") or fnmatch.fnmatchcase(module, k):
+            return f"{key}: {why}"
+    return "no entry of the plan names it (no column -> row pair the trace finds there)"
 
 
 def run_share(archs, world: int, which: str) -> List[Dict[str, object]]:
@@ -138,6 +154,8 @@ def run_share(archs, world: int, which: str) -> List[Dict[str, object]]:
             whole = ", ".join(f"{k} {v:.3f}" for k, v in row["whole"])
             print(f"  {mt:<28} {row['share']:.3f} of {row['parameters'] / 1e9:8.2f}B  "
                   f"whole: {whole}", flush=True)
+            if "why" in row:
+                print(f"  {'':<28} why: {row['why'][:200]}", flush=True)
         else:
             print(f"  {mt:<28} {row['status']}: {row['detail'][:150]}", flush=True)
     dist.destroy_process_group()
