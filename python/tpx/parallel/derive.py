@@ -66,6 +66,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..comm import collectives
 from .base import ModelPlan, ParallelStyle, TPContext
 from .generate import with_generate
 from .hf_styles import VocabParallelEmbeddingStyle, own_embedding_forward
@@ -104,6 +105,7 @@ class DerivedPlan(ModelPlan):
         self.report = None
         self.failed_at: Optional[str] = None  # the module a failed proof names
         self.suspects: List[str] = []  # the modules it points at, the most telling first
+        self.failed_in_forward = False  # the last proof raised (else: its report differs)
         self.dropped: Dict[str, str] = {}  # entries a failed proof left whole, and why
 
     def unsplittable_entries(self, world: int) -> Dict[str, str]:
@@ -145,6 +147,12 @@ class DerivedPlan(ModelPlan):
                 keys = self.blamed(self.suspects)
                 if not keys:
                     raise
+                if self.failed_in_forward:
+                    # every rank failed here (a plan's sizes are the same on each), or the
+                    # ranks diverge: one collective before the next round says which (a rank
+                    # still inside the proof meets it with another and both raise)
+                    pg = TPContext.of(target, src_rank).group
+                    collectives.all_reduce(torch.ones(1, dtype=torch.float64), pg)
                 self.leave_whole(keys, str(e).split("\n")[0])
         self.prove_once(model, target, src_rank)
 
@@ -226,6 +234,7 @@ class DerivedPlan(ModelPlan):
                 where = f" in {failing[0]!r}" if failing else ""
                 self.failed_at = failing[0] if failing else ""
                 self.suspects = failing[:1]
+                self.failed_in_forward = True
                 raise ValueError(
                     f"tpx.plans.auto: the plan tpx derived for {self.model_name} fails on a copy "
                     f"of the model at TP {pg.size()}{where}: {type(e).__name__}: {e}. Nothing "
@@ -234,6 +243,7 @@ class DerivedPlan(ModelPlan):
             finally:
                 del trial
         self.report = report
+        self.failed_in_forward = False
         if not report.ok:
             self.failed_at = (report.first_divergent_module[0]
                               if report.first_divergent_module else "")
