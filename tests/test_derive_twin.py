@@ -136,6 +136,44 @@ def test_layers_of_several_plans_carried_by_name(tmp_path):
     run_ranks(_load_like_one_device, 2, str(tmp_path / "g3n"), "gemma3n_text")
 
 
+def _gemma3n_more_layers_than_its_twin(rank, world, path):
+    import torch.distributed as dist
+
+    # 10 layers of 6 kinds (sliding / full attention, sparse / dense activations, KV shared
+    # or not): the twin keeps 6, and the entries only some of them have (the later
+    # layers' MLPs split, the first ones' whole; the KV-sharing layers' attention without
+    # its own k and v) are carried to each layer by its kind
+    layout = dict(num_hidden_layers=10, intermediate_size=[88] * 10,
+                  layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                  activation_sparsity_pattern=[0.95] * 3 + [0.0] * 7, num_kv_shared_layers=4)
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny("gemma3n_text", **layout)
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
+                                model_class=hf_tiny.auto_class("gemma3n_text"))
+    full = {n: p.numel() for n, p in ref.named_parameters()}
+
+    def split(n):
+        p = model.get_parameter(n)
+        return (p.to_local() if hasattr(p, "to_local") else p).numel() < full[n]
+
+    assert not split("model.layers.0.mlp.gate_proj.weight")  # sparse activations: whole
+    assert split("model.layers.5.mlp.gate_proj.weight") and split(
+        "model.layers.9.mlp.down_proj.weight")
+    ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
+    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=2e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, "gemma3n, 10 layers", grad=True, rtol=1e-4, atol=1e-6)
+
+
+def test_entries_of_some_layers_carried_by_kind(tmp_path):
+    run_ranks(_gemma3n_more_layers_than_its_twin, 2, str(tmp_path / "g3n10"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mt,world", [("opt", 4), ("mpt", 4), ("bert-generation", 2),
                                       ("gpt_neo", 4), ("bloom", 4), ("falcon", 4)])

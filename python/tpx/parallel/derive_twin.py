@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import fnmatch
 import inspect
+import re
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -48,7 +49,7 @@ from .sequence import Chain
 from .example import example_inputs
 from .trace import Pair
 from .unit_styles import HeadInputs, UnitColwise, UnitNorm, UnitRowwise, local_counts
-from .twin import build, twin
+from .twin import build, layer_map, twin
 
 __all__ = ["derive_on_twins", "TwinDerivedPlan"]
 
@@ -259,7 +260,8 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
     real_names = {n: type(m) for n, m in model.named_modules()}
     twin_names = {n: type(m) for n, m in a.named_modules()}
     # 1. one entry per pattern, every layer of the twin alike
-    by_pattern, named = _layer_entries(plan_a, twin_names, real_names, refuse)
+    by_pattern, named = _layer_entries(plan_a, twin_names, real_names, refuse,
+                                       layer_map(model.config))
     # 2. every pair scales from twin A to twin B by the rule, then to the model
     real_plan: Dict[str, object] = {}
     members: Dict[str, Pair] = {}
@@ -284,7 +286,37 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
                            members=members)
 
 
-def _layer_entries(plan_a, twin_names, real_names, refuse):
+def _layer_index(name: str) -> Optional[int]:
+    m = re.search(r"(?<=\.)\d+(?=\.|$)", name)
+    return int(m.group()) if m else None
+
+
+def _by_kind(keys: List[str], every: List[str], real: List[str],
+             kinds: Optional[List[int]]) -> Optional[List[str]]:
+    """The model's modules ``real`` whose twin module of their layer's kind is among
+    ``keys`` (``kinds[i]``: the twin's layer of layer ``i``'s kind, :func:`layer_map`);
+    ``None`` where the layers under this pattern are not the ones ``kinds`` describes."""
+    if kinds is None or not real:
+        return None
+    twin_layers = {_layer_index(n) for n in every}
+    real_layers = {_layer_index(n) for n in real}
+    if None in twin_layers or None in real_layers or len(real_layers) != len(real) or \
+            not twin_layers <= set(range(max(kinds) + 1)) or max(real_layers) >= len(kinds):
+        return None
+    # the layers holding this module are those whose kind's twin layer holds it
+    if real_layers != {i for i, j in enumerate(kinds) if j in twin_layers}:
+        return None
+    out = []
+    for n in real:
+        t = re.sub(r"(?<=\.)\d+(?=\.|$)", str(kinds[_layer_index(n)]), n, count=1)
+        if t not in every:
+            return None
+        if t in keys:
+            out.append(n)
+    return out
+
+
+def _layer_entries(plan_a, twin_names, real_names, refuse, kinds=None):
     """The twin's plan keys by pattern (:func:`_pattern`), each pattern checked to carry to
     the model, and the patterns whose entries are carried by the model's module names:
     those only some layers have (where the model's layers are the twin's), and those whose
@@ -308,11 +340,11 @@ def _layer_entries(plan_a, twin_names, real_names, refuse):
         if sorted(keys) != every:
             # (Gemma 3n: the MLPs of its first layers keep the activations above a statistic
             # of all features and stay whole; the others split)
-            if sorted(n for n, c in real_names.items() if layer_pattern(n) == pat and c in want) \
-                    != every:
+            real = sorted(n for n, c in real_names.items() if layer_pattern(n) == pat and c in want)
+            named[pat] = list(keys) if real == every else _by_kind(keys, every, real, kinds)
+            if named[pat] is None:
                 raise refuse(f"{len(keys)} of the twin's {len(every)} modules at {pat!r} are "
                              "split, and the model's layers are not the twin's")
-            named[pat] = list(keys)
         elif have != want:
             named[pat] = [n for n, c in real_names.items() if layer_pattern(n) == pat and c in want]
     return by_pattern, named

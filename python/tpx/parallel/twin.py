@@ -34,10 +34,12 @@ whatever the config class derives is derived again):
 from __future__ import annotations
 
 
+from typing import List, Optional
+
 import torch
 from torch import nn
 
-__all__ = ["twin_config", "twin", "build", "shrunk_fields"]
+__all__ = ["twin_config", "twin", "build", "layer_map", "shrunk_fields"]
 
 V = 1003  # does not divide by 2 or 4
 
@@ -266,11 +268,13 @@ def _kinds(d: dict, n: int) -> list:
     return kinds
 
 
-def _layers(d: dict, c: dict, keep_at_least: int = 2) -> dict:
-    """Keep the first layer of each kind (and at least ``keep_at_least``); rewrite the layout."""
+def _kept(d: dict, keep_at_least: int = 2):
+    """``(key, n, kinds, keep)``: the layer count's field, the count, each layer's kind and
+    the layers the twin keeps (the first of each kind, and at least ``keep_at_least``);
+    ``None`` for a config without a layer count."""
     key = next((k for k in LAYER_COUNTS if _is_int(d.get(k))), None)
     if key is None:
-        return {}
+        return None
     n = d[key]
     kinds = _kinds(d, n)
     keep = sorted({kinds.index(k) for k in kinds})
@@ -279,6 +283,29 @@ def _layers(d: dict, c: dict, keep_at_least: int = 2) -> dict:
             break
         if i not in keep:
             keep = sorted(keep + [i])
+    return key, n, kinds, keep
+
+
+def layer_map(config) -> Optional[List[int]]:
+    """For each layer of a model of ``config``, the index of its twin's layer of the same kind
+    (the twin keeps the first layer of each kind, in order); ``None`` where the twin's layers
+    are set by type (:data:`TYPES`) or the config has no layer count."""
+    d = _fields(config)
+    if set(TYPES.get(d.get("model_type"), {})) & set(LAYER_COUNTS + ("layer_types",)):
+        return None
+    kept = _kept(d)
+    if kept is None:
+        return None
+    _, n, kinds, keep = kept
+    return [keep.index(kinds.index(kinds[i])) for i in range(n)]
+
+
+def _layers(d: dict, c: dict, keep_at_least: int = 2) -> dict:
+    """Keep the first layer of each kind (and at least ``keep_at_least``); rewrite the layout."""
+    kept = _kept(d, keep_at_least)
+    if kept is None:
+        return {}
+    key, n, kinds, keep = kept
     m = len(keep)
     out = {key: m}
     for k, v in d.items():
