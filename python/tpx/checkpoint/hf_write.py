@@ -353,7 +353,9 @@ def _file_tensors(model: nn.Module, targets: Dict[str, torch.Tensor], shapes):
     except NotSliceable as e:
         raise ValueError(f"tpx.checkpoint.save_pretrained: a layout conversion transformers "
                          f"applies on save is not written slice by slice ({e}); nothing was "
-                         "written") from None
+                         "written. Save the full model instead: full = "
+                         "tpx.checkpoint.full_state_dict(model, rank0_only=True), then on rank "
+                         "0 model.save_pretrained(path, state_dict=full)") from None
     return {k: (v[0] if isinstance(v, list) else v) for k, v in files.items()}
 
 

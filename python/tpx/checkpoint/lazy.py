@@ -165,6 +165,13 @@ class Lazy:
                 raise NotSliceable(f"tpx: index {i!r} of checkpoint tensors")
         return out
 
+    def _new(self, *args, **kwargs) -> "Lazy":
+        # padding (transformers' vocabulary padding on save): tensors of no checkpoint's
+        raise NotSliceable("tpx: new tensors made beside checkpoint tensors (padding) are "
+                           "not read or written slice by slice")
+
+    new_zeros = new_ones = new_full = new_empty = _new
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
 
