@@ -83,10 +83,13 @@ Plan = Dict[str, ParallelStyle]
 MAX_ROUNDS = 8  # proofs of a derived plan, each leaving whole what the last one blamed
 
 
+LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a numeric part of a module name
+
+
 def layer_pattern(name: str) -> str:
     """``name`` with its layer index (the first numeric part) as ``*``: the modules of a
     Sequential inside a layer keep theirs (CTRL's ``ffn.0`` and ``ffn.2`` differ)."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name, count=1)
+    return LAYER_INDEX.sub("*", name, count=1)
 
 
 class DerivedPlan(ModelPlan):
@@ -178,16 +181,21 @@ class DerivedPlan(ModelPlan):
         """Removes the entries ``keys`` (their modules stay whole on every rank), with a
         warning naming them and ``reason``."""
         for k in keys:
-            self.pop(k, None)
-            self.proof_plan.pop(k, None)
-            self.members.pop(k, None)
-            self.kept_whole[k] = self.dropped[k] = reason
+            self.forget(k, reason)
         shown = sorted({layer_pattern(k) for k in keys})
         warnings.warn(
             f"tpx.plans.auto: the entries of the plan tpx derived for {self.model_name} at "
             f"{', '.join(shown[:6])}{' and more' if len(shown) > 6 else ''} make a copy of the "
             f"model fail or differ from the unsharded one, so those modules stay whole on "
             f"every rank ({reason})", UserWarning, stacklevel=5)
+
+    def forget(self, key: str, why: str, shown_as: Optional[str] = None) -> None:
+        """Removes the entry ``key`` (its module stays whole), recording ``why`` in
+        :attr:`dropped` and in :attr:`kept_whole` (under ``shown_as``, else ``key``)."""
+        self.pop(key, None)
+        self.proof_plan.pop(key, None)
+        self.members.pop(key, None)
+        self.dropped[key] = self.kept_whole[shown_as or key] = why
 
     def prove_once(self, model: nn.Module, target, src_rank: Optional[int]) -> None:
         """Applies the plan to a copy of ``model`` and compares it with the unsharded model

@@ -35,7 +35,6 @@ import copy
 import dataclasses
 import fnmatch
 import inspect
-import re
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -43,7 +42,7 @@ import torch
 from torch import nn
 
 from .base import TPContext
-from .derive import DerivedPlan, derive, layer_pattern
+from .derive import LAYER_INDEX, DerivedPlan, derive, layer_pattern
 from .module_styles import ShardedAttention
 from .sequence import Chain
 from .example import example_inputs
@@ -217,11 +216,7 @@ class TwinDerivedPlan(DerivedPlan):
             return k if "*" in k else layer_pattern(k)
 
         for k in [k for k in self if pattern(k) in patterns]:
-            why = patterns[pattern(k)]
-            self.pop(k)
-            self.proof_plan.pop(k, None)
-            self.members.pop(k, None)
-            self.kept_whole[pattern(k)] = self.dropped[k] = why
+            self.forget(k, patterns[pattern(k)], shown_as=pattern(k))
 
 
 def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDerivedPlan:
@@ -287,7 +282,7 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
 
 
 def _layer_index(name: str) -> Optional[int]:
-    m = re.search(r"(?<=\.)\d+(?=\.|$)", name)
+    m = LAYER_INDEX.search(name)
     return int(m.group()) if m else None
 
 
@@ -308,7 +303,7 @@ def _by_kind(keys: List[str], every: List[str], real: List[str],
         return None
     out = []
     for n in real:
-        t = re.sub(r"(?<=\.)\d+(?=\.|$)", str(kinds[_layer_index(n)]), n, count=1)
+        t = LAYER_INDEX.sub(str(kinds[_layer_index(n)]), n, count=1)
         if t not in every:
             return None
         if t in keys:
