@@ -371,3 +371,42 @@ def test_mixers_reshard_through_dcp(tmp_path, arch):
     run_ranks(_mixer_dcp_save, 2, ckpt, full, arch)
     for w in (3, 1):
         run_ranks(_mixer_dcp_load, w, ckpt, full, arch)
+
+
+def _decode_like_one_device(rank, world, arch):
+    """Greedy generate() with the model's cache (its conv and SSM states sized by each rank's
+    mixer): every token and every step's logits equal one device's."""
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny(arch).double()
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    model = copy.deepcopy(ref)
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    split = [n for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Conv1d) and m.weight.shape[0] <
+             ref.get_submodule(n).weight.shape[0]]
+    assert split, f"{arch}: no mixer's convolution is split"
+    ids, _ = _batch(9, seq=7)
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, use_cache=True)
+    want, got = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences), \
+        f"{arch} TP {world}: {got.sequences.tolist()} vs {want.sequences.tolist()}"
+    assert len(got.logits) == 6
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{arch} step {step}")
+
+
+@pytest.mark.parametrize("arch,world", [
+    ("bamba", 2), ("olmo_hybrid", 2), ("lfm2", 2), ("jamba", 2),
+    pytest.param("falcon_h1", 3, marks=pytest.mark.slow),
+    pytest.param("nemotron_h", 2, marks=pytest.mark.slow),
+    pytest.param("granitemoehybrid", 2, marks=pytest.mark.slow),
+    pytest.param("mamba", 3, marks=pytest.mark.slow),
+    pytest.param("mamba2", 2, marks=pytest.mark.slow),
+    pytest.param("falcon_mamba", 2, marks=pytest.mark.slow),
+    pytest.param("lfm2_moe", 3, marks=pytest.mark.slow),
+    pytest.param("zamba2", 2, marks=pytest.mark.slow)])
+def test_mixers_decode_with_cache_like_one_device(arch, world):
+    # Mamba-2, Mamba-1, Gated DeltaNet and short-convolution mixers split, cached decoding
+    run_ranks(_decode_like_one_device, world, arch)

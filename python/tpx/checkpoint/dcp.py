@@ -252,13 +252,17 @@ def _fsdp_state(model: nn.Module, optimizer, where: str):
         _no_optim_key(where, state)
         state[OPTIM_KEY] = torch_optimizer_state(model, optimizer)
     blocks: List[Tuple[tuple, list]] = []
-    return state, _savable(state, lays, (), blocks), blocks, set(lays)
+    return state, _savable(state, lays, (), blocks, where == "load"), blocks, set(lays)
 
 
-def _savable(state: Any, lays: Dict[str, GroupSharding], path: tuple, blocks: list) -> Any:
+def _savable(state: Any, lays: Dict[str, GroupSharding], path: tuple, blocks: list,
+             loading: bool) -> Any:
+    """``state`` with each ``DTensor`` torch's checkpoint cannot place made a ``ShardedTensor``
+    (see :func:`_fsdp_state`). To save, a row held by several ranks is written once (by the
+    lowest of them); to load, every rank reads every row it holds."""
     if isinstance(state, dict):
         # the same order on every rank: a ShardedTensor is made collectively
-        return {key: _savable(state[key], lays, path + (key,), blocks)
+        return {key: _savable(state[key], lays, path + (key,), blocks, loading)
                 for key in sorted(state, key=str)}
     if not isinstance(state, DTensor):
         return state
@@ -266,21 +270,27 @@ def _savable(state: Any, lays: Dict[str, GroupSharding], path: tuple, blocks: li
         path[2] if len(path) == 4 and path[:2] == (OPTIM_KEY, "state") else None)
     if key in lays and state.dim() > 0:
         lay = lays[key]
-        views = _unstated_blocks(state, lay)
         shape = list(lay.full_shape)
+        shape = shape[::-1] if lay.transposed else shape
+        if loading and lay.owned() is not None:
+            # rows held by several ranks were written once, and each holder reads them: the
+            # whole tensor is read (a ShardedTensor's blocks cannot overlap across ranks)
+            blocks.append((path, ("whole", _unstated_blocks(state, lay, every_held=True))))
+            return state._local_tensor.new_empty(shape)
+        views = _unstated_blocks(state, lay)
         blocks.append((path, views))
-        return sharded_blocks(views, shape[::-1] if lay.transposed else shape)
+        return sharded_blocks(views, shape)
     if strided(state):
         blocks.append((path, None))
         return savable(state)
     return state
 
 
-def _unstated_blocks(dt: DTensor, lay: GroupSharding) -> list:
+def _unstated_blocks(dt: DTensor, lay: GroupSharding, every_held: bool = False) -> list:
     """``(view, global offsets, sizes)`` of the rows this rank counts (a row held by several
-    ranks on the lowest of them) of the full tensor, in the original orientation, for FSDP2's
-    ``DTensor`` ``dt`` (``Shard(0)`` of this rank's TP part over the data-parallel mesh) of a
-    parameter split as ``lay`` over the TP group."""
+    ranks on the lowest of them; with ``every_held``, every row it holds) of the full tensor,
+    in the original orientation, for FSDP2's ``DTensor`` ``dt`` (``Shard(0)`` of this rank's
+    TP part over the data-parallel mesh) of a parameter split as ``lay`` over the TP group."""
     if tuple(dt.placements) != (Shard(0),) or dt.device_mesh.ndim != 1:
         raise NotImplementedError(
             f"tpx.checkpoint: a parameter split over the TP group as {lay.rows[lay.rank]} "
@@ -289,7 +299,8 @@ def _unstated_blocks(dt: DTensor, lay: GroupSharding) -> list:
     local, tp_rows = dt._local_tensor, lay.local_shape[0]
     world, k = dt.device_mesh.size(), dt.device_mesh.get_local_rank()
     a0, a1 = shard_bounds(tp_rows, k, world)  # FSDP2's rows of dim 0 of this rank's TP part
-    counted = lay.owned() or [(0, lay.local_shape[lay.dim])]
+    owned = None if every_held else lay.owned()  # ([] where another rank holds every row)
+    counted = [(0, lay.local_shape[lay.dim])] if owned is None else owned
     out, offset = [], 0
     for s, e in lay.rows[lay.rank]:  # the TP part along lay.dim: these global rows in order
         for w0, w1 in counted:
@@ -321,6 +332,9 @@ def _read_back(loaded: Dict[str, Any], state: Dict[str, Any], blocks: list) -> N
             got, own = got[key], own[key]
         if views is None:
             read_back(got, own)
+        elif isinstance(views, tuple):  # ("whole", views): the whole tensor was read
+            for view, start, size in views[1]:
+                view.copy_(got[tuple(slice(a, a + n) for a, n in zip(start, size))])
         else:
             read_back_blocks(got, views)
 
