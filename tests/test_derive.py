@@ -406,3 +406,52 @@ def test_rms_norms_split_only_where_computed_as_llamas():
     before = norm.weight.detach().clone()
     rms_norm_eps(norm)
     assert torch.equal(norm.weight, before)  # the probe runs on a copy
+
+
+def _block_sparse_like_one_device(rank, world, path, loaded):
+    """BigBird with block-sparse attention, its plan derived on the model itself or on its
+    twin (tpx.from_pretrained): the plan's short traced batch leaves the model's attention
+    block-sparse (BigBird turns to full attention, for good, on an input too short for it);
+    the full attention it builds from its config on a short input gets this rank's head
+    counts; its random blocks, drawn per head in turn while training, are each head's as on
+    one device (the 1024-token layout draws them one head at a time). Logits and every
+    gradient against one device, from a deep copy of the split model too."""
+    import torch.distributed as dist
+
+    cfg = transformers.AutoConfig.for_model(
+        "big_bird", vocab_size=V, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+        intermediate_size=40, attention_type="block_sparse", block_size=4,
+        num_random_blocks=2, max_position_embeddings=1024, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, is_decoder=False)
+    torch.manual_seed(0)
+    ref = transformers.BigBirdForCausalLM(cfg).double()
+    if loaded:
+        if rank == 0:
+            ref.save_pretrained(path)
+        dist.barrier()
+        model = tpx.from_pretrained(path, dtype=torch.float64, config=copy.deepcopy(cfg),
+                                    model_class=transformers.BigBirdForCausalLM)
+    else:
+        model = copy.deepcopy(ref)
+        tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    assert model.bert.encoder.layer[0].attention.self.num_attention_heads < 6
+    assert model.bert.attention_type == "block_sparse"
+    for seq, model in ((64, model), (1024, copy.deepcopy(model)), (8, model)):
+        g = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, V, (2, seq), generator=g)
+        for m in (ref, model):
+            m.train()
+            m.zero_grad()
+        out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.logits, want.logits, rtol=1e-6, atol=1e-7)
+        out.loss.backward()
+        want.loss.backward()
+        assert_like_unsharded(model, ref, f"BigBird, {seq} tokens", grad=True, rtol=1e-5,
+                              atol=1e-7)
+    assert model.bert.attention_type == "original_full"  # 8 tokens: the model's own switch
+
+
+@pytest.mark.parametrize("world,loaded", [
+    (2, False), (3, True), pytest.param(4, False, marks=pytest.mark.slow)])  # 4: 2, 2, 1, 1
+def test_block_sparse_attention_like_one_device(tmp_path, world, loaded):
+    run_ranks(_block_sparse_like_one_device, world, str(tmp_path / "bigbird"), loaded)

@@ -281,7 +281,14 @@ class ShardedAttention(ParallelStyle):
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         pg = ctx.group
-        heads, kv_heads = self.local_heads(pg.size(), dist.get_rank(pg))
+        rank = dist.get_rank(pg)
+        heads, kv_heads = self.local_heads(pg.size(), rank)
+        if self.uneven:
+            (first, _), _ = head_split(self.num_heads, self.num_kv_heads, pg.size())[rank]
+        else:
+            first = rank * heads
+        # this rank's query heads of all of them, for an update that needs to know which
+        module.__dict__["_tpx_query_heads"] = (first, first + heads, self.num_heads)
         if self.update is not None:
             self.update(module, heads, kv_heads)
         else:

@@ -232,21 +232,32 @@ def trace(model: nn.Module, example: Dict[str, Tensor],
 
 
 def _state(model: nn.Module) -> list:
-    """Each module's tensor attributes and buffers, to put back after the traced forward (a
-    model that keeps state between calls, RecurrentGemma's recurrent states, must not keep
-    the traced batch's)."""
-    return [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)},
-             dict(m._buffers)) for m in model.modules()]
+    """Each module's tensor and plain attributes (numbers, strings, ``None``), its buffers
+    and its children, to put back after the traced forward: a model that keeps state between
+    calls (RecurrentGemma's recurrent states) must not keep the traced batch's, nor one that
+    changes itself by the input's length (BigBird, given fewer tokens than its block-sparse
+    attention needs, turns to full attention, built again from its config, for good)."""
+    return [(m, {k: v for k, v in vars(m).items() if _kept_attribute(v)},
+             dict(m._buffers), dict(m._modules)) for m in model.modules()]
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _kept_attribute(value) -> bool:
+    return isinstance(value, Tensor) or type(value) in _PLAIN
 
 
 def _restore(model: nn.Module, saved: list) -> None:
-    for m, attrs, buffers in saved:
-        for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in attrs]:
+    for m, attrs, buffers, children in saved:
+        for k in [k for k, v in vars(m).items() if _kept_attribute(v) and k not in attrs]:
             delattr(m, k)
         for k, v in attrs.items():
             m.__dict__[k] = v
         m._buffers.clear()
         m._buffers.update(buffers)
+        m._modules.clear()
+        m._modules.update(children)
 
 
 # ------------------------------------------------------------------ pairs and their units

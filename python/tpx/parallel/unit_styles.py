@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.groups import head_split, shard_bounds
+from ..comm.groups import copied_with_module, head_split, shard_bounds
 from ..layout.initial import shard_in_place
 from ..layout.sharding import describe_params
 from ..nn.ssm import GatedRMSNormParallel
@@ -142,9 +142,22 @@ def local_counts(heads: int, kv_heads: int, width: int, projections: List[str],
 
     def update(module: nn.Module, h: int, kv: int) -> None:
         names = {n for p in projections for n in _path(p)}
-        for name, sub in module.named_modules():
-            if not name or name in names:
-                _set_counts(sub, h, kv)
+        counted = {}  # path name -> the module given this rank's counts
+        heads_of_rank = module.__dict__.get("_tpx_query_heads")
+
+        def count_new(mod, args=None):
+            for name, sub in mod.named_modules():
+                if (not name or name in names) and counted.get(name) is not sub:
+                    _set_counts(sub, h, kv)
+                    counted[name] = sub
+                    if heads_of_rank is not None:
+                        draws_for_every_head(sub, *heads_of_rank)
+
+        count_new(module)
+        # a module the model puts in place of one of these after the split (BigBird's full
+        # and block-sparse attention, built again from the config when the input's length
+        # changes which one runs) gets this rank's counts before it runs
+        module.register_forward_pre_hook(copied_with_module(count_new))
 
     def _path(proj: str) -> List[str]:  # the modules above a projection, under the owner
         parts = proj.split(".")
@@ -166,3 +179,38 @@ def local_counts(heads: int, kv_heads: int, width: int, projections: List[str],
     # what it was made from, for a plan carried to a model of other widths (derive_twin)
     update._tpx_counts = (heads, kv_heads, width, list(projections), sink)
     return update
+
+
+def draws_for_every_head(module: nn.Module, first: int, end: int, heads: int) -> None:
+    """An attention module that draws a random pattern for each head in turn from one seed
+    (BigBird's block-sparse attention, its random blocks while training) draws them for all
+    ``heads`` and keeps this rank's ``[first, end)``, so each head attends to the blocks it
+    does on one device (drawn for the local heads only, the second rank's heads would take
+    the first rank's patterns)."""
+    import inspect
+
+    names = ("_bigbird_block_rand_mask_with_head", "_bigbird_block_rand_mask")
+    if (end - first) == heads or not all(hasattr(module, n) for n in names) or \
+            any(n in module.__dict__ for n in names):
+        return
+    with_head, per_head = (getattr(module, n) for n in names)  # bound, or static
+    local = end - first
+
+    def all_heads_at_once(*args, **kwargs):
+        call = inspect.signature(with_head).bind(*args, **kwargs)
+        if call.arguments["num_heads"] != local:
+            raise RuntimeError(f"tpx: {type(module).__name__} drew random blocks for "
+                               f"{call.arguments['num_heads']} heads; this rank holds {local}")
+        call.arguments["num_heads"] = heads
+        return with_head(*call.args, **call.kwargs)[first:end]
+
+    drawn: list = []  # this call's patterns of this rank's heads, one taken per head
+
+    def one_head_at_a_time(*args, **kwargs):
+        if not drawn:  # the first of this call's heads: every head's pattern, in turn
+            every = [per_head(*args, **kwargs) for _ in range(heads)]
+            drawn.extend(every[first:end])
+        return drawn.pop(0)
+
+    module.__dict__[names[0]] = copied_with_module(all_heads_at_once)
+    module.__dict__[names[1]] = copied_with_module(one_head_at_a_time)
