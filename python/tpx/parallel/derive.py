@@ -8,7 +8,8 @@ from the model's computation, not from its module names:
 1. **Trace.** One forward of a tiny batch (2 sequences of 7 tokens, on the model's device, in
    eval mode; a decoder with cross-attention also gets encoder states) with every tensor tagged by the projections (``nn.Linear``, Hugging Face's
    ``Conv1D``) and embeddings it was computed from (a ``TorchFunctionMode``). Each projection's
-   input tags say which projections feed it.
+   input tags say which projections feed it. The model's modules are put back as they were
+   after it (tensors, plain attributes, children).
 2. **Pairs.** A projection ``E`` whose input is computed from the outputs of projections
    ``S`` only, each of which feeds nothing but ``E``, is a column -> row pair: ``S``
    column-parallel, ``E`` row-parallel (q, k, v -> o of attention; gate, up -> down of an MLP;
