@@ -128,11 +128,8 @@ def test_twins_of_hybrids_and_odd_configs(tmp_path, mt, must_split):
 
 
 def test_layers_of_several_plans_carried_by_name(tmp_path):
-    # Gemma 3n: its shipped plan cannot be applied (the MLPs of its first layers keep the
-    # activations above a statistic of all their features), so on the meta device a plan is
-    # derived on its twins; those MLPs stay whole and the later ones split, and its later
-    # layers' attention reads the KV of earlier ones. A pattern only some layers have is
-    # carried by their names: a pattern over every layer trained another model
+    # Gemma 3n: its shipped plan, completed (its sparse-activation MLPs split with their
+    # statistic over the ranks; its later layers' attention reads the KV of earlier ones)
     run_ranks(_load_like_one_device, 2, str(tmp_path / "g3n"), "gemma3n_text")
 
 
@@ -151,8 +148,15 @@ def _gemma3n_more_layers_than_its_twin(rank, world, path):
     if rank == 0:
         ref.save_pretrained(path)
     dist.barrier()
+    # the plan derived on the twins of the model built on the meta device (its own plan, which
+    # splits every MLP with its statistic over the ranks, set aside)
+    from tpx.parallel.derive_twin import derive_on_twins
+
+    with torch.device("meta"):
+        shell = hf_tiny.auto_class("gemma3n_text").from_config(copy.deepcopy(ref.config))
+    plan = derive_on_twins(shell)
     model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
-                                model_class=hf_tiny.auto_class("gemma3n_text"))
+                                model_class=hf_tiny.auto_class("gemma3n_text"), plan=plan)
     full = {n: p.numel() for n, p in ref.named_parameters()}
 
     def split(n):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tpx
-from harness import assert_like_unsharded, run_ranks
+from harness import assert_like_unsharded, local_part, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -391,22 +391,40 @@ def test_embedding_with_its_own_forward_is_a_clear_error():
         VocabParallelEmbeddingStyle().apply(ShiftedEmbedding(10, 4), None)
 
 
-def test_activation_sparse_mlp_is_a_clear_error():
-    # Gemma 3n's MLP keeps the activations above mean + k std over all intermediate features:
-    # split column-wise, each rank's statistics cover half of them (logits off by 0.36 at TP 2
-    # with the plan's other refusal, a weightless v_norm, taken out of the way).
-    # tpx.plans.auto then derives a plan (proved when applied) that keeps that MLP whole.
-    from tpx.parallel import hf_plan
+def _sparse_mlp_split(rank, world):
+    from tpx.nn.functional import gaussian_topk
 
+    # the statistic over features split unevenly (10 over 3 ranks: 4, 3, 3), and its gradient
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    mean = x.mean(-1, keepdim=True)
+    std = x.std(-1, keepdim=True, unbiased=False)
+    k = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(0.95)).double()
+    want = torch.relu(x - (mean + std * k))
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((want * w).sum(), x)
+    s, e = tpx.shard_range(10)
+    xl = x.detach()[..., s:e].clone().requires_grad_()
+    got = gaussian_topk(xl, 0.95, 10)
+    torch.testing.assert_close(got, want.detach()[..., s:e], rtol=1e-12, atol=1e-12)
+    (got * w[..., s:e]).sum().backward()  # the loss is the sum over ranks of each rank's part
+    torch.testing.assert_close(xl.grad, grad[..., s:e], rtol=1e-10, atol=1e-12)
+    # Gemma 3n under its own plan: the sparse-activation MLPs split, trained like one device
+    torch.manual_seed(0)
     model = tiny("gemma3n_text")
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp \(Gemma3nTextMLP\).*"
-                                         r"activation_sparsity"):
-        hf_plan.translate(model)
-    with pytest.warns(UserWarning, match="own TP plan cannot be applied"):
-        plan = tpx.plans.auto(model)
-    assert isinstance(plan, tpx.plans.DerivedPlan)
-    assert "model.layers.0.mlp.down_proj" not in plan
-    assert "model.layers.0.self_attn.o_proj" in plan
+    assert model.model.layers[0].mlp.activation_sparsity > 0
+    full = model.model.layers[0].mlp.gate_proj.out_features
+    tpx.parallelize_module(model, None, tpx.plans.auto(model))
+    assert local_part(model.model.layers[0].mlp.gate_proj.weight).shape[0] < full
+    _train_like_unsharded(rank, world, "gemma3n_text", False, False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_activation_sparse_mlp_split_with_its_statistic_over_ranks(world):
+    # Gemma 3n's MLP keeps the activations above mean + k std over all intermediate features:
+    # split column-wise, each rank's statistic covered its own features only (logits off by
+    # 0.36 at TP 2), so that MLP was kept whole; now the statistic is taken over the ranks
+    run_ranks(_sparse_mlp_split, world)
 
 
 def test_unnamed_parameters_inside_split_attention_are_a_clear_error():

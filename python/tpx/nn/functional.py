@@ -350,3 +350,23 @@ def linear_cross_entropy(
     loss_rows = watch_params(loss_rows, watched, read=read_for_input_grad(hidden, watched))
     return _reduce(loss_rows, target1, ignore_index, reduction, target.shape,
                    loss_dtype(hidden))
+
+
+def gaussian_topk(x: Tensor, sparsity: float, features: int,
+                  group: Optional[GroupLike] = None) -> Tensor:
+    """Gemma 3n's activation sparsity over features split across ``group``: ``relu(x - (mean +
+    std * Phi^-1(sparsity)))``, the mean and the (biased) standard deviation taken over all
+    ``features`` of the last dimension, of which ``x`` holds this rank's. Two all-reduces of
+    one value per row (the sum, then the sum of squared deviations), their gradients summed
+    over the group in the backward. Placement: ``x`` ``S(-1)``, output ``S(-1)``; ``features``
+    the full count, the same on every rank."""
+    pg = resolve_group(group)
+    multiplier = torch.distributions.normal.Normal(0, 1).icdf(
+        torch.tensor(sparsity, dtype=torch.float32, device=x.device)).to(x.dtype)
+
+    def over_ranks(t: Tensor) -> Tensor:
+        return mappings.all_reduce_sum(mappings.all_reduce_grad(t, pg), pg)
+
+    mean = over_ranks(x.sum(-1, keepdim=True)) / features
+    var = over_ranks((x - mean).pow(2).sum(-1, keepdim=True)) / features
+    return torch.relu(x - (mean + var.sqrt() * multiplier))

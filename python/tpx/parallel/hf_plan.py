@@ -44,8 +44,8 @@ from torch import nn
 from .generate import with_generate
 from .hf_styles import (
     HF_STYLES, AllReduceOutput, BlocksColwise, HeadParams, HFStyle, KeepWhole, PartialGradParams,
-    SplitRopeGrad, VocabParallelEmbeddingStyle, own_embedding_forward, packed_colwise, style,
-    text_config)
+    SparseActivationsOverRanks, SplitRopeGrad, VocabParallelEmbeddingStyle, own_embedding_forward,
+    packed_colwise, style, text_config)
 from .hf_sequence import sequence_parallel_plan
 from .module_styles import ReplicatedWithGradAllReduce
 from .sequence import Chain, is_pipeline_stage, stage_placeholders
@@ -224,7 +224,7 @@ def translate_entries(model: nn.Module, hf: Dict[str, str], *, sequence_parallel
         children.setdefault(parent, {})[child] = name
     for parent, kids in children.items():
         if any(s in _COLWISE_OUT for s in kids.values()):
-            _check_whole_feature_statistics(modules, names, parent)
+            _statistics_over_ranks(modules, names, plan, parent)
     attn_parents: Dict[str, List[str]] = {}  # pattern -> the plan keys of its attention style
     for parent, kids in children.items():
         sharded = {c for c, s in kids.items() if s in _COLWISE_OUT}
@@ -337,20 +337,16 @@ def reads_table_rows(model: nn.Module) -> bool:
     return False
 
 
-def _check_whole_feature_statistics(modules: Dict[str, nn.Module], names: List[str],
-                                    parent: str) -> None:
+def _statistics_over_ranks(modules: Dict[str, nn.Module], names: List[str], plan: Plan,
+                           parent: str) -> None:
     """A block whose forward reduces over all the features a column-parallel child splits
-    would compute its statistic over this rank's features only: Gemma 3n's activation-sparse
-    MLP keeps the activations above a mean plus a multiple of the standard deviation over all
-    its intermediate features (``activation_sparsity``)."""
-    for n in names:
-        if fnmatch.fnmatchcase(n, parent) and getattr(modules[n], "activation_sparsity", 0):
-            raise ValueError(
-                f"tpx.hf_plan: {n} ({type(modules[n]).__name__}) keeps the activations above "
-                "a mean and standard deviation over all its intermediate features "
-                f"(activation_sparsity={modules[n].activation_sparsity}); split column-wise, "
-                "each rank would compute them over its own features only. Leave this block "
-                "whole (remove its entries from the plan) or write a style for it")
+    takes its statistic over every rank's: Gemma 3n's activation-sparse MLP keeps the
+    activations above a mean plus a multiple of the standard deviation over all its
+    intermediate features (``activation_sparsity``, :class:`SparseActivationsOverRanks`)."""
+    if any(fnmatch.fnmatchcase(n, parent) and getattr(modules[n], "activation_sparsity", 0)
+           and hasattr(modules[n], "_gaussian_topk") for n in names):
+        plan[parent] = Chain(plan[parent], SparseActivationsOverRanks()) if parent in plan \
+            else SparseActivationsOverRanks()
 
 
 def _holding(modules: Dict[str, nn.Module], names: List[str], parent: str,

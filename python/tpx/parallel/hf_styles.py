@@ -514,3 +514,36 @@ class HeadParams(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"HeadParams({list(self.names)}, num_heads={self.num_heads})"
+
+
+class SparseActivationsOverRanks(ParallelStyle):
+    """On a block whose ``gate_proj`` is column-parallel and which keeps only the activations
+    above a mean plus a multiple of the standard deviation over ALL its intermediate features
+    (Gemma 3n's ``activation_sparsity``, its method ``_gaussian_topk``): the statistic is taken
+    over every rank's features (:func:`tpx.nn.functional.gaussian_topk`), as on one device.
+    A block without activation sparsity is left as it is. Placement: the block's input and
+    output as its projections' (``R``)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        sparsity = float(getattr(module, "activation_sparsity", 0.0) or 0.0)
+        if sparsity <= 0.0 or ctx.group.size() == 1:
+            return module
+        features = int(module.intermediate_size)
+        gate = module.gate_proj
+        full = sum(gate.out_sizes) if hasattr(gate, "out_sizes") else gate.out_features
+        if full != features:
+            raise ValueError(f"tpx.SparseActivationsOverRanks: {type(module).__name__}'s "
+                             f"gate_proj has {full} output features, its intermediate_size "
+                             f"is {features}")
+        pg = ctx.group
+
+        def topk_over_ranks(inputs: Tensor, module=module) -> Tensor:
+            from ..nn.functional import gaussian_topk
+
+            return gaussian_topk(inputs, module.activation_sparsity, features, pg)
+
+        module.__dict__["_gaussian_topk"] = copied_with_module(topk_over_ranks)
+        return module
+
+    def __repr__(self) -> str:
+        return "SparseActivationsOverRanks()"
