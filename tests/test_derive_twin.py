@@ -178,6 +178,43 @@ def test_entries_of_some_layers_carried_by_kind(tmp_path):
     run_ranks(_gemma3n_more_layers_than_its_twin, 2, str(tmp_path / "g3n10"))
 
 
+def _layers_of_two_kinds(rank, world, path):
+    """Inkling with 7 layers: sliding ones of 4 KV heads and a full one (layer 5) of 2, every
+    MLP a mixture of experts. Its twin keeps one layer of each kind and adds a dense MLP (for
+    checkpoints that have them): the dense MLP's entries, a kind the model lacks, are dropped
+    (the model was refused), and each attention takes its own kind's entry (the sliding
+    layers' entry on the full layer put its KV rows out of range). The proof then leaves the
+    attention whole (its short convolutions over k and v are not split with them); the
+    experts are split, and the model equals one device."""
+    import torch.distributed as dist
+
+    layout = dict(num_hidden_layers=7, num_attention_heads=8, swa_num_attention_heads=8,
+                  num_key_value_heads=2, swa_num_key_value_heads=4, mlp_layer_types=None,
+                  layer_types=None)
+    torch.manual_seed(0)
+    ref = hf_tiny.tiny("inkling_text", **layout)
+    assert ref.config.layer_types[5] != ref.config.layer_types[4]
+    if rank == 0:
+        ref.save_pretrained(path)
+    dist.barrier()
+    model = tpx.from_pretrained(path, dtype=torch.float32, config=copy.deepcopy(ref.config),
+                                model_class=hf_tiny.auto_class("inkling_text"))
+    for i in (4, 5):
+        e = model.model.layers[i].mlp.experts.down_proj
+        whole = ref.model.layers[i].mlp.experts.down_proj
+        assert (e.to_local() if hasattr(e, "to_local") else e).numel() < whole.numel(), i
+    ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
+    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=2e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, "inkling, 7 layers", grad=True, rtol=1e-4, atol=1e-6)
+
+
+def test_layers_of_two_kinds_and_a_kind_the_model_lacks(tmp_path):
+    run_ranks(_layers_of_two_kinds, 2, str(tmp_path / "inkling7"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mt,world", [("opt", 4), ("mpt", 4), ("bert-generation", 2),
                                       ("gpt_neo", 4), ("bloom", 4), ("falcon", 4)])

@@ -48,6 +48,7 @@ from .sequence import Chain
 from .example import example_inputs
 from .trace import Pair
 from .unit_styles import HeadInputs, UnitColwise, UnitNorm, UnitRowwise, local_counts
+from .hf_styles import text_config
 from .twin import build, layer_map, twin
 
 __all__ = ["derive_on_twins", "TwinDerivedPlan"]
@@ -261,7 +262,19 @@ def derive_on_twins(model: nn.Module, *, loss_parallel: bool = False) -> TwinDer
     real_plan: Dict[str, object] = {}
     members: Dict[str, Pair] = {}
     scaled: Dict[int, Pair] = {}
+    kinds = layer_map(model.config) or _by_layer_types(model, a)
     for pat, keys in by_pattern.items():
+        classes = {twin_names.get(k) for k in keys}  # (several: carried by class, named)
+        if len({(twin_names.get(k), _signature(plan_a, k)) for k in keys}) > len(classes):
+            # the twin's layers of several kinds split differently (Inkling's sliding layers
+            # hold 16 KV heads, its full ones 8): each module takes its kind's entry
+            if kinds is None:
+                raise refuse(f"the twin's layers differ at {pat!r}")
+            own = named.get(pat) or [n for n in real_names if layer_pattern(n) == pat]
+            _carry_by_kind(own, keys, kinds, plan_a, refuse, real_plan, members,
+                           lambda k: _carried(plan_a[k], k, a, b, plan_b, model, scaled,
+                                              refuse, kinds), scaled)
+            continue
         st = plan_a[keys[0]]
         carried = _carried(st, keys[0], a, b, plan_b, model, scaled, refuse)
         # fnmatch's * also matches dots: a pattern that would name other modules too (BERT's
@@ -321,6 +334,7 @@ def _layer_entries(plan_a, twin_names, real_names, refuse, kinds=None):
     for k in plan_a:
         by_pattern.setdefault(layer_pattern(k), []).append(k)
     named: Dict[str, List[str]] = {}
+    absent: List[str] = []
     for pat, keys in by_pattern.items():
         if len({type(plan_a[k]) for k in keys}) != 1:
             raise refuse(f"the twin's layers differ at {pat!r}")
@@ -328,6 +342,11 @@ def _layer_entries(plan_a, twin_names, real_names, refuse, kinds=None):
             continue
         want = {twin_names[k] for k in keys if k in twin_names}
         have = {c for n, c in real_names.items() if layer_pattern(n) == pat}
+        if not have and "*" in pat:
+            # a kind of layer the twin has and the model does not (Inkling: every layer's MLP
+            # is a mixture of experts; its twin has a dense one too, for checkpoints with them)
+            absent.append(pat)
+            continue
         if not have or not want <= have:
             raise refuse(f"the model's modules at {pat!r} are {sorted(c.__name__ for c in have)}"
                          f", the twin's {sorted(c.__name__ for c in want)}")
@@ -342,15 +361,71 @@ def _layer_entries(plan_a, twin_names, real_names, refuse, kinds=None):
                              "split, and the model's layers are not the twin's")
         elif have != want:
             named[pat] = [n for n, c in real_names.items() if layer_pattern(n) == pat and c in want]
+    for pat in absent:
+        del by_pattern[pat]
     return by_pattern, named
 
 
-def _real_names(model: nn.Module, twin_names: List[str]) -> Dict[str, str]:
-    """Twin module name -> the model's module of the same pattern (its first)."""
+def _real_names(model: nn.Module, twin_names: List[str],
+                kinds: Optional[List[int]] = None) -> Dict[str, str]:
+    """Twin module name -> the model's module of the same pattern (its first; with
+    ``kinds``, :func:`layer_map`, the first in a layer of the twin layer's kind)."""
     first: Dict[str, str] = {}
     for n, _ in model.named_modules():
         first.setdefault(layer_pattern(n), n)
-    return {t: first.get(layer_pattern(t), t) for t in twin_names}
+    out = {t: first.get(layer_pattern(t), t) for t in twin_names}
+    if kinds is not None:
+        for t in twin_names:
+            j = _layer_index(t)
+            if j is not None and j in kinds:
+                out[t] = LAYER_INDEX.sub(str(kinds.index(j)), t, count=1)
+    return out
+
+
+def _by_layer_types(model: nn.Module, a: nn.Module) -> Optional[List[int]]:
+    """For each layer of ``model``, the twin's first layer of the same ``layer_types`` entry,
+    where the twin's layers are set by type (:data:`tpx.parallel.twin.TYPES`); ``None``
+    where either config has no such list or a kind has no twin layer."""
+    mine = getattr(text_config(model), "layer_types", None)
+    theirs = getattr(text_config(a), "layer_types", None)
+    if not isinstance(mine, list) or not isinstance(theirs, list) or \
+            not set(mine) <= set(theirs):
+        return None
+    return [theirs.index(kind) for kind in mine]
+
+
+def _signature(plan_a, key: str):
+    """What the entry ``key`` of twin A splits, without its module names: two layers' entries
+    of one pattern with different signatures cannot be carried as one."""
+    pair = _pair_of(plan_a[key]) or plan_a.members.get(key)
+    if pair is not None:
+        rows = tuple(tuple(tuple(map(tuple, unit)) for unit in r) for r in pair.rows.values())
+        return (pair.width, tuple(map(tuple, pair.units)), rows, pair.heads, pair.kv_heads)
+    st = plan_a[key]
+    parts = list(st.styles) if isinstance(st, Chain) else [st]
+    return tuple((type(p).__name__, getattr(p, "num_heads", None),
+                  getattr(p, "num_kv_heads", None),
+                  tuple(getattr(getattr(p, "update", None), "_tpx_counts", (None,) * 3)[:3]))
+                 for p in parts)
+
+
+def _carry_by_kind(own: List[str], keys: List[str], kinds: List[int], plan_a, refuse,
+                   real_plan: dict, members: dict, carry, scaled: Dict[int, Pair]) -> None:
+    """Each of the model's modules ``own`` takes the entry of its layer's kind in twin A
+    (``carry(key)``: that entry for the model)."""
+    done: Dict[str, object] = {}
+    for n in own:
+        i = _layer_index(n)
+        t = LAYER_INDEX.sub(str(kinds[i]), n, count=1) if i is not None and i < len(kinds) \
+            else None
+        if t not in keys:
+            raise refuse(f"{n} has no entry of its layer's kind in the twin's plan")
+        if t not in done:
+            done[t] = carry(t)
+        real_plan[n] = done[t]
+        if t in plan_a.members:
+            p = plan_a.members[t]
+            members[n] = scaled.get(id(p), p)
 
 
 def _pair_of(st) -> Optional[Pair]:
@@ -359,8 +434,10 @@ def _pair_of(st) -> Optional[Pair]:
     return None
 
 
-def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse):
-    """The style ``st`` of twin A's entry ``key``, for the model."""
+def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse,
+             kinds: Optional[List[int]] = None):
+    """The style ``st`` of twin A's entry ``key``, for the model (with ``kinds``: sized by
+    the model's first layer of the kind of ``key``'s layer)."""
     if isinstance(st, (UnitColwise, UnitRowwise, UnitNorm)):
         p = st.pair
         if id(p) not in scaled:
@@ -369,7 +446,7 @@ def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse)
             pb = _pair_of(plan_b[key])
             if to_b is None or pb is None or not _same(to_b, pb):
                 raise refuse(f"the rows of {p.sink}'s pair do not scale between the twins")
-            real = _scaled(p, a, model, _real_names(model, names))
+            real = _scaled(p, a, model, _real_names(model, names, kinds))
             if real is None:
                 raise refuse(f"the rows of {p.sink}'s pair do not scale to the model's sizes")
             scaled[id(p)] = real
@@ -377,11 +454,11 @@ def _carried(st, key: str, a, b, plan_b, model, scaled: Dict[int, Pair], refuse)
         new.pair = scaled[id(p)]
         return new
     if isinstance(st, (ShardedAttention, Chain)):
-        return _carried_attention(st, model)
+        return _carried_attention(st, model, kinds)
     return st
 
 
-def _carried_attention(st, model: nn.Module):
+def _carried_attention(st, model: nn.Module, kinds: Optional[List[int]] = None):
     """An attention style of the twin with the model's widths in its update."""
     parts = list(st.styles) if isinstance(st, Chain) else [st]
     out = []
@@ -391,7 +468,7 @@ def _carried_attention(st, model: nn.Module):
             info = getattr(update, "_tpx_counts", None)
             if info is not None:
                 heads, kv, _, projections, sink = info
-                width = _features(model, _real_names(model, [sink])[sink], False)
+                width = _features(model, _real_names(model, [sink], kinds)[sink], False)
                 update = local_counts(heads, kv, width, projections, sink=sink)
             part = ShardedAttention(part.num_heads, part.num_kv_heads, update=update,
                                     out_proj=part.out_proj, uneven=part.uneven)

@@ -183,6 +183,10 @@ def _sizes(d: dict) -> dict:
         c["num_key_value_heads"] = 8  # MLA: one latent, expanded to every query head
     elif d.get("num_key_value_heads", 0) in (None, d.get("num_attention_heads")):
         c["num_key_value_heads"] = 2  # multi-head attention becomes GQA
+    kv, swa = d.get("num_key_value_heads"), d.get("swa_num_key_value_heads")
+    if _is_int(kv) and _is_int(swa) and kv != swa and "kv_lora_rank" not in d:
+        # sliding and full layers of other KV counts (Inkling: 16 and 8) stay two kinds
+        c["num_key_value_heads"], c["swa_num_key_value_heads"] = (1, 2) if kv < swa else (2, 1)
     for k in ("head_dim", "n_inner"):  # None: derived from the hidden size
         if k in d and d[k] is None:
             c[k] = FIXED.get(k, AT_MOST.get(k))
