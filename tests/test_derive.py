@@ -107,6 +107,46 @@ class Net(nn.Module):
         return self.proj(self.final(x))
 
 
+class _BiasedMixer(_Mixer):
+    """:class:`_Mixer` adding a learned per-head bias ``[heads, t, t]`` to its scores."""
+
+    def forward(self, x, bias):
+        n, t, _ = x.shape
+        q = self.heads(self.a(x), self.nh)
+        k = self.heads(self.b(x), self.nkv).repeat_interleave(self.nh // self.nkv, 1)
+        v = self.heads(self.c(x), self.nkv).repeat_interleave(self.nh // self.nkv, 1)
+        causal = torch.full((t, t), float("-inf")).triu(1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :t, :t] + causal)
+        return self.d(o.transpose(1, 2).reshape(n, t, -1))
+
+
+class _BiasedBlock(_Block):
+    def __init__(self, d: int, nh: int, nkv: int) -> None:
+        super().__init__(d, nh, nkv)
+        self.mix = _BiasedMixer(d, nh, nkv)
+
+    def forward(self, x, bias):
+        x = x + self.mix(self.n1(x), bias)
+        return x + self.r(F.gelu(self.p(self.n2(x))))
+
+
+class BiasNet(Net):
+    """:class:`Net` whose attention reads a learned per-head position bias, computed once from
+    ``rel`` for every layer (as CPM-Ant's)."""
+
+    def __init__(self, nh: int = 6, nkv: int = 2, d: int = 48) -> None:
+        super().__init__(nh, nkv, d)
+        self.blocks = nn.ModuleList(_BiasedBlock(d, nh, nkv) for _ in range(2))
+        self.rel = nn.Parameter(torch.randn(nh, 64, 64) * 0.1)
+
+    def forward(self, ids):
+        x = self.tokens(ids) + self.pos[: ids.shape[1]]
+        bias = self.rel * 2.0
+        for blk in self.blocks:
+            x = blk(x, bias)
+        return self.proj(self.final(x))
+
+
 def _batch(step: int, seq: int = 12):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(3, V, (2, seq), generator=g)
@@ -131,6 +171,8 @@ def _build(spec):
         import hf_tiny
 
         return hf_tiny.tiny(spec[1])
+    if isinstance(spec, tuple) and spec[0] == "biasnet":
+        return BiasNet(nkv=spec[1])
     return Net(nkv=spec[1]) if isinstance(spec, tuple) else _hf(spec)
 
 
@@ -245,6 +287,13 @@ def test_derived_sub_norms(tmp_path, world):
 def test_plain_decoder_in_unknown_names(world, nkv):
     # (2, 1): one KV head held by both ranks, its gradient summed over them
     run_ranks(_train_like_unsharded, world, ("net", nkv))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_learned_per_head_bias_read_by_every_layer(world):
+    # each rank's heads read their part of the bias: its gradient is summed over the ranks
+    # (CPM-Ant's position bias was refused: its gradient differed)
+    run_ranks(_train_like_unsharded, world, ("biasnet", 2))
 
 
 def _cross_attention(rank, world):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import mappings
 from ..comm.groups import copied_with_module, head_split, shard_bounds
 from ..layout.initial import shard_in_place
 from ..layout.sharding import describe_params
@@ -92,7 +94,9 @@ class UnitNorm(ParallelStyle):
 
 class HeadInputs(ParallelStyle):
     """Cuts the attention module's tensor inputs that hold one entry per head (ALiBi biases:
-    ``[heads, ...]`` or ``[batch * heads, ...]``) to this rank's heads."""
+    ``[heads, ...]`` or ``[batch * heads, ...]``) to this rank's heads. An input that has a
+    gradient (CPM-Ant's position bias, learned, computed once for every layer) gets it summed
+    over the group: each rank's heads read their own part of it."""
 
     def __init__(self, heads: int, where: List[Tuple[object, int]],
                  kv_heads: Optional[int] = None) -> None:
@@ -105,6 +109,8 @@ class HeadInputs(ParallelStyle):
 
         def cut(t: Tensor, d: int) -> Tensor:
             n = t.shape[d]
+            if n % self.heads == 0 and t.requires_grad and torch.is_grad_enabled():
+                t = mappings.all_reduce_grad(t, ctx.group)
             if n == self.heads:
                 return t.narrow(d, lo, h)
             if n % self.heads == 0:
