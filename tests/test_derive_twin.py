@@ -133,6 +133,17 @@ def test_layers_of_several_plans_carried_by_name(tmp_path):
     run_ranks(_load_like_one_device, 2, str(tmp_path / "g3n"), "gemma3n_text")
 
 
+def _step_like_one_device(model, ref, what):
+    """One forward and backward of a random batch: logits and every gradient (this rank's
+    part of the split ones) against the unsharded model."""
+    ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
+    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=2e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    assert_like_unsharded(model, ref, what, grad=True, rtol=1e-4, atol=1e-6)
+
+
 def _gemma3n_more_layers_than_its_twin(rank, world, path):
     import torch.distributed as dist
 
@@ -166,12 +177,7 @@ def _gemma3n_more_layers_than_its_twin(rank, world, path):
     assert not split("model.layers.0.mlp.gate_proj.weight")  # sparse activations: whole
     assert split("model.layers.5.mlp.gate_proj.weight") and split(
         "model.layers.9.mlp.down_proj.weight")
-    ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
-    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=2e-5)
-    out.loss.backward()
-    out_ref.loss.backward()
-    assert_like_unsharded(model, ref, "gemma3n, 10 layers", grad=True, rtol=1e-4, atol=1e-6)
+    _step_like_one_device(model, ref, "gemma3n, 10 layers")
 
 
 def test_entries_of_some_layers_carried_by_kind(tmp_path):
@@ -203,12 +209,7 @@ def _layers_of_two_kinds(rank, world, path):
         e = model.model.layers[i].mlp.experts.down_proj
         whole = ref.model.layers[i].mlp.experts.down_proj
         assert (e.to_local() if hasattr(e, "to_local") else e).numel() < whole.numel(), i
-    ids = torch.randint(3, hf_tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
-    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=2e-5)
-    out.loss.backward()
-    out_ref.loss.backward()
-    assert_like_unsharded(model, ref, "inkling, 7 layers", grad=True, rtol=1e-4, atol=1e-6)
+    _step_like_one_device(model, ref, "inkling, 7 layers")
 
 
 def test_layers_of_two_kinds_and_a_kind_the_model_lacks(tmp_path):

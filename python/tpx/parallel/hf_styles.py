@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..comm.groups import copied_with_module, head_split
 from .. import mappings
+from ..nn.functional import gaussian_topk
 from ..layout.param_dtensors import compute_on_locals, replicate_params, sum_partial_grads
 from .moe import MoEIdentityExpert
 from .style import (
@@ -537,12 +538,10 @@ class SparseActivationsOverRanks(ParallelStyle):
                              f"is {features}")
         pg = ctx.group
 
-        def topk_over_ranks(inputs: Tensor, module=module) -> Tensor:
-            from ..nn.functional import gaussian_topk
+        def topk_over_ranks(inputs: Tensor) -> Tensor:
+            return gaussian_topk(inputs, sparsity, features, pg)
 
-            return gaussian_topk(inputs, module.activation_sparsity, features, pg)
-
-        module.__dict__["_gaussian_topk"] = copied_with_module(topk_over_ranks)
+        module.__dict__["_gaussian_topk"] = topk_over_ranks
         return module
 
     def __repr__(self) -> str:
